@@ -1,0 +1,47 @@
+"""Per-prompt group advantages (Flow-GRPO §2.5, `PerPromptStatTracker.update`, type='grpo').
+
+A_i = (r_i − mean_group) / (std + eps), std = np.std (ddof 0) of the whole batch when
+global_std else of the group; then clipped to ±adv_clip_max. zero_std_ratio is the fraction of
+groups whose rewards are all equal (they carry no signal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class GroupAdvantages:
+    advantages: np.ndarray  # float32 [N], clipped
+    zero_std_ratio: float
+    keep: np.ndarray  # bool [N]; False where the advantage is exactly zero (filtered samples)
+
+
+def group_advantages(
+    rewards: np.ndarray,
+    group_ids: np.ndarray,
+    global_std: bool = True,
+    eps: float = 1e-4,
+    clip: float = 5.0,
+) -> GroupAdvantages:
+    rewards = np.asarray(rewards, dtype=np.float64)
+    group_ids = np.asarray(group_ids)
+    if rewards.ndim != 1 or rewards.shape != group_ids.shape:
+        raise ValueError(f"rewards {rewards.shape} and group_ids {group_ids.shape} must be equal 1-D shapes")
+    if not np.all(np.isfinite(rewards)):
+        raise ValueError("rewards contain NaN/inf; the score stage must reject them")
+    adv = np.zeros_like(rewards)
+    batch_std = float(np.std(rewards))
+    groups = np.unique(group_ids)
+    zero_std = 0
+    for g in groups:
+        idx = group_ids == g
+        r = rewards[idx]
+        if np.std(r) == 0:
+            zero_std += 1
+        std = batch_std if global_std else float(np.std(r))
+        adv[idx] = (r - r.mean()) / (std + eps)
+    adv = np.clip(adv, -clip, clip).astype(np.float32)
+    return GroupAdvantages(advantages=adv, zero_std_ratio=zero_std / max(1, len(groups)), keep=adv != 0)

@@ -1,0 +1,103 @@
+"""One stochastic flow-matching step with its log-probability (Flow-GRPO §2.1, CPS §2.2).
+
+Convention (diffusers FlowMatchEulerDiscreteScheduler): x_σ = (1−σ)x0 + σε, σ runs 1 → 0,
+v ≈ ε − x0, Δ = σ' − σ < 0. All math is fp32 ("bf16 can overflow here"). Log-probs are the
+mean over latent elements, which is why clip ranges are ~1e-4.
+
+Rollout calls `flow_step(..., prev_sample=None)` and draws x'; replay calls the same function
+with the stored x' — same code, same dtype → ratio exactly 1 with unchanged weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+SdeType = Literal["sde", "cps"]
+_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+@dataclass
+class StepOut:
+    prev_sample: torch.Tensor  # x' [B, ...]
+    log_prob: torch.Tensor  # [B], mean over non-batch elements
+    mean: torch.Tensor  # μ [B, ...]
+    std: torch.Tensor  # [B], the std of x' given x (0 for a deterministic step)
+    std_dev_t: torch.Tensor  # [B], flow_grpo's returned coefficient: s_t (SDE) or the std (CPS)
+
+
+def _bcast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, *([1] * (like.ndim - 1)))
+
+
+def _mean_chw(t: torch.Tensor) -> torch.Tensor:
+    return t.mean(dim=tuple(range(1, t.ndim)))
+
+
+def flow_step(
+    velocity: torch.Tensor,
+    sample: torch.Tensor,
+    sigma: torch.Tensor,
+    sigma_next: torch.Tensor,
+    sigma_max: float,
+    noise_level: float,
+    sde_type: SdeType = "sde",
+    prev_sample: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
+) -> StepOut:
+    """x_σ → x_σ' with log π(x'|x).
+
+    sigma, sigma_next: [B] (or scalars). sigma_max: sigmas[1] of the schedule, used in place of
+    σ = 1 so the SDE std stays finite. noise: ε for rollout (required when prev_sample is None
+    and the step is stochastic). Gradient flows only through the mean (x' is detached).
+    """
+    v = velocity.float()
+    x = sample.float()
+    b = x.shape[0]
+    sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(b) if torch.as_tensor(
+        sigma).ndim == 0 else sigma.float()
+    sigma_next = torch.as_tensor(sigma_next, dtype=torch.float32, device=x.device).expand(b) if torch.as_tensor(
+        sigma_next).ndim == 0 else sigma_next.float()
+    s, sn = _bcast(sigma, x), _bcast(sigma_next, x)
+    dt = sn - s
+    if sde_type == "sde":
+        sig_tilde = torch.where(s >= 1.0, torch.full_like(s, sigma_max), s)
+        s_t = noise_level * torch.sqrt(s / (1.0 - sig_tilde))
+        mean = x * (1 + s_t**2 / (2 * s) * dt) + v * (1 + s_t**2 * (1 - s) / (2 * s)) * dt
+        std = s_t * torch.sqrt(-dt)
+        coef = s_t
+    elif sde_type == "cps":
+        std = sn * math.sin(noise_level * math.pi / 2)
+        coef = std
+        x0_hat = x - s * v
+        x1_hat = x + (1 - s) * v
+        mean = (1 - sn) * x0_hat + torch.sqrt(torch.clamp(sn**2 - std**2, min=0.0)) * x1_hat
+    else:
+        raise ValueError(f"unknown sde_type {sde_type!r}; choose 'sde' or 'cps'")
+    if prev_sample is None:
+        if noise_level == 0:
+            prev_sample = mean
+        else:
+            if noise is None:
+                raise ValueError("a stochastic step needs `noise` (ε) when prev_sample is not given")
+            prev_sample = mean + std * noise.float()
+    x_next = prev_sample.detach().float()
+    if sde_type == "sde":
+        safe = torch.clamp(std, min=torch.finfo(torch.float32).tiny)
+        log_prob = -((x_next - mean) ** 2) / (2 * safe**2) - torch.log(safe) - _LOG_SQRT_2PI
+    else:  # CPS: constants removed, unnormalised (as in flow_grpo)
+        log_prob = -((x_next - mean) ** 2)
+    log_prob = _mean_chw(log_prob)
+    return StepOut(prev_sample=prev_sample, log_prob=log_prob, mean=mean,
+                   std=std.reshape(b, -1)[:, 0], std_dev_t=coef.reshape(b, -1)[:, 0])
+
+
+def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std_dev_t: torch.Tensor) -> torch.Tensor:
+    """Flow-GRPO's KL as implemented: mean_CHW (μθ − μref)² / (2 s_t²) per sample, with s_t the
+    step's `std_dev_t`. The paper divides by 2·s_t²·|Δ|; flow_grpo omits |Δ| (its issue #78),
+    and so do we, so β values carry over from its configs."""
+    s2 = _bcast(std_dev_t.float(), mean) ** 2
+    return _mean_chw((mean - ref_mean) ** 2 / (2 * torch.clamp(s2, min=1e-20)))
