@@ -1,8 +1,8 @@
-"""A real CLIP BPE tokenizer (vocab.json + merges.txt) whose vocabulary is a closed word list.
+"""A real CLIP BPE tokenizer (vocab + BPE merges) whose vocabulary is a closed word list.
 
 The mini model must load through the same `CLIPTokenizer.from_pretrained` path as SD3.5, and
 nothing may be downloaded, so the tokenizer files are written here: every single character
-(so any ASCII text still tokenizes) plus merge chains that make each listed word one token.
+(so any ASCII text still tokenizes) plus BPE merges that make each listed word one token.
 """
 
 from __future__ import annotations
@@ -16,38 +16,31 @@ BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 _CHARS = "abcdefghijklmnopqrstuvwxyz0123456789.,'-!"
 
 
+def _train_merges(words: list[str]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Learn BPE merges on the word list itself, so that applying them in rank order turns every
+    listed word into one token (hand-written merge chains collide: 're' from 'red' splits 'three')."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tk = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=4096, min_frequency=1, show_progress=False,
+                                  initial_alphabet=list(_CHARS), end_of_word_suffix="</w>",
+                                  special_tokens=[BOS, EOS])
+    tk.train_from_iterator([" ".join(words)] * 4, trainer=trainer)
+    state = json.loads(tk.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
+    vocab = dict(state["vocab"])
+    for c in _CHARS:  # every character, alone and word-final, so any ASCII text tokenizes
+        for t in (c, c + "</w>"):
+            vocab.setdefault(t, len(vocab))
+    return vocab, merges
+
+
 def write_word_tokenizer(words: list[str], out_dir: Path, max_length: int) -> CLIPTokenizer:
-    """Write vocab.json/merges.txt for `words`, load them with CLIPTokenizer and save it in the
-    transformers layout under `out_dir`."""
-    vocab: dict[str, int] = {}
-
-    def add(tok: str) -> None:
-        if tok not in vocab:
-            vocab[tok] = len(vocab)
-
-    for c in _CHARS:
-        add(c)
-    for c in _CHARS:
-        add(c + "</w>")
-    merges: list[str] = []
-    for w in sorted(set(words), key=lambda s: (len(s), s)):
-        pieces = list(w[:-1]) + [w[-1] + "</w>"]
-        cur = pieces[0]
-        for nxt in pieces[1:]:
-            merges.append(f"{cur} {nxt}")
-            cur = cur + nxt
-            add(cur)
-    add(BOS)
-    add(EOS)
-    raw = out_dir / "_raw"
-    raw.mkdir(parents=True, exist_ok=True)
-    (raw / "vocab.json").write_text(json.dumps(vocab))
-    (raw / "merges.txt").write_text("#version: 0.2\n" + "\n".join(dict.fromkeys(merges)) + "\n")
-    tok = CLIPTokenizer(vocab_file=str(raw / "vocab.json"), merges_file=str(raw / "merges.txt"),
-                        bos_token=BOS, eos_token=EOS, pad_token=EOS, unk_token=EOS,
-                        model_max_length=max_length)
+    """Write a CLIPTokenizer for `words` in the transformers layout under `out_dir`."""
+    vocab, merges = _train_merges(sorted(set(words)))
+    tok = CLIPTokenizer(vocab=vocab, merges=merges, bos_token=BOS, eos_token=EOS,
+                        pad_token=EOS, unk_token=EOS, model_max_length=max_length)
+    out_dir.mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(out_dir)
-    for f in raw.iterdir():
-        f.unlink()
-    raw.rmdir()
     return CLIPTokenizer.from_pretrained(out_dir)

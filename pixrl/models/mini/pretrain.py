@@ -1,0 +1,209 @@
+"""Pretrains the shapes-world miniature on rendered scenes with captions, on CPU.
+
+Phase 1 trains the VAE (32×32 px ↔ 8×8×4) on renders; its latent statistics become the
+pipeline's scaling/shift factors. Phase 2 trains the transformer and both text encoders with
+rectified flow (x_t = (1−t)x0 + tε, target ε − x0) on VAE latents, with 10% empty captions for
+classifier-free guidance, adaLN-zero init and an EMA. Only train-split captions are used, so
+held-out compositions stay unseen. Every phase is time-budgeted and reproducible from the seed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ...datasets.shapes.judge import judge
+from ...datasets.shapes.prompts import split_prompts
+from ...datasets.shapes.render import render_prompt
+from .build import MiniSpec, build_pipeline, save_pipeline
+
+
+@dataclass
+class PretrainConfig:
+    seed: int = 0
+    vae_minutes: float = 12.0
+    transformer_minutes: float = 90.0
+    batch_size: int = 64
+    vae_lr: float = 1e-3
+    lr: float = 6e-4
+    warmup_steps: int = 200
+    kl_weight: float = 1e-6
+    caption_dropout: float = 0.1
+    ema_decay: float = 0.999
+    save_every_minutes: float = 15.0
+
+
+class SceneStream:
+    """Endless batches of (uint8 image, caption) from train-split prompts, deterministic per seed."""
+
+    def __init__(self, seed: int):
+        self.prompts = split_prompts()["train"]
+        self.rng = np.random.default_rng(seed)
+
+    def batch(self, n: int) -> tuple[torch.Tensor, list[str], list[dict]]:
+        idx = self.rng.integers(len(self.prompts), size=n)
+        seeds = self.rng.integers(2**31, size=n)
+        metas = [self.prompts[i] for i in idx]
+        imgs = np.stack([render_prompt(m, int(s)) for m, s in zip(metas, seeds)])
+        x = torch.from_numpy(imgs).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+        return x, [m["prompt"] for m in metas], metas
+
+
+def _to_uint8(x: torch.Tensor) -> np.ndarray:
+    return ((x.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).numpy()
+
+
+def train_vae(vae, stream: SceneStream, cfg: PretrainConfig, log: Callable[[dict], None]) -> None:
+    opt = torch.optim.AdamW(vae.parameters(), lr=cfg.vae_lr, weight_decay=0.0)
+    start, step = time.time(), 0
+    budget = cfg.vae_minutes * 60
+    while time.time() - start < budget:
+        x, _, _ = stream.batch(cfg.batch_size)
+        post = vae.encode(x).latent_dist
+        rec = vae.decode(post.sample()).sample
+        kl = post.kl().mean() / x[0].numel()
+        loss = F.mse_loss(rec, x) + F.l1_loss(rec, x) + cfg.kl_weight * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        frac = (time.time() - start) / budget
+        for g in opt.param_groups:
+            g["lr"] = cfg.vae_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+        opt.step()
+        step += 1
+        if step % 100 == 0:
+            with torch.no_grad():
+                xe, _, metas = stream.batch(64)
+                rec_e = vae.decode(vae.encode(xe).latent_dist.mode()).sample
+                acc = np.mean([judge(im, m)["correct"] for im, m in zip(_to_uint8(rec_e), metas)])
+            log({"phase": "vae", "step": step, "loss": float(loss), "recon_judge_acc": float(acc),
+                 "minutes": (time.time() - start) / 60})
+
+
+@torch.no_grad()
+def set_latent_stats(vae, stream: SceneStream, n: int = 2048) -> dict:
+    zs = []
+    for _ in range(n // 64):
+        x, _, _ = stream.batch(64)
+        zs.append(vae.encode(x).latent_dist.mode())
+    z = torch.cat(zs)
+    shift, scale = float(z.mean()), float(1.0 / z.std())
+    vae.register_to_config(shift_factor=shift, scaling_factor=scale)
+    return {"shift_factor": shift, "scaling_factor": scale}
+
+
+def _adaln_zero(transformer) -> None:
+    """Zero the modulation and output projections: every block starts as the identity."""
+    for name, mod in transformer.named_modules():
+        if name.endswith(("norm1.linear", "norm1_context.linear", "norm_out.linear")) or name == "proj_out":
+            torch.nn.init.zeros_(mod.weight)
+            if mod.bias is not None:
+                torch.nn.init.zeros_(mod.bias)
+
+
+def _sample_t(n: int, gen: torch.Generator) -> torch.Tensor:
+    """50% logit-normal(0, 1), 50% uniform: covers the high- and low-noise ends."""
+    ln = torch.sigmoid(torch.randn(n, generator=gen))
+    un = torch.rand(n, generator=gen)
+    pick = torch.rand(n, generator=gen) < 0.5
+    return torch.where(pick, ln, un).clamp(1e-4, 1 - 1e-4)
+
+
+def train_denoiser(pipe, stream: SceneStream, cfg: PretrainConfig, log: Callable[[dict], None],
+                   on_save: Callable[[dict], None]) -> None:
+    modules = [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
+    params = [p for m in modules for p in m.parameters()]
+    for m in modules:
+        m.requires_grad_(True)
+        m.train()
+    pipe.vae.requires_grad_(False)
+    _adaln_zero(pipe.transformer)
+    ema = [copy.deepcopy(m).requires_grad_(False) for m in modules]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    vcfg = pipe.vae.config
+    start, step, last_save = time.time(), 0, time.time()
+    budget = cfg.transformer_minutes * 60
+    while time.time() - start < budget:
+        x, captions, _ = stream.batch(cfg.batch_size)
+        with torch.no_grad():
+            z0 = (pipe.vae.encode(x).latent_dist.sample(generator=gen) - vcfg.shift_factor) * vcfg.scaling_factor
+        drop = torch.rand(len(captions), generator=gen) < cfg.caption_dropout
+        captions = ["" if d else c for c, d in zip(captions, drop.tolist())]
+        embeds, _, pooled, _ = pipe.encode_prompt(prompt=captions, prompt_2=None, prompt_3=None,
+                                                  do_classifier_free_guidance=False, max_sequence_length=0)
+        t = _sample_t(len(captions), gen)
+        eps = torch.randn(z0.shape, generator=gen)
+        tb = t.view(-1, 1, 1, 1)
+        zt = (1 - tb) * z0 + tb * eps
+        v = pipe.transformer(hidden_states=zt, timestep=t * 1000, encoder_hidden_states=embeds,
+                             pooled_projections=pooled, return_dict=False)[0]
+        loss = F.mse_loss(v, eps - z0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        frac = (time.time() - start) / budget
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.step()
+        step += 1
+        with torch.no_grad():
+            d = min(cfg.ema_decay, (1 + step) / (10 + step))
+            for m, e in zip(modules, ema):
+                for pe, pm in zip(e.parameters(), m.parameters()):
+                    pe.lerp_(pm, 1 - d)
+        if step % 100 == 0:
+            log({"phase": "denoiser", "step": step, "loss": float(loss), "grad_norm": float(gnorm), "lr": lr,
+                 "minutes": (time.time() - start) / 60})
+        if time.time() - last_save > cfg.save_every_minutes * 60:
+            on_save({"step": step, "ema": ema})
+            last_save = time.time()
+    on_save({"step": step, "ema": ema, "final": True})
+
+
+def pretrain(out_dir: Path, cfg: PretrainConfig, spec: MiniSpec | None = None,
+             log: Callable[[dict], None] = print, on_checkpoint: Callable[[Path, int], None] | None = None) -> Path:
+    """Build, pretrain and save the miniature to `out_dir` (diffusers layout, EMA weights)."""
+    spec = spec or MiniSpec()
+    torch.manual_seed(cfg.seed)
+    work = out_dir.parent / (out_dir.name + ".build")
+    pipe = build_pipeline(spec, cfg.seed, work)
+    stream = SceneStream(cfg.seed)
+    pipe.vae.train()
+    train_vae(pipe.vae, stream, cfg, log)
+    pipe.vae.eval()
+    log({"phase": "latent_stats", **set_latent_stats(pipe.vae, stream)})
+
+    def save(state: dict) -> None:
+        export = copy.copy(pipe)
+        live = [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
+        backup = [copy.deepcopy(m.state_dict()) for m in live]
+        for m, e in zip(live, state["ema"]):
+            m.load_state_dict(e.state_dict())
+        tmp = out_dir.parent / (out_dir.name + ".tmp")
+        save_pipeline(export, tmp, spec)
+        (tmp / "pixrl_pretrain.json").write_text(json.dumps({"config": cfg.__dict__, "denoiser_steps": state["step"]},
+                                                            indent=2))
+        for m, b in zip(live, backup):
+            m.load_state_dict(b)
+        if out_dir.exists():
+            import shutil
+
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)  # publish whole: a reader never sees a half-written checkpoint
+        log({"phase": "saved", "step": state["step"], "path": str(out_dir)})
+        if on_checkpoint:
+            on_checkpoint(out_dir, state["step"])
+
+    train_denoiser(pipe, stream, cfg, log, save)
+    return out_dir

@@ -1,0 +1,153 @@
+"""SD3 / SD3.5 family: diffusers SD3Transformer2DModel + AutoencoderKL +
+FlowMatchEulerDiscreteScheduler + CLIP (×2) and optional T5 text encoders.
+
+Loads any directory in the diffusers StableDiffusion3Pipeline layout (a real SD3.5 checkout
+or the embedded miniature) through `from_pretrained`, and reuses the pipeline's own
+`encode_prompt` so conditioning is exactly what the pipeline computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .registry import register_family
+from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelLoadError(RuntimeError):
+    """A model path or checkpoint that cannot be loaded; the message says how to fix it."""
+
+
+@dataclass
+class Conditioning:
+    """Text conditioning for a batch: per-token embeddings and pooled embeddings."""
+
+    prompt_embeds: torch.Tensor  # [B, L, D]
+    pooled: torch.Tensor  # [B, P]
+
+    def __len__(self) -> int:
+        return self.prompt_embeds.shape[0]
+
+    def select(self, idx) -> "Conditioning":
+        return Conditioning(self.prompt_embeds[idx], self.pooled[idx])
+
+    def expand(self, n: int) -> "Conditioning":
+        """Broadcast a batch-1 conditioning (e.g. the negative prompt) to n rows."""
+        return Conditioning(self.prompt_embeds.expand(n, -1, -1), self.pooled.expand(n, -1))
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+@register_family("sd3")
+class SD3Family:
+    """A loaded SD3-style model: what the shared denoise sampler and the trainer need."""
+
+    semantics = PolicySemantics(regime=Regime.full_sequence, step=PolicyStep.denoise, action=Action.continuous)
+    # flow_grpo's LoRA targets for SD3 (attention projections of both streams)
+    lora_targets = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+                    "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0"]
+
+    def __init__(self, pipe, path: str, dtype: torch.dtype, max_sequence_length: int = 256):
+        self.pipe = pipe
+        self.path = path
+        self.dtype = dtype
+        self.max_sequence_length = max_sequence_length
+        self.transformer = pipe.transformer
+        self.vae = pipe.vae
+        self.scheduler = pipe.scheduler
+
+    @classmethod
+    def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu",
+             max_sequence_length: int = 256) -> "SD3Family":
+        from diffusers import StableDiffusion3Pipeline
+
+        p = Path(path)
+        if not (p / "model_index.json").is_file():
+            raise ModelLoadError(
+                f"model path {str(p)!r} is not a diffusers StableDiffusion3Pipeline directory "
+                f"(no model_index.json there); set model.path to a local checkout in the diffusers "
+                f"layout, e.g. the embedded miniature (model=mini_shapes)")
+        import json
+
+        # components saved as [null, null] (e.g. no T5) must be passed as None explicitly
+        absent = {k: None for k, v in json.loads((p / "model_index.json").read_text()).items()
+                  if isinstance(v, list) and v[0] is None}
+        try:
+            pipe = StableDiffusion3Pipeline.from_pretrained(str(p), torch_dtype=torch_dtype(dtype), **absent)
+        except Exception as exc:  # diffusers raises many types; name the path and the cause
+            raise ModelLoadError(f"could not load the SD3 pipeline from {str(p)!r}: {exc}") from exc
+        pipe.to(device)
+        pipe.set_progress_bar_config(disable=True)
+        for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
+            if module is not None:
+                module.requires_grad_(False)
+        return cls(pipe, str(p), torch_dtype(dtype), max_sequence_length)
+
+    # --- conditioning -------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=prompts, prompt_2=None, prompt_3=None, do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length, device=self.transformer.device)
+        return Conditioning(embeds, pooled)
+
+    # --- dynamics -----------------------------------------------------------------------------
+    def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sigmas [T+1] ending at 0, timesteps [T]) exactly as the pipeline sets them."""
+        from copy import deepcopy
+
+        sched = deepcopy(self.scheduler)
+        kwargs = {}
+        if sched.config.get("use_dynamic_shifting", False):
+            from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+
+            h = w = self.transformer.config.sample_size // self.transformer.config.patch_size
+            c = sched.config
+            kwargs["mu"] = calculate_shift(h * w, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                                           c.get("base_shift", 0.5), c.get("max_shift", 1.16))
+        sched.set_timesteps(steps, device="cpu", **kwargs)
+        return sched.sigmas.float().clone(), sched.timesteps.float().clone()
+
+    def latent_shape(self) -> tuple[int, int, int]:
+        cfg = self.transformer.config
+        return cfg.in_channels, cfg.sample_size, cfg.sample_size
+
+    def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: Conditioning,
+                 guidance_scale: float = 1.0, neg: Conditioning | None = None) -> torch.Tensor:
+        """v_θ(x, t | c); with guidance_scale > 1 the pipeline's CFG on one [neg; pos] batch."""
+        b = x.shape[0]
+        t = timestep.reshape(-1).to(x.device)
+        t = t.expand(b) if t.numel() == 1 else t
+        if guidance_scale > 1.0:
+            if neg is None:
+                raise ValueError("guidance_scale > 1 needs the negative-prompt conditioning")
+            out = self.transformer(hidden_states=torch.cat([x, x]), timestep=torch.cat([t, t]),
+                                   encoder_hidden_states=torch.cat([neg.prompt_embeds, cond.prompt_embeds]),
+                                   pooled_projections=torch.cat([neg.pooled, cond.pooled]), return_dict=False)[0]
+            v_u, v_c = out.chunk(2)
+            return v_u + guidance_scale * (v_c - v_u)
+        return self.transformer(hidden_states=x, timestep=t, encoder_hidden_states=cond.prompt_embeds,
+                                pooled_projections=cond.pooled, return_dict=False)[0]
+
+    # --- pixels -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> np.ndarray:
+        """Final latents → uint8 [B, H, W, 3], as the pipeline's decode + postprocess."""
+        cfg = self.vae.config
+        z = latents.to(self.vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)
+        img = self.vae.decode(z, return_dict=False)[0]
+        img = (img.float() / 2 + 0.5).clamp(0, 1)
+        return (img.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+
+    def trainable_module(self) -> torch.nn.Module:
+        return self.transformer
