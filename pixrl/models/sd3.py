@@ -83,7 +83,7 @@ class SD3Family:
         absent = {k: None for k, v in json.loads((p / "model_index.json").read_text()).items()
                   if isinstance(v, list) and v[0] is None}
         try:
-            pipe = StableDiffusion3Pipeline.from_pretrained(str(p), torch_dtype=torch_dtype(dtype), **absent)
+            pipe = StableDiffusion3Pipeline.from_pretrained(str(p), dtype=torch_dtype(dtype), **absent)
         except Exception as exc:  # diffusers raises many types; name the path and the cause
             raise ModelLoadError(f"could not load the SD3 pipeline from {str(p)!r}: {exc}") from exc
         pipe.to(device)

@@ -27,7 +27,7 @@ class MiniSpec:
     """Sizes of the miniature. Defaults: the shapes-world model (32×32 px → 8×8×4 latents)."""
 
     image_size: int = 32
-    vae_channels: tuple[int, ...] = (32, 64, 64)  # 3 blocks → ×4 downsampling
+    vae_channels: tuple[int, ...] = (16, 32, 64)  # 3 blocks → ×4 downsampling; thin at full resolution
     latent_channels: int = 4
     text_hidden: int = 32  # per CLIP encoder; joint_attention_dim = 2 × text_hidden
     text_layers: int = 3
@@ -69,7 +69,7 @@ def build_pipeline(spec: MiniSpec, seed: int, workdir: Path):
     vae = AutoencoderKL(
         in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * n,
         up_block_types=("UpDecoderBlock2D",) * n, block_out_channels=spec.vae_channels,
-        layers_per_block=1, latent_channels=spec.latent_channels, norm_num_groups=16,
+        layers_per_block=1, latent_channels=spec.latent_channels, norm_num_groups=8,
         sample_size=spec.image_size, scaling_factor=1.0, shift_factor=0.0,
         use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=False)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=spec.shift)

@@ -1,0 +1,117 @@
+"""MLflow: one run per training run (params, per-iteration metrics, sample grids, resolved
+config) and the model registry (one version per published checkpoint, alias `rollout`).
+
+Everything goes through an explicit run id (MlflowClient), never the global "active run", so
+tasks running in any process log into the right run.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlflow
+import numpy as np
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+ROLLOUT_ALIAS = "rollout"
+
+
+@dataclass(frozen=True)
+class PolicyRef:
+    """An exact published policy: registry name + version (0 = the base weights, nothing loaded)."""
+
+    model_name: str
+    version: int
+    source: str | None = None  # artifact URI of the checkpoint directory
+    checkpoint_id: str | None = None
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+class Tracker:
+    def __init__(self, tracking_uri: str):
+        self.uri = tracking_uri
+        self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
+    def start_run(self, experiment: str, run_name: str, tags: dict[str, str]) -> str:
+        exp = self.client.get_experiment_by_name(experiment)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+        run = self.client.create_run(exp_id, run_name=run_name, tags=tags)
+        return run.info.run_id
+
+    def log_params(self, run_id: str, params: dict[str, str]) -> None:
+        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(run_id, params=items[i:i + 100])
+
+    def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
+        self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int) -> None:
+        import time
+
+        ts = int(time.time() * 1000)
+        items = [Metric(k, float(v), ts, step) for k, v in metrics.items()]
+        for i in range(0, len(items), 500):
+            self.client.log_batch(run_id, metrics=items[i:i + 500])
+
+    def log_dict(self, run_id: str, obj: dict, artifact_file: str) -> None:
+        self.client.log_dict(run_id, obj, artifact_file)
+
+    def log_image(self, run_id: str, image: np.ndarray, key: str, step: int) -> None:
+        self.client.log_image(run_id, image, key=key, step=step)
+
+    def get_metric_history(self, run_id: str, key: str) -> list[float]:
+        return [m.value for m in sorted(self.client.get_metric_history(run_id, key), key=lambda m: m.step)]
+
+    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status=status)
+
+    # --- registry -----------------------------------------------------------------------------
+    def publish(self, run_id: str, ckpt_dir: Path, iteration: int, model_name: str,
+                checkpoint_id: str, tags: dict[str, str]) -> PolicyRef:
+        """Log the checkpoint under checkpoints/it_NNNN, register it, then move alias `rollout`."""
+        artifact_path = f"checkpoints/it_{iteration:04d}"
+        self.client.log_artifacts(run_id, str(ckpt_dir), artifact_path)
+        try:
+            self.client.get_registered_model(model_name)
+        except MlflowException:
+            self.client.create_registered_model(model_name, tags={"pixrl": "policy"})
+        source = f"{self.client.get_run(run_id).info.artifact_uri}/{artifact_path}"
+        mv = self.client.create_model_version(model_name, source=source, run_id=run_id,
+                                              tags={"checkpoint_id": checkpoint_id, "iteration": str(iteration),
+                                                    **tags})
+        self.client.set_registered_model_alias(model_name, ROLLOUT_ALIAS, mv.version)
+        return PolicyRef(model_name, int(mv.version), source, checkpoint_id)
+
+    def resolve(self, model_name: str, alias: str = ROLLOUT_ALIAS) -> PolicyRef | None:
+        try:
+            mv = self.client.get_model_version_by_alias(model_name, alias)
+        except MlflowException:
+            return None
+        return PolicyRef(model_name, int(mv.version), mv.source, mv.tags.get("checkpoint_id"))
+
+    def version(self, model_name: str, version: int) -> PolicyRef:
+        mv = self.client.get_model_version(model_name, str(version))
+        return PolicyRef(model_name, int(mv.version), mv.source, mv.tags.get("checkpoint_id"))
+
+    def download(self, policy: PolicyRef, dst: Path) -> Path:
+        dst.mkdir(parents=True, exist_ok=True)
+        mlflow.set_tracking_uri(self.uri)
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=policy.source, dst_path=str(dst)))
+
+
+def default_tracking_uri(workdir: Path) -> str:
+    return f"sqlite:///{(workdir / 'mlflow.db').resolve()}"
+
+
+def write_json_tmp(obj: dict) -> Path:
+    f = Path(tempfile.mkdtemp()) / "data.json"
+    f.write_text(json.dumps(obj, indent=2))
+    return f

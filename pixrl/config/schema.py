@@ -1,0 +1,104 @@
+"""Typed experiment config. Every section forbids unknown keys, so a typo fails before any
+model loads, with the valid keys listed (see loader.format_validation_error)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    family: str = "sd3"
+    path: str = "builtin:mini_shapes"  # local diffusers-layout dir, or builtin:<name> for embedded models
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    device: str = "cpu"
+    max_sequence_length: int = Field(0, ge=0, description="T5 tokens (256 for SD3.5; 0 when there is no T5)")
+
+
+class SamplingConfig(_Section):
+    steps: int = Field(10, ge=1)
+    noise_level: float = Field(0.7, ge=0)
+    sde_type: Literal["sde", "cps"] = "sde"
+    guidance_scale: float = Field(1.0, ge=1.0)
+    group_size: int = Field(8, ge=2, description="G samples per prompt")
+    prompts_per_iteration: int = Field(8, ge=1)
+    micro_batch: int = Field(16, ge=1, description="rollout and replay batch (same geometry → ratio 1)")
+    timestep_fraction: float = Field(0.99, gt=0, le=1.0)
+    window_size: int | None = Field(None, ge=1, description="Flow-GRPO-Fast: SDE only in a window of this size")
+    window_range: tuple[int, int] | None = None
+    eval_steps: int = Field(20, ge=1)
+
+
+class LoraConfig(_Section):
+    enabled: bool = False
+    rank: int = Field(32, ge=1)
+    alpha: float = 64.0
+    init: str = "gaussian"
+
+
+class AlgorithmConfig(_Section):
+    name: Literal["flow_grpo"] = "flow_grpo"
+    clip_range: float = Field(1e-4, gt=0)
+    adv_clip_max: float = Field(5.0, gt=0)
+    std_eps: float = Field(1e-4, gt=0)
+    global_std: bool = True
+    filter_zero_advantage: bool = True
+    beta: float = Field(0.0, ge=0, description="KL-to-reference weight")
+    train_cfg: bool = True
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = 1e-4
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    max_grad_norm: float = Field(1.0, gt=0)
+    optimizer_steps_per_iteration: int = Field(2, ge=1, description="the batch is split into this many accumulation groups")
+    lora: LoraConfig = LoraConfig()
+
+
+class RewardConfig(_Section):
+    weights: dict[str, float] = Field(default_factory=lambda: {"shapes": 1.0})
+    options: dict[str, dict] = Field(default_factory=dict, description="per-reward constructor options")
+
+    @model_validator(mode="after")
+    def _nonempty(self) -> "RewardConfig":
+        if not self.weights:
+            raise ValueError("reward.weights is empty; name at least one reward, e.g. reward.weights={shapes: 1.0}")
+        return self
+
+
+class DatasetConfig(_Section):
+    name: str = "shapes"
+    path: str = "builtin:shapes/prompts_train.parquet"  # parquet/text file of prompts, or builtin:
+    heldout_path: str | None = "builtin:shapes/prompts_heldout.parquet"
+
+
+class RunConfig(_Section):
+    name: str = "default"
+    iterations: int = Field(20, ge=1)
+    seed: int = 0
+    workdir: str = "work"
+    store_root: str | None = None  # Lance root; default <workdir>/lance (local path or object-store URI)
+    tracking_uri: str | None = None  # default sqlite:///<workdir>/mlflow.db
+    experiment: str = "pixrl"
+    threads: int | None = None
+
+
+class ExperimentConfig(_Section):
+    model: ModelConfig = ModelConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    reward: RewardConfig = RewardConfig()
+    dataset: DatasetConfig = DatasetConfig()
+    run: RunConfig = RunConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ExperimentConfig":
+        n = self.sampling.group_size * self.sampling.prompts_per_iteration
+        if n % self.sampling.micro_batch:
+            raise ValueError(f"sampling.micro_batch={self.sampling.micro_batch} must divide group_size × "
+                             f"prompts_per_iteration = {n}")
+        return self

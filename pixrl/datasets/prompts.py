@@ -1,0 +1,70 @@
+"""Prompt sets: parquet (prompt [, prompt_id, category, meta JSON]) or text (one per line)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from .shapes.prompts import PromptError, parse
+
+
+class PromptSetError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    prompt_id: str
+    prompt: str
+    meta: dict
+
+
+def load_prompt_set(path: Path) -> list[PromptItem]:
+    if not path.is_file():
+        raise PromptSetError(f"prompt file {str(path)!r} does not exist; set dataset.path to a parquet or "
+                             f"text file of prompts")
+    if path.suffix == ".parquet":
+        t = pq.read_table(path).to_pylist()
+        if t and "prompt" not in t[0]:
+            raise PromptSetError(f"{path}: a prompt parquet needs a 'prompt' column (has {sorted(t[0])})")
+        items = [PromptItem(r.get("prompt_id") or f"p{i:05d}", r["prompt"],
+                            json.loads(r["meta"]) if r.get("meta") else _meta(r["prompt"]))
+                 for i, r in enumerate(t)]
+    else:
+        lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
+        items = [PromptItem(f"p{i:05d}", ln, _meta(ln)) for i, ln in enumerate(lines)]
+    if not items:
+        raise PromptSetError(f"prompt set {str(path)!r} is empty; add prompts or point dataset.path elsewhere")
+    return items
+
+
+def _meta(text: str) -> dict:
+    """Shapes metadata when the text is in the template language; {} otherwise."""
+    try:
+        return parse(text)
+    except PromptError:
+        return {}
+
+
+def choose_prompts(items: list[PromptItem], n: int, rng: np.random.Generator) -> list[PromptItem]:
+    """n distinct prompts (with replacement only if the set is smaller than n); category-balanced
+    when the metadata has categories, so rare categories are trained as often as common ones."""
+    cats = sorted({it.meta.get("category", "") for it in items})
+    if len(cats) > 1:
+        by_cat = {c: [it for it in items if it.meta.get("category", "") == c] for c in cats}
+        out: list[PromptItem] = []
+        seen: set[str] = set()
+        while len(out) < n:
+            pool = by_cat[cats[int(rng.integers(len(cats)))]]
+            it = pool[int(rng.integers(len(pool)))]
+            if it.prompt_id in seen and len(seen) < len(items):
+                continue
+            seen.add(it.prompt_id)
+            out.append(it)
+        return out
+    idx = rng.choice(len(items), size=n, replace=len(items) < n)
+    return [items[int(i)] for i in idx]

@@ -1,0 +1,325 @@
+"""The local engine: every stage of an RL iteration computed in this process, reading its
+inputs from and writing its outputs to the stores (Lance, checkpoints, MLflow).
+
+Each stage takes references and returns references; each validates before it writes and
+writes once. The loaded model is cached per process and reloads weights only when the
+requested policy version differs from what is in memory.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+from PIL import Image
+
+from ..algorithms.advantages import group_advantages
+from ..algorithms.flow_sde import kl_to_reference
+from ..algorithms.losses import ppo_clip_loss
+from ..algorithms.recipe import rollout_recipe
+from ..algorithms.sampling import SamplerRecipe, replay_step, sample
+from ..artifacts.checkpoints import CheckpointRef, save_checkpoint
+from ..artifacts.media import image_grid
+from ..artifacts.trajectories import (TableRef, TrajectoryStore, fixed_list, meta_json, rewards_column,
+                                      tensor_column, tensor_from, trajectory_schema)
+from ..artifacts.tracking import PolicyRef, Tracker
+from ..config.schema import ExperimentConfig
+from ..datasets.prompts import choose_prompts, load_prompt_set
+from ..rewards.compose import RewardSet
+from .assets import resolve_asset
+from .policy import TrainablePolicy
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a stage needs to find its run: small, hashable, passed to every task."""
+
+    config: dict
+    run_id: str  # MLflow run id; also the run_id column of the trajectory table
+    run_name: str
+    workdir: str
+    tracking_uri: str
+    table_uri: str
+    model_name: str
+
+    @property
+    def cfg(self) -> ExperimentConfig:
+        return ExperimentConfig.model_validate(self.config)
+
+
+@dataclass
+class BatchPlan:
+    """Training micro-batches (sample ids) grouped by optimizer step, formed by replay."""
+
+    steps: list[list[list[str]]] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"steps": self.steps}
+
+
+def _seed(run_seed: int, *parts: int) -> int:
+    return int(np.random.SeedSequence([run_seed, *parts]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def _png(img: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def decode_png(data: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+class LocalEngine:
+    def __init__(self, spec: RunSpec):
+        self.spec = spec
+        self.cfg = spec.cfg
+        self.store = TrajectoryStore(spec.table_uri)
+        self.tracker = Tracker(spec.tracking_uri)
+        self._policy: TrainablePolicy | None = None
+        if self.cfg.run.threads:
+            torch.set_num_threads(self.cfg.run.threads)
+
+    @property
+    def policy(self) -> TrainablePolicy:
+        if self._policy is None:
+            self._policy = TrainablePolicy(self.cfg)
+        return self._policy
+
+    def _checkpoint_dir(self, policy: PolicyRef) -> Path | None:
+        if policy.version == 0:
+            return None
+        local = Path(self.spec.workdir) / "cache" / "policies" / f"{policy.model_name}-v{policy.version}"
+        if not (local / "counters.json").is_file():
+            local = self.tracker.download(policy, local.parent / (local.name + ".dl"))
+            target = local.parent.parent / f"{policy.model_name}-v{policy.version}"
+            if not target.exists():
+                local.rename(target)
+            local = target
+        return local
+
+    def use_policy(self, policy: PolicyRef) -> Path | None:
+        ckpt = self._checkpoint_dir(policy)
+        self.policy.load_version(ckpt, policy.checkpoint_id)
+        return ckpt
+
+    # --- generate -----------------------------------------------------------------------------
+    def generate(self, iteration: int, policy: PolicyRef) -> tuple[TableRef, dict]:
+        cfg, s = self.cfg, self.cfg.sampling
+        items = load_prompt_set(resolve_asset(cfg.dataset.path))
+        rng = np.random.default_rng(_seed(cfg.run.seed, iteration, 0))
+        prompts = choose_prompts(items, s.prompts_per_iteration, rng)
+        recipe = rollout_recipe(s, rng)
+        self.use_policy(policy)
+        fam = self.policy.family
+        rows = [(slot, g, p) for slot, p in enumerate(prompts) for g in range(s.group_size)]
+        uniq = sorted({p.prompt for p in prompts})
+        cond_all = fam.encode_prompts(uniq)
+        pos = {t: i for i, t in enumerate(uniq)}
+        neg = fam.encode_prompts([""]) if s.guidance_scale > 1 else None
+        seeds = [_seed(cfg.run.seed, iteration, 1, slot, g) for slot, g, _ in rows]
+        trajs = []
+        t0 = time.perf_counter()
+        self.policy.module.eval()
+        for start in range(0, len(rows), s.micro_batch):
+            chunk = rows[start:start + s.micro_batch]
+            cond = cond_all.select([pos[p.prompt] for _, _, p in chunk])
+            gens = [torch.Generator().manual_seed(seeds[start + i]) for i in range(len(chunk))]
+            trajs.append(sample(fam, cond, neg.expand(len(chunk)) if neg else None, gens, recipe))
+        seconds = time.perf_counter() - t0
+        lat = torch.cat([t.latents for t in trajs]).numpy()
+        nxt = torch.cat([t.next_latents for t in trajs]).numpy()
+        lps = torch.cat([t.log_probs for t in trajs]).numpy()
+        fin = torch.cat([t.final for t in trajs]).numpy()
+        n, S = len(rows), len(recipe.train_steps)
+        T = recipe.steps
+        sig, ts = trajs[0].sigmas.numpy(), trajs[0].timesteps.numpy()
+        recipe_json = json.dumps({**recipe.to_dict(), "resolution": list(fam.latent_shape()),
+                                  "dtype": cfg.model.dtype, "engine": "local", "torch": torch.__version__,
+                                  "micro_batch": s.micro_batch, "shift": fam.scheduler.config.get("shift")})
+        schema = trajectory_schema(S, fam.latent_shape(), T)
+        sem = fam.semantics
+        table = pa.Table.from_arrays([
+            pa.array([self.spec.run_id] * n), pa.array([iteration] * n, pa.int32()),
+            pa.array([f"{iteration:05d}-{slot:03d}-{g:02d}" for slot, g, _ in rows]),
+            pa.array([p.prompt_id for _, _, p in rows]), pa.array([p.prompt for _, _, p in rows]),
+            pa.array([meta_json(p.meta) for _, _, p in rows]),
+            pa.array([slot for slot, _, _ in rows], pa.int32()), pa.array([g for _, g, _ in rows], pa.int32()),
+            pa.array(seeds, pa.int64()), pa.array([policy.version] * n, pa.int32()),
+            pa.array([fam.name] * n), pa.array([sem.regime.value] * n), pa.array([sem.step.value] * n),
+            pa.array([recipe_json] * n),
+            fixed_list(np.tile(ts, (n, 1)), T), fixed_list(np.tile(sig, (n, 1)), T + 1),
+            fixed_list(np.tile(np.array(recipe.train_steps, np.int32), (n, 1)), S, pa.int32()),
+            tensor_column(lat), tensor_column(nxt), fixed_list(lps, S), tensor_column(fin),
+            pa.nulls(n, pa.binary()), pa.nulls(n, schema.field("rewards").type), pa.nulls(n, pa.float32()),
+            pa.nulls(n, pa.float32()),
+        ], schema=schema)
+        ref = self.store.append(table)
+        self.store.tag(f"{self.spec.run_name}-it{iteration}-generate", ref.version)
+        return ref, {"images_per_s": n / seconds, "generate_compute_s": seconds}
+
+    # --- decode -------------------------------------------------------------------------------
+    def decode(self, iteration: int, ref: TableRef) -> tuple[TableRef, dict]:
+        t = self.store.read(ref, self.spec.run_id, iteration, ["run_id", "iteration", "sample_id", "final_latent"])
+        lat = torch.from_numpy(tensor_from(t["final_latent"]).copy())
+        t0 = time.perf_counter()
+        imgs = np.concatenate([self.policy.family.decode(lat[i:i + 64]) for i in range(0, len(lat), 64)])
+        pngs = [_png(im) for im in imgs]
+        seconds = time.perf_counter() - t0
+        g = self.cfg.sampling.group_size
+        rows = min(8, len(imgs) // g)
+        self.tracker.log_image(self.spec.run_id, image_grid(imgs[: rows * g], cols=g, scale=4),
+                               key="samples", step=iteration)
+        upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"],
+                        "image": pa.array(pngs, pa.binary())})
+        out = self.store.merge(upd)
+        return out, {"decode_compute_s": seconds}
+
+    # --- score --------------------------------------------------------------------------------
+    def score(self, iteration: int, ref: TableRef) -> tuple[TableRef, dict]:
+        t = self.store.read(ref, self.spec.run_id, iteration,
+                            ["run_id", "iteration", "sample_id", "prompt", "prompt_meta", "image"])
+        missing = [sid for sid, im in zip(t["sample_id"].to_pylist(), t["image"].to_pylist()) if im is None]
+        if missing:
+            raise RuntimeError(f"samples {missing[:3]} have no decoded image; run decode for iteration {iteration} first")
+        imgs = np.stack([decode_png(b) for b in t["image"].to_pylist()])
+        rs = RewardSet(self.cfg.reward.weights, self.cfg.reward.options)
+        t0 = time.perf_counter()
+        scores = rs.score(imgs, t["prompt"].to_pylist(), [json.loads(m) for m in t["prompt_meta"].to_pylist()],
+                          t["sample_id"].to_pylist())
+        seconds = time.perf_counter() - t0
+        n = t.num_rows
+        upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"],
+                        "rewards": rewards_column(scores, n), "reward": pa.array(scores["reward"], pa.float32())})
+        out = self.store.merge(upd)
+        metrics = {"score_compute_s": seconds}
+        for k, v in scores.items():
+            metrics[f"reward/{k}/mean"] = float(np.mean(v))
+            metrics[f"reward/{k}/std"] = float(np.std(v))
+        return out, metrics
+
+    # --- replay -------------------------------------------------------------------------------
+    def replay(self, iteration: int, ref: TableRef) -> tuple[TableRef, BatchPlan, dict]:
+        a, s = self.cfg.algorithm, self.cfg.sampling
+        t = self.store.read(ref, self.spec.run_id, iteration, ["run_id", "iteration", "sample_id", "group_id", "reward"])
+        rewards = t["reward"].to_numpy(zero_copy_only=False)
+        if np.any(np.isnan(rewards)) or t["reward"].null_count:
+            raise RuntimeError(f"iteration {iteration} has unscored samples; run score first")
+        adv = group_advantages(rewards, t["group_id"].to_numpy(), a.global_std, a.std_eps, a.adv_clip_max)
+        upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"],
+                        "advantage": pa.array(adv.advantages, pa.float32())})
+        out = self.store.merge(upd)
+        ids = t["sample_id"].to_pylist()
+        kept = [sid for sid, k in zip(ids, adv.keep) if k or not a.filter_zero_advantage]
+        micro = [kept[i:i + s.micro_batch] for i in range(0, len(kept), s.micro_batch)]
+        n_opt = min(a.optimizer_steps_per_iteration, len(micro))
+        plan = BatchPlan([list(chunk) for chunk in np.array_split(np.array(micro, dtype=object), n_opt)]
+                         if micro else [])
+        plan = BatchPlan([[list(mb) for mb in step] for step in plan.steps])
+        metrics = {"zero_std_ratio": adv.zero_std_ratio, "advantage/mean": float(adv.advantages.mean()),
+                   "advantage/std": float(adv.advantages.std()), "advantage/abs_max": float(np.abs(adv.advantages).max()),
+                   "samples_trained": float(len(kept))}
+        return out, plan, metrics
+
+    # --- update -------------------------------------------------------------------------------
+    def update(self, iteration: int, ref: TableRef, plan: BatchPlan, policy: PolicyRef) -> tuple[CheckpointRef, dict]:
+        a, s = self.cfg.algorithm, self.cfg.sampling
+        ckpt_dir = self.use_policy(policy)
+        pol = self.policy
+        opt = pol.ensure_optimizer(ckpt_dir)
+        fam = pol.family
+        cols = ["sample_id", "prompt", "latents", "next_latents", "log_probs", "advantage", "timesteps", "sigmas",
+                "stored_steps", "recipe"]
+        t = self.store.read(ref, self.spec.run_id, iteration, cols)
+        index = {sid: i for i, sid in enumerate(t["sample_id"].to_pylist())}
+        lat_all, nxt_all = tensor_from(t["latents"]), tensor_from(t["next_latents"])
+        old_lp_all = np.asarray(t["log_probs"].to_pylist(), np.float32)
+        adv_all = t["advantage"].to_numpy(zero_copy_only=False)
+        prompts = t["prompt"].to_pylist()
+        rec = json.loads(t["recipe"][0].as_py())
+        recipe = SamplerRecipe(rec["steps"], rec["noise_level"], rec["sde_type"],
+                               rec["guidance_scale"] if a.train_cfg else 1.0,
+                               tuple(rec["sde_steps"]) if rec["sde_steps"] is not None else None,
+                               tuple(rec["train_steps"]))
+        sigmas = torch.tensor(t["sigmas"][0].as_py())
+        timesteps = torch.tensor(t["timesteps"][0].as_py())
+        stored = t["stored_steps"][0].as_py()
+        neg = fam.encode_prompts([""]) if recipe.guidance_scale > 1 else None
+        pol.module.train()
+        params = list(pol.trainable_parameters().values())
+        acc: dict[str, list[float]] = {}
+        t0 = time.perf_counter()
+        for opt_step, step_batches in enumerate(plan.steps):
+            opt.zero_grad(set_to_none=True)
+            n_terms = len(step_batches) * len(stored)
+            for mb in step_batches:
+                idx = [index[sid] for sid in mb]
+                cond = fam.encode_prompts([prompts[i] for i in idx])
+                negb = neg.expand(len(idx)) if neg else None
+                adv = torch.from_numpy(adv_all[idx])
+                for j, k in enumerate(stored):
+                    x = torch.from_numpy(lat_all[idx, j].copy())
+                    x1 = torch.from_numpy(nxt_all[idx, j].copy())
+                    out = replay_step(fam, x, x1, k, sigmas, timesteps, cond, negb, recipe)
+                    old = torch.from_numpy(old_lp_all[idx, j])
+                    loss, m = ppo_clip_loss(out.log_prob, old, adv, a.clip_range, a.adv_clip_max)
+                    if opt_step == 0:  # before any update: off-policy drift is numerics only
+                        m["onpolicy_ratio_dev"] = torch.max(torch.abs(m["ratio_max"] - 1), torch.abs(m["ratio_min"] - 1))
+                    if a.beta > 0:
+                        v_ref = pol.reference_velocity(x.to(fam.dtype), timesteps[k:k + 1], cond,
+                                                       recipe.guidance_scale, negb)
+                        from ..algorithms.flow_sde import flow_step
+
+                        ref_out = flow_step(v_ref, x, sigmas[k], sigmas[k + 1], float(sigmas[1]),
+                                            recipe.noise_level if recipe.is_sde(k) else 0.0, recipe.sde_type,
+                                            prev_sample=x1)
+                        kl = kl_to_reference(out.mean, ref_out.mean, out.std_dev_t).mean()
+                        loss = loss + a.beta * kl
+                        m["kl"] = kl.detach()
+                    (loss / n_terms).backward()
+                    m["loss"] = loss.detach()
+                    for key, val in m.items():
+                        acc.setdefault(key, []).append(float(val))
+            gnorm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm)
+            acc.setdefault("grad_norm", []).append(float(gnorm))
+            opt.step()
+        seconds = time.perf_counter() - t0
+        pol.module.eval()
+        counters = {"iteration": iteration, "optimizer_steps": len(plan.steps), "policy_version_in": policy.version}
+        out_dir = Path(self.spec.workdir) / "checkpoints" / self.spec.run_name / self.spec.run_id / f"it_{iteration:04d}"
+        ck = save_checkpoint(out_dir, pol.state(), opt.state_dict(), counters, self.spec.config)
+        pol.mark(ck.checkpoint_id)
+        metrics = {"update_compute_s": seconds, "lr": opt.param_groups[0]["lr"],
+                   "optimizer_steps": float(len(plan.steps))}
+        for key, vals in acc.items():
+            if key == "ratio_min":
+                metrics[key] = float(np.min(vals))
+            elif key in ("ratio_max", "onpolicy_ratio_dev"):
+                metrics[key] = float(np.max(vals))
+            else:
+                metrics[key] = float(np.mean(vals))
+        return ck, metrics
+
+    # --- publish ------------------------------------------------------------------------------
+    def publish(self, iteration: int, ckpt: CheckpointRef) -> PolicyRef:
+        return self.tracker.publish(self.spec.run_id, Path(ckpt.uri), iteration, self.spec.model_name,
+                                    ckpt.checkpoint_id, {"run_name": self.spec.run_name})
+
+
+_ENGINES: dict[str, LocalEngine] = {}
+
+
+def get_engine(spec: RunSpec) -> LocalEngine:
+    """One engine (and one loaded model) per run per process."""
+    key = spec.run_id
+    if key not in _ENGINES:
+        _ENGINES.clear()  # one run's model at a time keeps memory bounded
+        _ENGINES[key] = LocalEngine(spec)
+    return _ENGINES[key]

@@ -1,0 +1,115 @@
+"""A loaded family plus what training adds: LoRA or full fine-tuning, the reference for KL,
+and which checkpoint the in-memory weights currently are (so a stage loads weights only when
+the requested policy version differs from what is already in memory)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from ..artifacts.checkpoints import load_optimizer_state, load_weights, read_counters
+from ..config.schema import ExperimentConfig
+from ..models.registry import get_family
+from .assets import resolve_model_path
+
+BASE = "base"
+
+
+class TrainablePolicy:
+    def __init__(self, cfg: ExperimentConfig):
+        self.cfg = cfg
+        fam_cls = get_family(cfg.model.family)
+        self.family = fam_cls.load(resolve_model_path(cfg.model.path), dtype=cfg.model.dtype,
+                                   device=cfg.model.device, max_sequence_length=cfg.model.max_sequence_length)
+        self.module: torch.nn.Module = self.family.trainable_module()
+        self.lora = cfg.algorithm.lora.enabled
+        if self.lora:
+            from peft import LoraConfig
+
+            lc = cfg.algorithm.lora
+            self.module.add_adapter(LoraConfig(r=lc.rank, lora_alpha=lc.alpha, init_lora_weights=lc.init,
+                                               target_modules=list(self.family.lora_targets)))
+        self.module.requires_grad_(False)
+        for p in self.trainable_parameters().values():
+            p.requires_grad_(True)
+        self._base_state = {k: v.detach().clone() for k, v in self.trainable_parameters().items()}
+        self._reference = None
+        self.weights_id = BASE
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer_id: str | None = None
+
+    # --- trainable weights --------------------------------------------------------------------
+    def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
+        if self.lora:
+            return {n: p for n, p in self.module.named_parameters() if "lora_" in n}
+        return dict(self.module.named_parameters())
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.trainable_parameters().items()}
+
+    def _assign(self, weights: dict[str, torch.Tensor]) -> None:
+        params = self.trainable_parameters()
+        missing = set(params) - set(weights)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} trainable tensors, e.g. {sorted(missing)[:3]}; "
+                             f"it was written for another model or LoRA setting")
+        with torch.no_grad():
+            for k, p in params.items():
+                p.copy_(weights[k].to(p.dtype))
+
+    def load_version(self, checkpoint_dir: Path | None, checkpoint_id: str | None) -> None:
+        """Make the in-memory weights those of a checkpoint (None = base weights)."""
+        want = checkpoint_id or BASE
+        if self.weights_id == want:
+            return
+        if checkpoint_dir is None:
+            self._assign(self._base_state)
+        else:
+            self._assign(load_weights(checkpoint_dir))
+            want = read_counters(checkpoint_dir)["checkpoint_id"]
+        self.weights_id = want
+
+    # --- optimizer ----------------------------------------------------------------------------
+    def ensure_optimizer(self, checkpoint_dir: Path | None) -> torch.optim.Optimizer:
+        """AdamW over the trainable weights, with the state saved alongside the current weights."""
+        a = self.cfg.algorithm
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(list(self.trainable_parameters().values()), lr=a.lr,
+                                               betas=a.adam_betas, eps=a.adam_eps, weight_decay=a.weight_decay)
+            self.optimizer_id = BASE
+        if self.optimizer_id != self.weights_id:
+            if checkpoint_dir is None:
+                self.optimizer.state.clear()
+            else:
+                self.optimizer.load_state_dict(load_optimizer_state(checkpoint_dir))
+            self.optimizer_id = self.weights_id
+        return self.optimizer
+
+    def mark(self, checkpoint_id: str) -> None:
+        """The in-memory weights and optimizer now equal this (just written) checkpoint."""
+        self.weights_id = checkpoint_id
+        self.optimizer_id = checkpoint_id
+
+    # --- KL reference -------------------------------------------------------------------------
+    def reference_velocity(self, *args, **kwargs) -> torch.Tensor:
+        """Velocity of the reference policy: adapters disabled (LoRA) or a frozen base copy."""
+        with torch.no_grad():
+            if self.lora:
+                self.module.disable_adapters()
+                try:
+                    return self.family.velocity(*args, **kwargs)
+                finally:
+                    self.module.enable_adapters()
+            if self._reference is None:
+                self._reference = copy.deepcopy(self.module).requires_grad_(False)
+                with torch.no_grad():
+                    for k, p in self._reference.named_parameters():
+                        p.copy_(self._base_state[k])
+            live = self.family.transformer
+            self.family.transformer = self._reference
+            try:
+                return self.family.velocity(*args, **kwargs)
+            finally:
+                self.family.transformer = live

@@ -1,0 +1,29 @@
+"""Checks a config against the world before anything is written: model path, family,
+prompt set, rewards. Every failure is a PreflightError that names the problem and the fix."""
+
+from __future__ import annotations
+
+from ..config.schema import ExperimentConfig
+from ..datasets.prompts import load_prompt_set
+from ..models.registry import get_family
+from ..rewards.compose import RewardSet
+from .assets import resolve_asset, resolve_model_path
+
+
+class PreflightError(RuntimeError):
+    pass
+
+
+def preflight(cfg: ExperimentConfig) -> None:
+    try:
+        get_family(cfg.model.family)
+        path = resolve_model_path(cfg.model.path)
+        if not (path / "model_index.json").is_file():
+            raise FileNotFoundError(
+                f"model.path {cfg.model.path!r} ({path}) is not a diffusers model directory (no model_index.json); "
+                f"point model.path at a local checkout in the diffusers layout")
+        load_prompt_set(resolve_asset(cfg.dataset.path))
+        RewardSet(cfg.reward.weights, cfg.reward.options)
+    except (KeyError, ValueError, FileNotFoundError) as exc:
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+        raise PreflightError(msg) from None

@@ -1,0 +1,14 @@
+from prefect import task
+
+from ..artifacts.checkpoints import CheckpointRef
+from ..engines.local import RunSpec
+from .common import stage
+
+
+@task(name="publish", persist_result=False)
+def publish(spec: RunSpec, iteration: int, checkpoint: dict) -> dict:
+    """Checkpoint → MLflow artifact + registered version; alias `rollout` moves last."""
+    with stage(spec, "publish", iteration) as (engine, metrics):
+        ref = engine.publish(iteration, CheckpointRef(**checkpoint))
+        metrics["policy_version"] = ref.version
+    return ref.to_dict()

@@ -1,0 +1,14 @@
+from prefect import task
+
+from ..artifacts.trajectories import TableRef
+from ..engines.local import RunSpec
+from .common import stage
+
+
+@task(name="score", persist_result=False)
+def score(spec: RunSpec, iteration: int, table: dict) -> dict:
+    """Configured rewards → per-component and total reward columns; fails loud on NaN/missing."""
+    with stage(spec, "score", iteration) as (engine, metrics):
+        ref, m = engine.score(iteration, TableRef(**table))
+        metrics.update(m)
+    return ref.to_dict()

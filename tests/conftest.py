@@ -1,0 +1,44 @@
+"""Shared fixtures: a tiny random SD3 checkpoint in the real diffusers layout, and a Prefect
+test harness (temporary SQLite API server) for the flows."""
+
+import os
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+TINY_SPEC = dict(image_size=16, vae_channels=(8, 16), latent_channels=4, text_hidden=16, text_layers=2,
+                 num_layers=1, heads=2, head_dim=16)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    from pixrl.models.mini.build import MiniSpec, build_random_checkpoint
+
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("ckpt") / "tiny-sd3"
+    return build_random_checkpoint(out, MiniSpec(**TINY_SPEC), seed=0)
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def tiny_overrides(ckpt: Path, workdir: Path, **extra) -> list[str]:
+    base = {"model.path": str(ckpt), "run.workdir": str(workdir), "sampling.group_size": 4,
+            "sampling.prompts_per_iteration": 2, "sampling.micro_batch": 4, "sampling.steps": 4,
+            "sampling.eval_steps": 4}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
