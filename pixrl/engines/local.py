@@ -77,6 +77,13 @@ def decode_png(data: bytes) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
 
 
+def _encode_unique(fam, prompts: list[str]):
+    """Encode the iteration's distinct prompts in one sorted batch. Rollout and update both use
+    this, so the embeddings are bit-identical (a different text-encoder batch would not be)."""
+    uniq = sorted(set(prompts))
+    return fam.encode_prompts(uniq), {t: i for i, t in enumerate(uniq)}
+
+
 class LocalEngine:
     def __init__(self, spec: RunSpec):
         self.spec = spec
@@ -120,9 +127,7 @@ class LocalEngine:
         self.use_policy(policy)
         fam = self.policy.family
         rows = [(slot, g, p) for slot, p in enumerate(prompts) for g in range(s.group_size)]
-        uniq = sorted({p.prompt for p in prompts})
-        cond_all = fam.encode_prompts(uniq)
-        pos = {t: i for i, t in enumerate(uniq)}
+        cond_all, pos = _encode_unique(fam, [p.prompt for p in prompts])
         neg = fam.encode_prompts([""]) if s.guidance_scale > 1 else None
         seeds = [_seed(cfg.run.seed, iteration, 1, slot, g) for slot, g, _ in rows]
         trajs = []
@@ -252,6 +257,7 @@ class LocalEngine:
         timesteps = torch.tensor(t["timesteps"][0].as_py())
         stored = t["stored_steps"][0].as_py()
         neg = fam.encode_prompts([""]) if recipe.guidance_scale > 1 else None
+        cond_all, pos = _encode_unique(fam, prompts)
         pol.module.train()
         params = list(pol.trainable_parameters().values())
         acc: dict[str, list[float]] = {}
@@ -261,7 +267,7 @@ class LocalEngine:
             n_terms = len(step_batches) * len(stored)
             for mb in step_batches:
                 idx = [index[sid] for sid in mb]
-                cond = fam.encode_prompts([prompts[i] for i in idx])
+                cond = cond_all.select([pos[prompts[i]] for i in idx])
                 negb = neg.expand(len(idx)) if neg else None
                 adv = torch.from_numpy(adv_all[idx])
                 for j, k in enumerate(stored):
