@@ -78,3 +78,20 @@ def test_weights_changed_and_checkpoint_complete(trained, tiny_checkpoint):
     base = load_file(str(tiny_checkpoint / "transformer" / "diffusion_pytorch_model.safetensors"))
     changed = [k for k in new if not np.array_equal(new[k].numpy(), base[k].numpy())]
     assert changed, "the update changed no weight"
+
+
+def test_lora_with_kl_trains_only_the_adapter(tiny_checkpoint, tmp_path, prefect_harness):
+    """LoRA via peft: the checkpoint holds adapter tensors only, and the KL to the reference
+    (the same transformer with adapters disabled) is computed and logged."""
+    wd = tmp_path / "lora"
+    res = CliRunner().invoke(app, ["train", "--iterations", "1", "--run", "lora", "algorithm=flow_grpo_lora",
+                                   "algorithm.lora.rank=4", "reward=jpeg_compressibility",
+                                   *tiny_overrides(tiny_checkpoint, wd)])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    ck = wd / "checkpoints" / "lora" / out["run_id"] / "it_0000"
+    keys = list(load_file(str(ck / "trainable.safetensors")))
+    assert keys and all("lora_" in k for k in keys)
+    client = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
+    kl = client.get_metric_history(out["run_id"], "kl")
+    assert len(kl) == 1 and np.isfinite(kl[0].value) and kl[0].value >= 0

@@ -80,11 +80,15 @@ def compose(experiment: str | None = None, overrides: list[str] | None = None) -
     unknown_groups = set(defaults) - set(GROUPS)
     if unknown_groups:
         raise ConfigError(f"unknown preset group(s) {sorted(unknown_groups)} in defaults; groups: {', '.join(GROUPS)}")
-    cli = _parse_overrides(overrides or [])
-    # a bare group=name on the command line swaps that group's preset, e.g. `reward=jpeg_compressibility`
-    for g in GROUPS:
-        if isinstance(cli.get(g), str):
-            defaults[g] = cli.pop(g)
+    # a bare group=name swaps that group's preset (e.g. `reward=jpeg_compressibility`); dotted keys
+    # then override single values, in either order on the command line
+    overrides = list(overrides or [])
+    for o in list(overrides):
+        key, _, val = o.partition("=")
+        if key in GROUPS and val and not val.startswith("{"):
+            defaults[key] = val
+            overrides.remove(o)
+    cli = _parse_overrides(overrides)
     layers = [OmegaConf.create({g: _preset(g, n)}) for g, n in defaults.items()]
     merged = OmegaConf.merge(*layers, OmegaConf.create(exp), OmegaConf.create(cli))
     return OmegaConf.to_container(merged, resolve=True)
