@@ -59,16 +59,15 @@ class TrainablePolicy:
             for k, p in params.items():
                 p.copy_(weights[k].to(p.dtype))
 
-    def load_version(self, checkpoint_dir: Path | None, checkpoint_id: str | None) -> None:
+    def load_version(self, checkpoint_dir: Path | None, checkpoint_id: str | None = None) -> None:
         """Make the in-memory weights those of a checkpoint (None = base weights)."""
-        want = checkpoint_id or BASE
+        if checkpoint_dir is None:
+            want = BASE
+        else:
+            want = checkpoint_id or read_counters(checkpoint_dir)["checkpoint_id"]
         if self.weights_id == want:
             return
-        if checkpoint_dir is None:
-            self._assign(self._base_state)
-        else:
-            self._assign(load_weights(checkpoint_dir))
-            want = read_counters(checkpoint_dir)["checkpoint_id"]
+        self._assign(self._base_state if checkpoint_dir is None else load_weights(checkpoint_dir))
         self.weights_id = want
 
     # --- optimizer ----------------------------------------------------------------------------

@@ -1,0 +1,61 @@
+"""Benchmark of the online loop: per-stage seconds and orchestration overhead
+(1 − Σ stage seconds / iteration wall time) on the default recipe, read back from MLflow.
+
+    .venv/bin/python benchmarks/online_loop.py --iterations 5 [key=value ...]
+
+Prints a markdown table for the README. Not a test: timings depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+
+STAGES = ("generate", "decode", "score", "replay", "update", "publish")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iterations", type=int, default=5)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    wd = Path(a.workdir or tempfile.mkdtemp(prefix="pixrl-bench-"))
+    cmd = [sys.executable, "-m", "pixrl.cli", "train", "--iterations", str(a.iterations), "--workdir", str(wd),
+           "--run", "bench", *a.overrides]
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
+    total = time.perf_counter() - t0
+    if out.returncode:
+        sys.exit(out.stderr[-3000:])
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    c = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
+
+    def hist(key: str) -> list[float]:
+        return [m.value for m in sorted(c.get_metric_history(info["run_id"], key), key=lambda m: m.step)]
+
+    skip = 1 if a.iterations > 1 else 0  # iteration 0 includes model loading
+    rows = {s: hist(f"time/{s}_s")[skip:] for s in STAGES}
+    it = hist("time/iteration_s")[skip:]
+    ov = hist("orchestration_overhead")[skip:]
+    ips = hist("images_per_s")[skip:]
+    print(f"| stage | median s/iteration |\n|---|---|")
+    for s in STAGES:
+        print(f"| {s} | {statistics.median(rows[s]):.2f} |")
+    print(f"| **iteration (wall)** | {statistics.median(it):.2f} |")
+    print(f"\norchestration overhead (median): {100 * statistics.median(ov):.1f}% ; "
+          f"generate throughput: {statistics.median(ips):.1f} images/s ; "
+          f"process wall incl. start-up: {total:.0f} s for {a.iterations} iterations")
+
+
+if __name__ == "__main__":
+    main()
