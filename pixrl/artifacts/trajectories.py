@@ -116,9 +116,10 @@ class TrajectoryStore:
         return TableRef(self.uri, self.dataset().version)
 
     def read(self, ref: TableRef, run_id: str, iteration: int, columns: list[str]) -> pa.Table:
+        cols = columns if "sample_id" in columns else ["sample_id", *columns]
         t = self.dataset(ref.version).to_table(
-            columns=columns, filter=f"run_id = '{run_id}' AND iteration = {int(iteration)}")
-        return t.sort_by("sample_id")
+            columns=cols, filter=f"run_id = '{run_id}' AND iteration = {int(iteration)}")
+        return t.sort_by("sample_id").select(columns)
 
     def tag(self, name: str, version: int) -> None:
         ds = self.dataset()
