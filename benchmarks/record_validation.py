@@ -1,0 +1,126 @@
+"""Records a validation run of a recipe under docs/runs/<name>/: held-out and train accuracy
+before and after, the reward curve (CSV + PNG), the resolved config, and evidence of learning
+(optimizer updates, reward trend, weight change) in summary.json.
+
+    .venv/bin/python benchmarks/record_validation.py --name shapes_flow_grpo_v1 --iterations 200 [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _eval(args: list[str], workdir: Path, per_category: int) -> dict:
+    cmd = [sys.executable, "-m", "pixrl.cli", "eval", "--json", "--per-category", str(per_category),
+           "--workdir", str(workdir), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--iterations", type=int, default=100)
+    ap.add_argument("--per-category", type=int, default=48)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    out_dir = ROOT / "docs" / "runs" / a.name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    wd = Path(a.workdir or out_dir / "work").resolve()
+    summary: dict = {"name": a.name, "iterations": a.iterations, "overrides": a.overrides,
+                     "machine": f"{os.cpu_count()} CPU cores"}
+    t0 = time.time()
+    summary["heldout_before_detail"] = _eval(["--split", "heldout"], wd, a.per_category)
+    summary["train_before_detail"] = _eval(["--split", "train"], wd, a.per_category)
+    summary["eval_before_s"] = time.time() - t0
+
+    t1 = time.time()
+    cmd = [sys.executable, "-m", "pixrl.cli", "train", "--iterations", str(a.iterations), "--workdir", str(wd),
+           "--run", a.name, *a.overrides]
+    with (out_dir / "train.log").open("w") as log:
+        rc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+    if rc.returncode:
+        sys.exit(f"training failed, see {out_dir / 'train.log'}")
+    info = json.loads(rc.stdout.strip().splitlines()[-1])
+    summary["train_s"] = time.time() - t1
+    summary["mlflow_run_id"] = info["run_id"]
+
+    t2 = time.time()
+    summary["heldout_after_detail"] = _eval(["--split", "heldout", "--run", a.name], wd, a.per_category)
+    summary["train_after_detail"] = _eval(["--split", "train", "--run", a.name], wd, a.per_category)
+    summary["eval_after_s"] = time.time() - t2
+    for split in ("heldout", "train"):
+        summary[f"{split}_before"] = summary[f"{split}_before_detail"]["accuracy"]
+        summary[f"{split}_after"] = summary[f"{split}_after_detail"]["accuracy"]
+        summary[f"{split}_lift"] = summary[f"{split}_after"] - summary[f"{split}_before"]
+
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
+    keys = ["reward/reward/mean", "reward/shapes.correct/mean", "reward/shapes.partial/mean", "zero_std_ratio",
+            "loss", "clipfrac", "approx_kl", "grad_norm", "optimizer_steps", "time/iteration_s"]
+    hist = {k: {m.step: m.value for m in c.get_metric_history(info["run_id"], k)} for k in keys}
+    steps = sorted(hist["reward/reward/mean"])
+    with (out_dir / "reward_curve.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["iteration", *keys])
+        for s in steps:
+            w.writerow([s, *[hist[k].get(s, "") for k in keys]])
+    r = np.array([hist["reward/reward/mean"][s] for s in steps])
+    q = max(1, len(r) // 10)
+    summary["reward_first_10pct"] = float(r[:q].mean())
+    summary["reward_last_10pct"] = float(r[-q:].mean())
+    summary["optimizer_updates"] = int(sum(hist["optimizer_steps"].values()))
+    run = c.get_run(info["run_id"])
+    (out_dir / "config.json").write_text(json.dumps(json.loads(
+        Path(c.download_artifacts(info["run_id"], "config/resolved.yaml", str(out_dir))).read_text()), indent=2))
+    (out_dir / "config").exists() and __import__("shutil").rmtree(out_dir / "config")
+
+    from safetensors.torch import load_file
+
+    ck = sorted((wd / "checkpoints" / a.name / info["run_id"]).glob("it_*"))[-1]
+    new = load_file(str(ck / "trainable.safetensors"))
+    from pixrl.engines.assets import resolve_asset
+
+    base = load_file(str(resolve_asset("builtin:mini_shapes") / "transformer" / "diffusion_pytorch_model.safetensors"))
+    diff = sum(float((new[k].float() - base[k].float()).norm() ** 2) for k in new if k in base) ** 0.5
+    norm = sum(float(base[k].float().norm() ** 2) for k in new if k in base) ** 0.5
+    summary["weight_change_rel_l2"] = diff / norm
+    summary["mlflow_status"] = run.info.status
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+    ax[0].plot(steps, r, lw=0.8, label="reward (mean)")
+    if len(r) >= 10:
+        k = np.ones(10) / 10
+        ax[0].plot(steps[9:], np.convolve(r, k, mode="valid"), lw=2, label="10-it moving avg")
+    ax[0].set_xlabel("iteration"); ax[0].set_ylabel("train reward"); ax[0].legend()
+    zs = [hist["zero_std_ratio"].get(s, np.nan) for s in steps]
+    ax[1].plot(steps, zs, lw=0.8, color="gray"); ax[1].set_xlabel("iteration"); ax[1].set_ylabel("zero_std_ratio")
+    fig.suptitle(f"{a.name}: held-out {summary['heldout_before']:.3f} → {summary['heldout_after']:.3f}")
+    fig.tight_layout()
+    fig.savefig(out_dir / "reward_curve.png", dpi=110)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps({k: v for k, v in summary.items() if not k.endswith("_detail")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
