@@ -95,3 +95,22 @@ def test_lora_with_kl_trains_only_the_adapter(tiny_checkpoint, tmp_path, prefect
     client = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
     kl = client.get_metric_history(out["run_id"], "kl")
     assert len(kl) == 1 and np.isfinite(kl[0].value) and kl[0].value >= 0
+
+
+def test_prefect_recorded_one_subflow_and_six_tasks_per_iteration(trained):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId, TaskRunFilter
+    from prefect.client.schemas.filters import TaskRunFilterFlowRunId
+
+    wd, out = trained
+    with get_client(sync_client=True) as client:
+        parent = client.read_flow_run(out["flow_run_id"])
+        assert parent.state.is_completed()
+        subs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent.id])))
+        assert len(subs) == 2 and all(s.state.is_completed() for s in subs)
+        for sub in subs:
+            tasks = client.read_task_runs(task_run_filter=TaskRunFilter(
+                flow_run_id=TaskRunFilterFlowRunId(any_=[sub.id])))
+            names = sorted(t.name.rsplit("-", 1)[0] for t in tasks)
+            assert names == sorted(["generate", "decode", "score", "replay", "update", "publish"])
