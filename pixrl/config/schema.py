@@ -42,7 +42,7 @@ class LoraConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    name: Literal["flow_grpo"] = "flow_grpo"
+    name: str = Field("flow_grpo", description="registered algorithm (pixrl.algorithms.base)")
     clip_range: float = Field(1e-4, gt=0)
     adv_clip_max: float = Field(5.0, gt=0)
     std_eps: float = Field(1e-4, gt=0)

@@ -19,9 +19,7 @@ import pyarrow as pa
 import torch
 from PIL import Image
 
-from ..algorithms.advantages import group_advantages
-from ..algorithms.flow_sde import kl_to_reference
-from ..algorithms.losses import ppo_clip_loss
+from ..algorithms.base import build_algorithm
 from ..algorithms.recipe import rollout_recipe
 from ..algorithms.sampling import SamplerRecipe, replay_step, sample
 from ..artifacts.checkpoints import CheckpointRef, save_checkpoint
@@ -91,6 +89,7 @@ class LocalEngine:
         self.store = TrajectoryStore(spec.table_uri)
         self.tracker = Tracker(spec.tracking_uri)
         self._policy: TrainablePolicy | None = None
+        self.algorithm = build_algorithm(self.cfg.algorithm)
         if self.cfg.run.threads:
             torch.set_num_threads(self.cfg.run.threads)
 
@@ -217,7 +216,7 @@ class LocalEngine:
         rewards = t["reward"].to_numpy(zero_copy_only=False)
         if np.any(np.isnan(rewards)) or t["reward"].null_count:
             raise RuntimeError(f"iteration {iteration} has unscored samples; run score first")
-        adv = group_advantages(rewards, t["group_id"].to_numpy(), a.global_std, a.std_eps, a.adv_clip_max)
+        adv = self.algorithm.advantages(rewards, t["group_id"].to_numpy())
         upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"],
                         "advantage": pa.array(adv.advantages, pa.float32())})
         out = self.store.merge(upd)
@@ -275,20 +274,13 @@ class LocalEngine:
                     x1 = torch.from_numpy(nxt_all[idx, j].copy())
                     out = replay_step(fam, x, x1, k, sigmas, timesteps, cond, negb, recipe)
                     old = torch.from_numpy(old_lp_all[idx, j])
-                    loss, m = ppo_clip_loss(out.log_prob, old, adv, a.clip_range, a.adv_clip_max)
+                    ref_out = None
+                    if self.algorithm.needs_reference:
+                        with torch.no_grad():
+                            ref_out = replay_step(pol.reference(), x, x1, k, sigmas, timesteps, cond, negb, recipe)
+                    loss, m = self.algorithm.transition_loss(out, old, adv, ref_out)
                     if opt_step == 0:  # before any update: off-policy drift is numerics only
                         m["onpolicy_ratio_dev"] = torch.max(torch.abs(m["ratio_max"] - 1), torch.abs(m["ratio_min"] - 1))
-                    if a.beta > 0:
-                        v_ref = pol.reference_velocity(x.to(fam.dtype), timesteps[k:k + 1], cond,
-                                                       recipe.guidance_scale, negb)
-                        from ..algorithms.flow_sde import flow_step
-
-                        ref_out = flow_step(v_ref, x, sigmas[k], sigmas[k + 1], float(sigmas[1]),
-                                            recipe.noise_level if recipe.is_sde(k) else 0.0, recipe.sde_type,
-                                            prev_sample=x1)
-                        kl = kl_to_reference(out.mean, ref_out.mean, out.std_dev_t).mean()
-                        loss = loss + a.beta * kl
-                        m["kl"] = kl.detach()
                     (loss / n_terms).backward()
                     m["loss"] = loss.detach()
                     for key, val in m.items():

@@ -92,6 +92,10 @@ class TrainablePolicy:
         self.optimizer_id = checkpoint_id
 
     # --- KL reference -------------------------------------------------------------------------
+    def reference(self) -> "_ReferenceView":
+        """A velocity model for the reference policy, usable wherever the family is."""
+        return _ReferenceView(self)
+
     def reference_velocity(self, *args, **kwargs) -> torch.Tensor:
         """Velocity of the reference policy: adapters disabled (LoRA) or a frozen base copy."""
         with torch.no_grad():
@@ -112,3 +116,12 @@ class TrainablePolicy:
                 return self.family.velocity(*args, **kwargs)
             finally:
                 self.family.transformer = live
+
+
+class _ReferenceView:
+    def __init__(self, policy: TrainablePolicy):
+        self._policy = policy
+        self.dtype = policy.family.dtype
+
+    def velocity(self, *args, **kwargs) -> torch.Tensor:
+        return self._policy.reference_velocity(*args, **kwargs)

@@ -3,6 +3,7 @@ prompt set, rewards. Every failure is a PreflightError that names the problem an
 
 from __future__ import annotations
 
+from ..algorithms.base import build_algorithm
 from ..config.schema import ExperimentConfig
 from ..datasets.prompts import load_prompt_set
 from ..models.registry import get_family
@@ -17,6 +18,7 @@ class PreflightError(RuntimeError):
 def preflight(cfg: ExperimentConfig) -> None:
     try:
         get_family(cfg.model.family)
+        build_algorithm(cfg.algorithm)
         path = resolve_model_path(cfg.model.path)
         if not (path / "model_index.json").is_file():
             raise FileNotFoundError(
