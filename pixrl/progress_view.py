@@ -15,6 +15,7 @@ class StageProgress:
                                  TextColumn("{task.fields[stage]}"), TimeElapsedColumn(), console=console)
         self.task = self.progress.add_task("iterations", total=iterations, stage="")
         self._line: dict[str, str] = {}
+        self._rewards: list[float] = []
         self._remove = None
 
     def __enter__(self) -> "StageProgress":
@@ -37,7 +38,10 @@ class StageProgress:
     def stage_finished(self, iteration: int, stage: str, seconds: float, metrics: dict) -> None:
         extra = ""
         if stage == "score":
-            extra = f" reward={metrics.get('reward/reward/mean', float('nan')):.3f}"
+            r = metrics.get("reward/reward/mean", float("nan"))
+            self._rewards.append(r)
+            recent = self._rewards[-10:]
+            extra = f" reward={r:.3f} (mean of last {len(recent)}: {sum(recent) / len(recent):.3f})"
         elif stage == "update":
             extra = f" loss={metrics.get('loss', float('nan')):+.4f} clipfrac={metrics.get('clipfrac', 0):.2f}"
         self._line[stage] = f"{stage} {seconds:.1f}s{extra}"

@@ -51,18 +51,19 @@ def _meta(text: str) -> dict:
 
 
 def choose_prompts(items: list[PromptItem], n: int, rng: np.random.Generator) -> list[PromptItem]:
-    """n distinct prompts (with replacement only if the set is smaller than n); category-balanced
-    when the metadata has categories, so rare categories are trained as often as common ones."""
+    """n prompts, distinct while the set allows. With categories in the metadata the draw is
+    stratified — categories in a shuffled round-robin, a random prompt within each — so rare
+    categories are trained as often as common ones and the per-iteration reward mix is stable."""
     cats = sorted({it.meta.get("category", "") for it in items})
     if len(cats) > 1:
         by_cat = {c: [it for it in items if it.meta.get("category", "") == c] for c in cats}
+        order = [cats[int(i)] for i in rng.permutation(len(cats))]
         out: list[PromptItem] = []
         seen: set[str] = set()
-        while len(out) < n:
-            pool = by_cat[cats[int(rng.integers(len(cats)))]]
-            it = pool[int(rng.integers(len(pool)))]
-            if it.prompt_id in seen and len(seen) < len(items):
-                continue
+        for slot in range(n):
+            pool = by_cat[order[slot % len(order)]]
+            fresh = [it for it in pool if it.prompt_id not in seen] or pool
+            it = fresh[int(rng.integers(len(fresh)))]
             seen.add(it.prompt_id)
             out.append(it)
         return out
