@@ -73,7 +73,7 @@ def test_weights_changed_and_checkpoint_complete(trained, tiny_checkpoint):
     wd, out = trained
     ck = wd / "checkpoints" / "e2e" / out["run_id"] / "it_0001"
     assert {p.name for p in ck.iterdir()} == {"trainable.safetensors", "optimizer.pt", "rng.pt", "counters.json",
-                                              "config.json"}
+                                              "config.json", "manifest.json"}
     new = load_file(str(ck / "trainable.safetensors"))
     base = load_file(str(tiny_checkpoint / "transformer" / "diffusion_pytorch_model.safetensors"))
     changed = [k for k in new if not np.array_equal(new[k].numpy(), base[k].numpy())]

@@ -1,9 +1,11 @@
 """Training checkpoints: trainable weights (adapter or full module) as safetensors, optimizer
 state, RNG states, counters and the resolved config — written to a staging directory and
-renamed into place, so a checkpoint is complete or absent."""
+renamed into place, so a checkpoint is complete or absent. A manifest of SHA-256 checksums is
+written last; a checkpoint that does not match it is never loaded or published."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import shutil
@@ -20,6 +22,34 @@ OPTIMIZER = "optimizer.pt"
 RNG = "rng.pt"
 COUNTERS = "counters.json"
 CONFIG = "config.json"
+MANIFEST = "manifest.json"
+
+
+class CorruptCheckpoint(RuntimeError):
+    """A checkpoint whose files are missing or do not match their manifest."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_checkpoint(ckpt_dir: Path) -> dict:
+    """Check every file against the manifest; returns the manifest."""
+    ckpt_dir = Path(ckpt_dir)
+    mf = ckpt_dir / MANIFEST
+    if not mf.is_file():
+        raise CorruptCheckpoint(f"{ckpt_dir} has no {MANIFEST}: incomplete or not a pixrl checkpoint")
+    manifest = json.loads(mf.read_text())
+    for name, entry in manifest["files"].items():
+        f = ckpt_dir / name
+        if not f.is_file() or f.stat().st_size != entry["bytes"] or _sha256(f) != entry["sha256"]:
+            raise CorruptCheckpoint(f"{f} is missing or does not match its checksum; the checkpoint is corrupt "
+                                    f"and will not be loaded or published")
+    return manifest
 
 
 @dataclass(frozen=True)
@@ -46,6 +76,8 @@ def save_checkpoint(out_dir: Path, weights: dict[str, torch.Tensor], optimizer_s
         ckpt_id = uuid.uuid4().hex
         (staging / COUNTERS).write_text(json.dumps({**counters, "checkpoint_id": ckpt_id}, indent=2))
         (staging / CONFIG).write_text(json.dumps(config, indent=2))
+        files = {f.name: {"sha256": _sha256(f), "bytes": f.stat().st_size} for f in sorted(staging.iterdir())}
+        (staging / MANIFEST).write_text(json.dumps({"checkpoint_id": ckpt_id, "files": files}, indent=2))
         staging.rename(out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -58,11 +90,10 @@ def read_counters(ckpt_dir: Path) -> dict:
 
 
 def load_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
-    path = Path(ckpt_dir) / WEIGHTS
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {ckpt_dir} has no {WEIGHTS}; it is not a pixrl checkpoint")
-    return load_file(str(path))
+    verify_checkpoint(ckpt_dir)
+    return load_file(str(Path(ckpt_dir) / WEIGHTS))
 
 
 def load_optimizer_state(ckpt_dir: Path) -> dict:
+    verify_checkpoint(ckpt_dir)
     return torch.load(Path(ckpt_dir) / OPTIMIZER, weights_only=False)

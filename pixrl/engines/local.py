@@ -22,7 +22,7 @@ from PIL import Image
 from ..algorithms.base import build_algorithm
 from ..algorithms.recipe import rollout_recipe
 from ..algorithms.sampling import SamplerRecipe, replay_step, sample
-from ..artifacts.checkpoints import CheckpointRef, save_checkpoint
+from ..artifacts.checkpoints import CheckpointRef, save_checkpoint, verify_checkpoint
 from ..artifacts.media import image_grid
 from ..artifacts.trajectories import (TableRef, TrajectoryStore, fixed_list, meta_json, rewards_column,
                                       tensor_column, tensor_from, trajectory_schema)
@@ -307,6 +307,7 @@ class LocalEngine:
 
     # --- publish ------------------------------------------------------------------------------
     def publish(self, iteration: int, ckpt: CheckpointRef) -> PolicyRef:
+        verify_checkpoint(Path(ckpt.uri))  # never publish a partial or corrupted checkpoint
         return self.tracker.publish(self.spec.run_id, Path(ckpt.uri), iteration, self.spec.model_name,
                                     ckpt.checkpoint_id, {"run_name": self.spec.run_name})
 
