@@ -184,6 +184,33 @@ def generate(
     console.print(f"wrote {len(pairs)} images to {od}")
 
 
+@app.command()
+def status(
+    run: str = typer.Argument(..., help="run name"),
+    workdir: str = typer.Option("work", "--workdir"),
+) -> None:
+    """Per iteration, which stages are complete (read from the stores) and their references."""
+    from rich.table import Table
+
+    from .artifacts.status import run_status
+    from .artifacts.tracking import default_tracking_uri
+    from .flows.online import STAGES
+
+    if not (Path(workdir) / "mlflow.db").is_file():
+        _fail(f"no pixrl work directory at {workdir!r} (no mlflow.db); pass --workdir")
+    run_id, its = run_status(Path(workdir), run, default_tracking_uri(Path(workdir)))
+    if run_id is None:
+        _fail(f"no run named {run!r} in {workdir}")
+    table = Table(title=f"run {run} · MLflow {run_id}")
+    table.add_column("iteration", justify="right")
+    for s in STAGES:
+        table.add_column(s)
+    for st in its:
+        table.add_row(str(st.iteration), *[("[green]" + v + "[/]") if (v := st.stages.get(s)) else "[red]—[/]"
+                                           for s in STAGES])
+    Console().print(table)
+
+
 def main() -> None:  # pragma: no cover
     app()
 

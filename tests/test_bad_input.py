@@ -88,3 +88,9 @@ def test_nan_score_fails_without_half_writes(tmp_path, tiny_checkpoint, prefect_
     assert int(client.get_model_version_by_alias("pixrl-nan", "rollout").version) == 1
     run = client.search_runs([client.get_experiment_by_name("pixrl").experiment_id])[0]
     assert run.info.status == "FAILED"
+    # the stores tell which stages of the failed iteration completed
+    st = _run(["status", "nan", "--workdir", str(wd)])
+    assert st.exit_code == 0, st.output
+    rows = [ln for ln in st.output.splitlines() if ln.strip().startswith("│")]
+    assert "v1" in rows[0] and rows[0].count("—") == 0
+    assert "8 rows" in rows[1] and "done" in rows[1] and rows[1].count("—") == 4  # score..publish missing

@@ -1,0 +1,62 @@
+"""What the stores say about a run: per iteration, which stages are complete and their refs.
+
+The stores are the source of truth (DESIGN §2): a stage is complete when its output is
+committed — rows in Lance (generate), a filled column (decode, score, replay), a checkpoint
+with a valid manifest (update), a registered model version tagged with the iteration (publish).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow.compute as pc
+
+from .checkpoints import CorruptCheckpoint, verify_checkpoint
+from .tracking import Tracker
+from .trajectories import TrajectoryStore
+
+
+@dataclass
+class IterationStatus:
+    iteration: int
+    stages: dict[str, str | None] = field(default_factory=dict)  # stage -> reference, None = not done
+
+
+def run_status(workdir: Path, run_name: str, tracking_uri: str) -> tuple[str | None, list[IterationStatus]]:
+    tracker = Tracker(tracking_uri)
+    runs = tracker.client.search_runs(
+        [e.experiment_id for e in tracker.client.search_experiments()],
+        filter_string=f"tags.`pixrl.run_name` = '{run_name}'", order_by=["attributes.start_time DESC"], max_results=1)
+    if not runs:
+        return None, []
+    run = runs[0]
+    run_id = run.info.run_id
+    store = TrajectoryStore(run.data.tags.get("pixrl.table_uri", ""))
+    versions = {}
+    for mv in tracker.client.search_model_versions(f"name='{run.data.tags.get('pixrl.model_name', '')}'"):
+        if mv.run_id == run_id:
+            versions[int(mv.tags.get("iteration", -1))] = f"v{mv.version}"
+    its: dict[int, IterationStatus] = {}
+    if store.exists():
+        t = store.dataset().to_table(columns=["iteration", "image", "reward", "advantage"],
+                                     filter=f"run_id = '{run_id}'")
+        for it in sorted(set(t["iteration"].to_pylist())):
+            rows = t.filter(pc.equal(t["iteration"], it))
+            st = IterationStatus(it)
+            st.stages["generate"] = f"{rows.num_rows} rows"
+            for stage, col in (("decode", "image"), ("score", "reward"), ("replay", "advantage")):
+                st.stages[stage] = "done" if rows[col].null_count == 0 else None
+            its[it] = st
+    ck_root = Path(workdir) / "checkpoints" / run_name / run_id
+    for d in sorted(ck_root.glob("it_*")) if ck_root.exists() else []:
+        it = int(d.name.split("_")[1])
+        st = its.setdefault(it, IterationStatus(it))
+        try:
+            verify_checkpoint(d)
+            st.stages["update"] = str(d)
+        except CorruptCheckpoint:
+            st.stages["update"] = None
+    for it, v in versions.items():
+        its.setdefault(it, IterationStatus(it)).stages["publish"] = v
+    return run_id, [its[k] for k in sorted(its)]
