@@ -55,6 +55,10 @@ def train(
         preflight(cfg)
     except (ConfigError, PreflightError) as exc:
         _fail(str(exc))
+    _run_training(cfg, cfg.run.workdir, None)
+
+
+def _run_training(cfg, workdir: str, resume_run_id: Optional[str]) -> None:
     if cfg.run.threads:
         import torch
 
@@ -62,11 +66,12 @@ def train(
     from .flows.online import train as train_flow
     from .progress_view import StageProgress
 
-    console.print(f"[bold]pixrl train[/] {cfg.run.name}: {cfg.model.family} · {cfg.algorithm.name} · "
-                  f"reward {', '.join(cfg.reward.weights)} · {cfg.run.iterations} iterations · workdir {cfg.run.workdir}")
+    verb = "resume" if resume_run_id else "train"
+    console.print(f"[bold]pixrl {verb}[/] {cfg.run.name}: {cfg.model.family} · {cfg.algorithm.name} · "
+                  f"reward {', '.join(cfg.reward.weights)} · {cfg.run.iterations} iterations · workdir {workdir}")
     with StageProgress(console, cfg.run.iterations) as view:
         try:
-            out = train_flow(cfg.model_dump(mode="json"), cfg.run.workdir)
+            out = train_flow(cfg.model_dump(mode="json"), workdir, resume_run_id)
         except Exception as exc:  # the flow already marked the MLflow run FAILED
             view.stop()
             _fail(f"{type(exc).__name__}: {exc}", code=1)
@@ -78,6 +83,30 @@ def train(
     console.print(f"  Prefect      flow run {out['flow_run_id']}  (UI: prefect server start)")
     console.print(f"  checkpoints  {wd / 'checkpoints' / cfg.run.name}")
     print(json.dumps({k: out[k] for k in ("run_id", "table_uri", "model_name", "flow_run_id")}))
+
+
+@app.command()
+def resume(
+    run: str = typer.Argument(..., help="run name to continue"),
+    workdir: str = typer.Option("work", "--workdir"),
+) -> None:
+    """Continue a failed or killed run: stages whose outputs are committed are skipped."""
+    from .artifacts.tracking import Tracker, default_tracking_uri
+    from .config.schema import ExperimentConfig
+    from .engines.preflight import PreflightError, preflight
+
+    if not (Path(workdir) / "mlflow.db").is_file():
+        _fail(f"no pixrl work directory at {workdir!r} (no mlflow.db); pass --workdir")
+    tracker = Tracker(default_tracking_uri(Path(workdir)))
+    run_id = tracker.find_run("pixrl.run_name", run)
+    if run_id is None:
+        _fail(f"no run named {run!r} in {workdir}")
+    cfg = ExperimentConfig.model_validate(tracker.read_config(run_id))
+    try:
+        preflight(cfg)
+    except PreflightError as exc:
+        _fail(str(exc))
+    _run_training(cfg, str(Path(workdir)), run_id)
 
 
 @app.command()

@@ -35,6 +35,9 @@ class StageProgress:
     def stage_started(self, iteration: int, stage: str) -> None:
         self.progress.update(self.task, stage=f"it {iteration}: {stage}…")
 
+    def stage_skipped(self, iteration: int, stage: str) -> None:
+        self._end(iteration, stage, f"{stage} (done before)")
+
     def stage_finished(self, iteration: int, stage: str, seconds: float, metrics: dict) -> None:
         extra = ""
         if stage == "score":
@@ -44,7 +47,10 @@ class StageProgress:
             extra = f" reward={r:.3f} (mean of last {len(recent)}: {sum(recent) / len(recent):.3f})"
         elif stage == "update":
             extra = f" loss={metrics.get('loss', float('nan')):+.4f} clipfrac={metrics.get('clipfrac', 0):.2f}"
-        self._line[stage] = f"{stage} {seconds:.1f}s{extra}"
+        self._end(iteration, stage, f"{stage} {seconds:.1f}s{extra}")
+
+    def _end(self, iteration: int, stage: str, text: str) -> None:
+        self._line[stage] = text
         if stage == "publish":
             self.progress.console.print(f"it {iteration:3d} | " + " | ".join(self._line.values()))
             self._line.clear()

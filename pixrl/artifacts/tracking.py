@@ -45,6 +45,24 @@ class Tracker:
         run = self.client.create_run(exp_id, run_name=run_name, tags=tags)
         return run.info.run_id
 
+    def find_run(self, tag: str, value: str) -> str | None:
+        """Newest run with tags.<tag> = value, in any experiment."""
+        exps = [e.experiment_id for e in self.client.search_experiments()]
+        runs = self.client.search_runs(exps, filter_string=f"tags.`{tag}` = '{value}'",
+                                       order_by=["attributes.start_time DESC"], max_results=1) if exps else []
+        return runs[0].info.run_id if runs else None
+
+    def reopen(self, run_id: str, tags: dict[str, str]) -> None:
+        self.client.update_run(run_id, status="RUNNING")
+        self.set_tags(run_id, tags)
+
+    def read_config(self, run_id: str) -> dict:
+        import yaml
+
+        with tempfile.TemporaryDirectory() as d:
+            path = self.client.download_artifacts(run_id, "config/resolved.yaml", d)
+            return yaml.safe_load(Path(path).read_text())
+
     def log_params(self, run_id: str, params: dict[str, str]) -> None:
         items = [Param(k, str(v)[:6000]) for k, v in params.items()]
         for i in range(0, len(items), 100):
@@ -89,6 +107,20 @@ class Tracker:
                                                     **tags})
         self.client.set_registered_model_alias(model_name, ROLLOUT_ALIAS, mv.version)
         return PolicyRef(model_name, int(mv.version), source, checkpoint_id)
+
+    def find_version(self, model_name: str, run_id: str, iteration: int) -> PolicyRef | None:
+        """The version this run registered for this iteration, if any."""
+        try:
+            versions = self.client.search_model_versions(f"name='{model_name}'")
+        except MlflowException:
+            return None
+        for mv in versions:
+            if mv.run_id == run_id and mv.tags.get("iteration") == str(iteration):
+                return PolicyRef(model_name, int(mv.version), mv.source, mv.tags.get("checkpoint_id"))
+        return None
+
+    def move_alias(self, policy: PolicyRef, alias: str = ROLLOUT_ALIAS) -> None:
+        self.client.set_registered_model_alias(policy.model_name, alias, str(policy.version))
 
     def resolve(self, model_name: str, alias: str = ROLLOUT_ALIAS) -> PolicyRef | None:
         try:

@@ -22,7 +22,7 @@ from PIL import Image
 from ..algorithms.base import build_algorithm
 from ..algorithms.recipe import rollout_recipe
 from ..algorithms.sampling import SamplerRecipe, replay_step, sample
-from ..artifacts.checkpoints import CheckpointRef, save_checkpoint, verify_checkpoint
+from ..artifacts.checkpoints import CheckpointRef, read_counters, save_checkpoint, verify_checkpoint
 from ..artifacts.media import image_grid
 from ..artifacts.trajectories import (TableRef, TrajectoryStore, fixed_list, meta_json, rewards_column,
                                       tensor_column, tensor_from, trajectory_schema)
@@ -117,7 +117,9 @@ class LocalEngine:
         return ckpt
 
     # --- generate -----------------------------------------------------------------------------
-    def generate(self, iteration: int, policy: PolicyRef) -> tuple[TableRef, dict]:
+    def generate(self, iteration: int, policy: PolicyRef) -> tuple[TableRef, dict | None]:
+        if self.store.count(self.spec.run_id, iteration):  # committed before: the store decides
+            return self._latest(), None
         cfg, s = self.cfg, self.cfg.sampling
         items = load_prompt_set(resolve_asset(cfg.dataset.path))
         rng = np.random.default_rng(_seed(cfg.run.seed, iteration, 0))
@@ -170,7 +172,9 @@ class LocalEngine:
         return ref, {"images_per_s": n / seconds, "generate_compute_s": seconds}
 
     # --- decode -------------------------------------------------------------------------------
-    def decode(self, iteration: int, ref: TableRef) -> tuple[TableRef, dict]:
+    def decode(self, iteration: int, ref: TableRef) -> tuple[TableRef, dict | None]:
+        if self._complete(iteration, "image"):
+            return self._latest(), None
         t = self.store.read(ref, self.spec.run_id, iteration, ["run_id", "iteration", "sample_id", "final_latent"])
         lat = torch.from_numpy(tensor_from(t["final_latent"]).copy())
         t0 = time.perf_counter()
@@ -187,7 +191,9 @@ class LocalEngine:
         return out, {"decode_compute_s": seconds}
 
     # --- score --------------------------------------------------------------------------------
-    def score(self, iteration: int, ref: TableRef) -> tuple[TableRef, dict]:
+    def score(self, iteration: int, ref: TableRef) -> tuple[TableRef, dict | None]:
+        if self._complete(iteration, "reward"):
+            return self._latest(), None
         t = self.store.read(ref, self.spec.run_id, iteration,
                             ["run_id", "iteration", "sample_id", "prompt", "prompt_meta", "image"])
         missing = [sid for sid, im in zip(t["sample_id"].to_pylist(), t["image"].to_pylist()) if im is None]
@@ -210,8 +216,10 @@ class LocalEngine:
         return out, metrics
 
     # --- replay -------------------------------------------------------------------------------
-    def replay(self, iteration: int, ref: TableRef) -> tuple[TableRef, BatchPlan, dict]:
-        a, s = self.cfg.algorithm, self.cfg.sampling
+    def replay(self, iteration: int, ref: TableRef) -> tuple[TableRef, BatchPlan, dict | None]:
+        if self._complete(iteration, "advantage"):
+            t = self.store.read(self._latest(), self.spec.run_id, iteration, ["sample_id", "advantage"])
+            return self._latest(), self._plan(t["sample_id"].to_pylist(), t["advantage"].to_numpy()), None
         t = self.store.read(ref, self.spec.run_id, iteration, ["run_id", "iteration", "sample_id", "group_id", "reward"])
         rewards = t["reward"].to_numpy(zero_copy_only=False)
         if np.any(np.isnan(rewards)) or t["reward"].null_count:
@@ -220,22 +228,39 @@ class LocalEngine:
         upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"],
                         "advantage": pa.array(adv.advantages, pa.float32())})
         out = self.store.merge(upd)
-        ids = t["sample_id"].to_pylist()
-        kept = [sid for sid, k in zip(ids, adv.keep) if k or not a.filter_zero_advantage]
-        micro = [kept[i:i + s.micro_batch] for i in range(0, len(kept), s.micro_batch)]
-        n_opt = min(a.optimizer_steps_per_iteration, len(micro))
-        plan = BatchPlan([list(chunk) for chunk in np.array_split(np.array(micro, dtype=object), n_opt)]
-                         if micro else [])
-        plan = BatchPlan([[list(mb) for mb in step] for step in plan.steps])
+        plan = self._plan(t["sample_id"].to_pylist(), adv.advantages)
         metrics = {"zero_std_ratio": adv.zero_std_ratio, "advantage/mean": float(adv.advantages.mean()),
                    "advantage/std": float(adv.advantages.std()), "advantage/abs_max": float(np.abs(adv.advantages).max()),
-                   "samples_trained": float(len(kept))}
+                   "samples_trained": float(sum(len(mb) for step in plan.steps for mb in step))}
         return out, plan, metrics
 
-    # --- update -------------------------------------------------------------------------------
-    def update(self, iteration: int, ref: TableRef, plan: BatchPlan, policy: PolicyRef) -> tuple[CheckpointRef, dict]:
+    def _plan(self, sample_ids: list[str], advantages: np.ndarray) -> BatchPlan:
+        """Micro-batches in rollout order (zero-advantage samples dropped if configured), split
+        into contiguous optimizer-step groups. A pure function of the stored advantages."""
         a, s = self.cfg.algorithm, self.cfg.sampling
+        kept = [sid for sid, adv in zip(sample_ids, advantages) if adv != 0 or not a.filter_zero_advantage]
+        micro = [kept[i:i + s.micro_batch] for i in range(0, len(kept), s.micro_batch)]
+        n_opt = min(a.optimizer_steps_per_iteration, len(micro))
+        bounds = np.linspace(0, len(micro), n_opt + 1).round().astype(int) if micro else []
+        return BatchPlan([micro[bounds[i]:bounds[i + 1]] for i in range(n_opt)] if micro else [])
+
+    # --- update -------------------------------------------------------------------------------
+    def update(self, iteration: int, ref: TableRef, plan: BatchPlan,
+               policy: PolicyRef) -> tuple[CheckpointRef, dict | None]:
+        out_dir = self._checkpoint_path(iteration)
+        if out_dir.exists():  # renamed into place = complete; a checksum mismatch raises CorruptCheckpoint
+            verify_checkpoint(out_dir)
+            return CheckpointRef(str(out_dir), read_counters(out_dir)["checkpoint_id"], iteration), None
         ckpt_dir = self.use_policy(policy)
+        try:
+            return self._update(iteration, ref, plan, policy, ckpt_dir, out_dir)
+        except BaseException:
+            self.policy.invalidate()  # weights may be half-stepped: reload from a checkpoint next time
+            raise
+
+    def _update(self, iteration: int, ref: TableRef, plan: BatchPlan, policy: PolicyRef,
+                ckpt_dir: Path | None, out_dir: Path) -> tuple[CheckpointRef, dict]:
+        a = self.cfg.algorithm
         pol = self.policy
         opt = pol.ensure_optimizer(ckpt_dir)
         fam = pol.family
@@ -291,7 +316,6 @@ class LocalEngine:
         seconds = time.perf_counter() - t0
         pol.module.eval()
         counters = {"iteration": iteration, "optimizer_steps": len(plan.steps), "policy_version_in": policy.version}
-        out_dir = Path(self.spec.workdir) / "checkpoints" / self.spec.run_name / self.spec.run_id / f"it_{iteration:04d}"
         ck = save_checkpoint(out_dir, pol.state(), opt.state_dict(), counters, self.spec.config)
         pol.mark(ck.checkpoint_id)
         metrics = {"update_compute_s": seconds, "lr": opt.param_groups[0]["lr"],
@@ -306,10 +330,26 @@ class LocalEngine:
         return ck, metrics
 
     # --- publish ------------------------------------------------------------------------------
-    def publish(self, iteration: int, ckpt: CheckpointRef) -> PolicyRef:
+    def publish(self, iteration: int, ckpt: CheckpointRef) -> tuple[PolicyRef, dict | None]:
+        done = self.tracker.find_version(self.spec.model_name, self.spec.run_id, iteration)
+        if done is not None:  # registered before a crash: make sure the alias reached it
+            self.tracker.move_alias(done)
+            return done, None
         verify_checkpoint(Path(ckpt.uri))  # never publish a partial or corrupted checkpoint
-        return self.tracker.publish(self.spec.run_id, Path(ckpt.uri), iteration, self.spec.model_name,
-                                    ckpt.checkpoint_id, {"run_name": self.spec.run_name})
+        ref = self.tracker.publish(self.spec.run_id, Path(ckpt.uri), iteration, self.spec.model_name,
+                                   ckpt.checkpoint_id, {"run_name": self.spec.run_name})
+        return ref, {"policy_version": ref.version}
+
+    # --- what the stores already hold ---------------------------------------------------------
+    def _latest(self) -> TableRef:
+        return TableRef(self.store.uri, self.store.latest_version())
+
+    def _complete(self, iteration: int, column: str) -> bool:
+        n = self.store.count(self.spec.run_id, iteration)
+        return n > 0 and self.store.count(self.spec.run_id, iteration, where=f"{column} IS NOT NULL") == n
+
+    def _checkpoint_path(self, iteration: int) -> Path:
+        return Path(self.spec.workdir) / "checkpoints" / self.spec.run_name / self.spec.run_id / f"it_{iteration:04d}"
 
 
 _ENGINES: dict[str, LocalEngine] = {}

@@ -86,6 +86,11 @@ class TrainablePolicy:
             self.optimizer_id = self.weights_id
         return self.optimizer
 
+    def invalidate(self) -> None:
+        """The in-memory weights/optimizer match no checkpoint (e.g. an update failed mid-way)."""
+        self.weights_id = "invalid"
+        self.optimizer_id = "invalid"
+
     def mark(self, checkpoint_id: str) -> None:
         """The in-memory weights and optimizer now equal this (just written) checkpoint."""
         self.weights_id = checkpoint_id

@@ -11,6 +11,8 @@ class Reporter(Protocol):
 
     def stage_finished(self, iteration: int, stage: str, seconds: float, metrics: dict) -> None: ...
 
+    def stage_skipped(self, iteration: int, stage: str) -> None: ...
+
 
 _reporters: list[Reporter] = []
 _timings: dict[tuple[str, int], dict[str, float]] = {}
@@ -30,6 +32,15 @@ def finished(run_id: str, iteration: int, stage: str, seconds: float, metrics: d
     _timings.setdefault((run_id, iteration), {})[stage] = seconds
     for r in list(_reporters):
         r.stage_finished(iteration, stage, seconds, metrics)
+
+
+def skipped(iteration: int, stage: str) -> None:
+    for r in list(_reporters):
+        r.stage_skipped(iteration, stage)
+
+
+def clear(run_id: str, iteration: int) -> None:
+    _timings.pop((run_id, iteration), None)
 
 
 def stage_seconds(run_id: str, iteration: int) -> dict[str, float]:

@@ -40,21 +40,29 @@ def table_uri(cfg: ExperimentConfig, workdir: Path) -> str:
 
 
 @task(name="open-run", persist_result=False)
-def open_run(config: dict, workdir: str) -> RunSpec:
-    """Create the MLflow run: params = flattened config, tags, resolved config as an artifact."""
+def open_run(config: dict, workdir: str, resume_run_id: str | None = None) -> RunSpec:
+    """Create the MLflow run (params = flattened config, tags, resolved config as an artifact), or
+    reattach to it: when resuming, and when Prefect retries this same flow run."""
     cfg = ExperimentConfig.model_validate(config)
     wd = Path(workdir).resolve()
     wd.mkdir(parents=True, exist_ok=True)
     uri = cfg.run.tracking_uri or default_tracking_uri(wd)
     tracker = Tracker(uri)
+    spec_of = lambda rid: RunSpec(config=cfg.model_dump(mode="json"), run_id=rid, run_name=cfg.run.name,  # noqa: E731
+                                  workdir=str(wd), tracking_uri=uri, table_uri=table_uri(cfg, wd),
+                                  model_name=f"pixrl-{cfg.run.name}")
+    fr_id = str(flow_run.get_id() or "")
+    existing = resume_run_id or (tracker.find_run("prefect.flow_run_id", fr_id) if fr_id else None)
+    if existing:
+        tracker.reopen(existing, {"prefect.last_flow_run_id": fr_id})
+        return spec_of(existing)
     tags = {"pixrl.family": cfg.model.family, "pixrl.algorithm": cfg.algorithm.name,
             "pixrl.reward": ",".join(cfg.reward.weights), "pixrl.run_name": cfg.run.name,
             "prefect.flow_run_id": str(flow_run.get_id() or ""), "git.commit": _git_commit()}
     run_id = tracker.start_run(cfg.run.experiment, cfg.run.name, tags)
     tracker.log_params(run_id, flatten(cfg))
     tracker.log_dict(run_id, cfg.model_dump(mode="json"), "config/resolved.yaml")
-    spec = RunSpec(config=cfg.model_dump(mode="json"), run_id=run_id, run_name=cfg.run.name, workdir=str(wd),
-                   tracking_uri=uri, table_uri=table_uri(cfg, wd), model_name=f"pixrl-{cfg.run.name}")
+    spec = spec_of(run_id)
     tracker.set_tags(run_id, {"pixrl.table_uri": spec.table_uri, "pixrl.model_name": spec.model_name})
     return spec
 
@@ -71,21 +79,28 @@ def rl_iteration(spec: RunSpec, iteration: int, policy: dict) -> dict:
 
 
 @flow(name="pixrl-train")
-def train(config: dict, workdir: str = "work") -> dict:
-    """Run `run.iterations` RL iterations from the base weights; returns where the results are."""
+def train(config: dict, workdir: str = "work", resume_run_id: str | None = None) -> dict:
+    """Run `run.iterations` RL iterations from the base weights; returns where the results are.
+
+    Every stage first asks the stores whether its output for (run, iteration) is committed and
+    skips if so; resuming a run (or Prefect retrying this flow run) therefore redoes only the
+    failed stage and what follows, with the same MLflow run."""
     cfg = ExperimentConfig.model_validate(config)
     preflight(cfg)
-    spec = open_run(cfg.model_dump(mode="json"), workdir)
+    spec = open_run(cfg.model_dump(mode="json"), workdir, resume_run_id)
     tracker = Tracker(spec.tracking_uri)
     policy = PolicyRef(spec.model_name, 0).to_dict()
     try:
         for it in range(cfg.run.iterations):
+            progress.clear(spec.run_id, it)
             t0 = time.perf_counter()
             policy = rl_iteration(spec, it, policy)
             wall = time.perf_counter() - t0  # includes the subflow's own Prefect bookkeeping
             stage_s = progress.stage_seconds(spec.run_id, it)
-            tracker.log_metrics(spec.run_id, {"time/iteration_s": wall,
-                                              "orchestration_overhead": 1.0 - sum(stage_s.values()) / wall}, step=it)
+            if stage_s:  # an iteration found complete in the stores logs nothing again
+                tracker.log_metrics(spec.run_id, {"time/iteration_s": wall,
+                                                  "orchestration_overhead": 1.0 - sum(stage_s.values()) / wall},
+                                    step=it)
     except BaseException:
         tracker.end_run(spec.run_id, "FAILED")
         raise

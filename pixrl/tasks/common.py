@@ -1,23 +1,40 @@
-"""Shared plumbing for the stage tasks: time the stage, log its metrics to the MLflow run."""
+"""Shared plumbing for the stage tasks: time the stage and log its metrics to the MLflow run —
+unless the stores showed the stage already complete (resume), in which case nothing is logged,
+so metric steps stay continuous and never duplicated."""
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from ..engines import progress
-from ..engines.local import RunSpec, get_engine
+from ..engines.local import LocalEngine, RunSpec, get_engine
+
+
+@dataclass
+class StageRun:
+    engine: LocalEngine
+    metrics: dict[str, float] | None = field(default_factory=dict)
+
+    def record(self, metrics: dict | None) -> None:
+        """Stage metrics, or None when the stage found its output already committed."""
+        if metrics is None:
+            self.metrics = None
+        else:
+            self.metrics.update(metrics)
 
 
 @contextmanager
 def stage(spec: RunSpec, name: str, iteration: int):
-    """Yields the engine and a metrics dict; logs metrics + wall seconds when the stage succeeds."""
     progress.started(iteration, name)
-    engine = get_engine(spec)
-    metrics: dict[str, float] = {}
+    run = StageRun(get_engine(spec))
     t0 = time.perf_counter()
-    yield engine, metrics
+    yield run
     seconds = time.perf_counter() - t0
-    metrics[f"time/{name}_s"] = seconds
-    engine.tracker.log_metrics(spec.run_id, metrics, step=iteration)
-    progress.finished(spec.run_id, iteration, name, seconds, metrics)
+    if run.metrics is None:
+        progress.skipped(iteration, name)
+        return
+    run.metrics[f"time/{name}_s"] = seconds
+    run.engine.tracker.log_metrics(spec.run_id, run.metrics, step=iteration)
+    progress.finished(spec.run_id, iteration, name, seconds, run.metrics)

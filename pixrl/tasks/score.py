@@ -8,7 +8,7 @@ from .common import stage
 @task(name="score", persist_result=False)
 def score(spec: RunSpec, iteration: int, table: dict) -> dict:
     """Configured rewards → per-component and total reward columns; fails loud on NaN/missing."""
-    with stage(spec, "score", iteration) as (engine, metrics):
-        ref, m = engine.score(iteration, TableRef(**table))
-        metrics.update(m)
+    with stage(spec, "score", iteration) as st:
+        ref, m = st.engine.score(iteration, TableRef(**table))
+        st.record(m)
     return ref.to_dict()

@@ -9,8 +9,8 @@ from .common import stage
 @task(name="update", persist_result=False)
 def update(spec: RunSpec, iteration: int, replayed: dict, policy: dict) -> dict:
     """Replay stored transitions through the current model, PPO-clip loss, optimizer steps → checkpoint."""
-    with stage(spec, "update", iteration) as (engine, metrics):
-        ck, m = engine.update(iteration, TableRef(**replayed["table"]), BatchPlan(**replayed["plan"]),
+    with stage(spec, "update", iteration) as st:
+        ck, m = st.engine.update(iteration, TableRef(**replayed["table"]), BatchPlan(**replayed["plan"]),
                               PolicyRef(**policy))
-        metrics.update(m)
+        st.record(m)
     return ck.to_dict()
