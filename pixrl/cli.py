@@ -113,14 +113,15 @@ def resume(
 def pretrain(
     out: str = typer.Option("pixrl/assets/mini_shapes", help="output directory (diffusers layout)"),
     seed: int = typer.Option(0),
-    vae_minutes: float = typer.Option(10.0),
-    transformer_minutes: float = typer.Option(85.0),
+    vae_steps: int = typer.Option(600),
+    denoiser_steps: int = typer.Option(2000),
+    threads: int = typer.Option(1, help="torch threads (results are reproducible per seed and thread count)"),
     log: Optional[str] = typer.Option(None, help="JSONL log file (default <out>.log.jsonl)"),
 ) -> None:
     """Pretrain the shapes-world miniature (VAE, text encoders, transformer) on CPU."""
     from .models.mini.pretrain import PretrainConfig, pretrain as run_pretrain
 
-    cfg = PretrainConfig(seed=seed, vae_minutes=vae_minutes, transformer_minutes=transformer_minutes)
+    cfg = PretrainConfig(seed=seed, vae_steps=vae_steps, denoiser_steps=denoiser_steps, threads=threads)
     log_path = Path(log or f"{out}.log.jsonl")
     with log_path.open("a") as fh:
         def emit(rec: dict) -> None:

@@ -4,7 +4,8 @@ Phase 1 trains the VAE (32×32 px ↔ 8×8×4) on renders; its latent statistics
 pipeline's scaling/shift factors. Phase 2 trains the transformer and both text encoders with
 rectified flow (x_t = (1−t)x0 + tε, target ε − x0) on VAE latents, with 10% empty captions for
 classifier-free guidance, adaLN-zero init and an EMA. Only train-split captions are used, so
-held-out compositions stay unseen. Every phase is time-budgeted and reproducible from the seed.
+held-out compositions stay unseen. Both phases have fixed step budgets (with cosine schedules
+over them), so a run is reproducible from its seed at a given thread count.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from .build import MiniSpec, build_pipeline, save_pipeline
 @dataclass
 class PretrainConfig:
     seed: int = 0
-    vae_minutes: float = 12.0
-    transformer_minutes: float = 90.0
+    vae_steps: int = 600
+    denoiser_steps: int = 2000
     batch_size: int = 64
     vae_lr: float = 1e-3
     lr: float = 6e-4
@@ -39,7 +40,8 @@ class PretrainConfig:
     kl_weight: float = 1e-6
     caption_dropout: float = 0.1
     ema_decay: float = 0.999
-    save_every_minutes: float = 15.0
+    save_every_steps: int = 500
+    threads: int = 1
 
 
 class SceneStream:
@@ -64,9 +66,8 @@ def _to_uint8(x: torch.Tensor) -> np.ndarray:
 
 def train_vae(vae, stream: SceneStream, cfg: PretrainConfig, log: Callable[[dict], None]) -> None:
     opt = torch.optim.AdamW(vae.parameters(), lr=cfg.vae_lr, weight_decay=0.0)
-    start, step = time.time(), 0
-    budget = cfg.vae_minutes * 60
-    while time.time() - start < budget:
+    start = time.time()
+    for step in range(1, cfg.vae_steps + 1):
         x, _, _ = stream.batch(cfg.batch_size)
         post = vae.encode(x).latent_dist
         rec = vae.decode(post.sample()).sample
@@ -75,11 +76,10 @@ def train_vae(vae, stream: SceneStream, cfg: PretrainConfig, log: Callable[[dict
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        frac = (time.time() - start) / budget
+        frac = step / cfg.vae_steps
         for g in opt.param_groups:
-            g["lr"] = cfg.vae_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+            g["lr"] = cfg.vae_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         opt.step()
-        step += 1
         if step % 100 == 0:
             with torch.no_grad():
                 xe, _, metas = stream.batch(64)
@@ -131,9 +131,8 @@ def train_denoiser(pipe, stream: SceneStream, cfg: PretrainConfig, log: Callable
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     vcfg = pipe.vae.config
-    start, step, last_save = time.time(), 0, time.time()
-    budget = cfg.transformer_minutes * 60
-    while time.time() - start < budget:
+    start = time.time()
+    for step in range(1, cfg.denoiser_steps + 1):
         x, captions, _ = stream.batch(cfg.batch_size)
         with torch.no_grad():
             z0 = (pipe.vae.encode(x).latent_dist.sample(generator=gen) - vcfg.shift_factor) * vcfg.scaling_factor
@@ -151,12 +150,11 @@ def train_denoiser(pipe, stream: SceneStream, cfg: PretrainConfig, log: Callable
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, 1.0)
-        frac = (time.time() - start) / budget
-        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+        frac = step / cfg.denoiser_steps
+        lr = cfg.lr * min(1.0, step / cfg.warmup_steps) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for g in opt.param_groups:
             g["lr"] = lr
         opt.step()
-        step += 1
         with torch.no_grad():
             d = min(cfg.ema_decay, (1 + step) / (10 + step))
             for m, e in zip(modules, ema):
@@ -165,16 +163,16 @@ def train_denoiser(pipe, stream: SceneStream, cfg: PretrainConfig, log: Callable
         if step % 100 == 0:
             log({"phase": "denoiser", "step": step, "loss": float(loss), "grad_norm": float(gnorm), "lr": lr,
                  "minutes": (time.time() - start) / 60})
-        if time.time() - last_save > cfg.save_every_minutes * 60:
+        if step % cfg.save_every_steps == 0 and step < cfg.denoiser_steps:
             on_save({"step": step, "ema": ema})
-            last_save = time.time()
-    on_save({"step": step, "ema": ema, "final": True})
+    on_save({"step": cfg.denoiser_steps, "ema": ema, "final": True})
 
 
 def pretrain(out_dir: Path, cfg: PretrainConfig, spec: MiniSpec | None = None,
              log: Callable[[dict], None] = print, on_checkpoint: Callable[[Path, int], None] | None = None) -> Path:
     """Build, pretrain and save the miniature to `out_dir` (diffusers layout, EMA weights)."""
     spec = spec or MiniSpec()
+    torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     work = out_dir.parent / (out_dir.name + ".build")
     pipe = build_pipeline(spec, cfg.seed, work)
@@ -206,4 +204,7 @@ def pretrain(out_dir: Path, cfg: PretrainConfig, spec: MiniSpec | None = None,
             on_checkpoint(out_dir, state["step"])
 
     train_denoiser(pipe, stream, cfg, log, save)
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)  # tokenizer build files; the saved pipeline has its own copy
     return out_dir
