@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -11,18 +10,13 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from .config.environment import apply_defaults
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="RL post-training for visual generative models (Prefect + Lance + MLflow).")
 console = Console(stderr=True)
 
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+apply_defaults()
 
 
 def _fail(msg: str, code: int = 2) -> None:

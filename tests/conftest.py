@@ -1,14 +1,9 @@
 """Shared fixtures: a tiny random SD3 checkpoint in the real diffusers layout, and a Prefect
 test harness (temporary SQLite API server) for the flows."""
 
-import os
+from pixrl.config.environment import apply_defaults
 
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+apply_defaults()
 
 from pathlib import Path  # noqa: E402
 

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 import torch
 
+from ..config.registry import Registry
 from ..config.schema import AlgorithmConfig
 from .advantages import GroupAdvantages
 from .flow_sde import StepOut
@@ -38,21 +39,13 @@ class Algorithm(ABC):
                         reference: StepOut | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
-_ALGORITHMS: dict[str, type[Algorithm]] = {}
+def _builtin() -> None:
+    from . import flow_grpo  # noqa: F401  (registers the built-in algorithms)
 
 
-def register_algorithm(name: str):
-    def deco(cls):
-        cls.name = name
-        _ALGORITHMS[name] = cls
-        return cls
-
-    return deco
+ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm", "algorithms", _builtin)
+register_algorithm = ALGORITHMS.register
 
 
 def build_algorithm(cfg: AlgorithmConfig) -> Algorithm:
-    from . import flow_grpo  # noqa: F401  (registers the built-in algorithms)
-
-    if cfg.name not in _ALGORITHMS:
-        raise KeyError(f"unknown algorithm {cfg.name!r}; registered algorithms: {', '.join(sorted(_ALGORITHMS))}")
-    return _ALGORITHMS[cfg.name](cfg)
+    return ALGORITHMS.get(cfg.name)(cfg)

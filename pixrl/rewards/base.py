@@ -9,9 +9,10 @@ NaN, a missing key or a wrong length is a ScoringError naming the sample and the
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable
 
 import numpy as np
+
+from ..config.registry import Registry
 
 
 class ScoringError(RuntimeError):
@@ -29,32 +30,18 @@ class Reward(ABC):
         ...
 
 
-_REWARDS: dict[str, Callable[..., Reward]] = {}
+def _builtin() -> None:
+    from . import jpeg, shapes  # noqa: F401
 
 
-def register_reward(name: str):
-    def deco(cls):
-        cls.name = name
-        _REWARDS[name] = cls
-        return cls
-
-    return deco
-
-
-def registered_rewards() -> list[str]:
-    _import_builtin()
-    return sorted(_REWARDS)
+REWARDS: Registry[type[Reward]] = Registry("reward", "rewards", _builtin)
+register_reward = REWARDS.register
+registered_rewards = REWARDS.names
 
 
 def build_reward(name: str, **options) -> Reward:
-    _import_builtin()
-    if name not in _REWARDS:
-        raise KeyError(f"unknown reward {name!r}; registered rewards: {', '.join(sorted(_REWARDS))}")
+    cls = REWARDS.get(name)
     try:
-        return _REWARDS[name](**options)
+        return cls(**options)
     except TypeError as exc:
         raise ValueError(f"bad options for reward {name!r}: {exc}") from None
-
-
-def _import_builtin() -> None:
-    from . import jpeg, shapes  # noqa: F401
