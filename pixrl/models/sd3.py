@@ -70,6 +70,9 @@ class SD3Family:
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu",
              max_sequence_length: int = 256) -> "SD3Family":
         from diffusers import StableDiffusion3Pipeline
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.disable_progress_bar()  # the loader's bars would garble the CLI's own progress
 
         p = Path(path)
         if not (p / "model_index.json").is_file():
