@@ -78,7 +78,7 @@ class DatasetConfig(_Section):
 
 class RunConfig(_Section):
     name: str = "default"
-    iterations: int = Field(20, ge=1)
+    iterations: int = Field(40, ge=1)
     seed: int = 0
     workdir: str = "work"
     store_root: str | None = None  # Lance root; default <workdir>/lance (local path or object-store URI)
