@@ -36,7 +36,7 @@ from .policy import TrainablePolicy
 
 @dataclass(frozen=True)
 class RunSpec:
-    """Everything a stage needs to find its run: small, hashable, passed to every task."""
+    """Everything a stage needs to find its run: small and serialisable, passed to every task."""
 
     config: dict
     run_id: str  # MLflow run id; also the run_id column of the trajectory table
