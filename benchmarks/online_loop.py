@@ -2,6 +2,7 @@
 (1 − Σ stage seconds / iteration wall time) on the default recipe, read back from MLflow.
 
     .venv/bin/python benchmarks/online_loop.py --iterations 5 [key=value ...]
+    .venv/bin/python benchmarks/online_loop.py --existing WORKDIR RUN_NAME   # figures of a finished run
 
 Prints a markdown table for the README. Not a test: timings depend on the machine.
 """
@@ -27,18 +28,29 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iterations", type=int, default=5)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--existing", nargs=2, metavar=("WORKDIR", "RUN"), help="report a finished run instead")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
-    wd = Path(a.workdir or tempfile.mkdtemp(prefix="pixrl-bench-"))
-    cmd = [sys.executable, "-m", "pixrl.cli", "train", "--iterations", str(a.iterations), "--workdir", str(wd),
-           "--run", "bench", *a.overrides]
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
-    total = time.perf_counter() - t0
-    if out.returncode:
-        sys.exit(out.stderr[-3000:])
-    info = json.loads(out.stdout.strip().splitlines()[-1])
-    c = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
+    total = float("nan")
+    if a.existing:
+        wd = Path(a.existing[0])
+        c = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
+        exps = [e.experiment_id for e in c.search_experiments()]
+        run = c.search_runs(exps, filter_string=f"tags.`pixrl.run_name` = '{a.existing[1]}'",
+                            order_by=["attributes.start_time DESC"], max_results=1)[0]
+        info = {"run_id": run.info.run_id}
+        a.iterations = len(c.get_metric_history(run.info.run_id, "time/iteration_s"))
+    else:
+        wd = Path(a.workdir or tempfile.mkdtemp(prefix="pixrl-bench-"))
+        cmd = [sys.executable, "-m", "pixrl.cli", "train", "--iterations", str(a.iterations), "--workdir", str(wd),
+               "--run", "bench", *a.overrides]
+        t0 = time.perf_counter()
+        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
+        total = time.perf_counter() - t0
+        if out.returncode:
+            sys.exit(out.stderr[-3000:])
+        info = json.loads(out.stdout.strip().splitlines()[-1])
+        c = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
 
     def hist(key: str) -> list[float]:
         return [m.value for m in sorted(c.get_metric_history(info["run_id"], key), key=lambda m: m.step)]
@@ -48,13 +60,13 @@ def main() -> None:
     it = hist("time/iteration_s")[skip:]
     ov = hist("orchestration_overhead")[skip:]
     ips = hist("images_per_s")[skip:]
-    print(f"| stage | median s/iteration |\n|---|---|")
+    print(f"{a.iterations} iterations\n\n| stage | median s/iteration |\n|---|---|")
     for s in STAGES:
         print(f"| {s} | {statistics.median(rows[s]):.2f} |")
     print(f"| **iteration (wall)** | {statistics.median(it):.2f} |")
     print(f"\norchestration overhead (median): {100 * statistics.median(ov):.1f}% ; "
           f"generate throughput: {statistics.median(ips):.1f} images/s ; "
-          f"process wall incl. start-up: {total:.0f} s for {a.iterations} iterations")
+          f"process wall incl. start-up: {total:.0f} s")
 
 
 if __name__ == "__main__":
