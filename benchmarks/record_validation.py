@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=100)
     ap.add_argument("--per-category", type=int, default=48)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--reuse", action="store_true", help="the run exists in --workdir: only evaluate and record")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     out_dir = ROOT / "docs" / "runs" / a.name
@@ -48,15 +49,25 @@ def main() -> None:
     summary["train_before_detail"] = _eval(["--split", "train"], wd, a.per_category)
     summary["eval_before_s"] = time.time() - t0
 
-    t1 = time.time()
-    cmd = [sys.executable, "-m", "pixrl.cli", "train", "--iterations", str(a.iterations), "--workdir", str(wd),
-           "--run", a.name, *a.overrides]
-    with (out_dir / "train.log").open("w") as log:
-        rc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
-    if rc.returncode:
-        sys.exit(f"training failed, see {out_dir / 'train.log'}")
-    info = json.loads(rc.stdout.strip().splitlines()[-1])
-    summary["train_s"] = time.time() - t1
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
+    if a.reuse:
+        exps = [e.experiment_id for e in c.search_experiments()]
+        run = c.search_runs(exps, filter_string=f"tags.`pixrl.run_name` = '{a.name}'",
+                            order_by=["attributes.start_time DESC"], max_results=1)[0]
+        info = {"run_id": run.info.run_id}
+        summary["train_s"] = (run.info.end_time - run.info.start_time) / 1000
+    else:
+        t1 = time.time()
+        cmd = [sys.executable, "-m", "pixrl.cli", "train", "--iterations", str(a.iterations), "--workdir", str(wd),
+               "--run", a.name, *a.overrides]
+        with (out_dir / "train.log").open("w") as log:
+            rc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+        if rc.returncode:
+            sys.exit(f"training failed, see {out_dir / 'train.log'}")
+        info = json.loads(rc.stdout.strip().splitlines()[-1])
+        summary["train_s"] = time.time() - t1
     summary["mlflow_run_id"] = info["run_id"]
 
     t2 = time.time()
@@ -68,9 +79,6 @@ def main() -> None:
         summary[f"{split}_after"] = summary[f"{split}_after_detail"]["accuracy"]
         summary[f"{split}_lift"] = summary[f"{split}_after"] - summary[f"{split}_before"]
 
-    from mlflow.tracking import MlflowClient
-
-    c = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
     keys = ["reward/reward/mean", "reward/shapes.correct/mean", "reward/shapes.partial/mean", "zero_std_ratio",
             "loss", "clipfrac", "approx_kl", "grad_norm", "optimizer_steps", "time/iteration_s"]
     hist = {k: {m.step: m.value for m in c.get_metric_history(info["run_id"], k)} for k in keys}
@@ -86,9 +94,11 @@ def main() -> None:
     summary["reward_last_10pct"] = float(r[-q:].mean())
     summary["optimizer_updates"] = int(sum(hist["optimizer_steps"].values()))
     run = c.get_run(info["run_id"])
-    (out_dir / "config.json").write_text(json.dumps(json.loads(
-        Path(c.download_artifacts(info["run_id"], "config/resolved.yaml", str(out_dir))).read_text()), indent=2))
-    (out_dir / "config").exists() and __import__("shutil").rmtree(out_dir / "config")
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:  # the resolved config exactly as logged to MLflow
+        shutil.copy(c.download_artifacts(info["run_id"], "config/resolved.yaml", tmp), out_dir / "config.yaml")
 
     from safetensors.torch import load_file
 
