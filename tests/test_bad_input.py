@@ -1,6 +1,5 @@
 """Bad input ends in a clear error, a non-zero exit, and nothing half-written."""
 
-import json
 
 import lance
 import numpy as np
