@@ -19,6 +19,15 @@ console = Console(stderr=True)
 apply_defaults()
 
 
+def _workdir_tracker(workdir: str):
+    """The MLflow tracker of an existing work directory, or a clear error."""
+    from .artifacts.tracking import Tracker, default_tracking_uri
+
+    if not (Path(workdir) / "mlflow.db").is_file():
+        _fail(f"no pixrl work directory at {workdir!r} (no mlflow.db); pass --workdir")
+    return Tracker(default_tracking_uri(Path(workdir)))
+
+
 def _fail(msg: str, code: int = 2) -> None:
     console.print(f"[bold red]error:[/] {msg}")
     raise typer.Exit(code)
@@ -85,13 +94,10 @@ def resume(
     workdir: str = typer.Option("work", "--workdir"),
 ) -> None:
     """Continue a failed or killed run: stages whose outputs are committed are skipped."""
-    from .artifacts.tracking import Tracker, default_tracking_uri
     from .config.schema import ExperimentConfig
     from .engines.preflight import PreflightError, preflight
 
-    if not (Path(workdir) / "mlflow.db").is_file():
-        _fail(f"no pixrl work directory at {workdir!r} (no mlflow.db); pass --workdir")
-    tracker = Tracker(default_tracking_uri(Path(workdir)))
+    tracker = _workdir_tracker(workdir)
     run_id = tracker.find_run("pixrl.run_name", run)
     if run_id is None:
         _fail(f"no run named {run!r} in {workdir}")
@@ -217,12 +223,9 @@ def status(
     from rich.table import Table
 
     from .artifacts.status import run_status
-    from .artifacts.tracking import default_tracking_uri
     from .flows.online import STAGES
 
-    if not (Path(workdir) / "mlflow.db").is_file():
-        _fail(f"no pixrl work directory at {workdir!r} (no mlflow.db); pass --workdir")
-    run_id, its = run_status(Path(workdir), run, default_tracking_uri(Path(workdir)))
+    run_id, its = run_status(Path(workdir), run, _workdir_tracker(workdir).uri)
     if run_id is None:
         _fail(f"no run named {run!r} in {workdir}")
     table = Table(title=f"run {run} · MLflow {run_id}")

@@ -25,13 +25,10 @@ class IterationStatus:
 
 def run_status(workdir: Path, run_name: str, tracking_uri: str) -> tuple[str | None, list[IterationStatus]]:
     tracker = Tracker(tracking_uri)
-    runs = tracker.client.search_runs(
-        [e.experiment_id for e in tracker.client.search_experiments()],
-        filter_string=f"tags.`pixrl.run_name` = '{run_name}'", order_by=["attributes.start_time DESC"], max_results=1)
-    if not runs:
+    run_id = tracker.find_run("pixrl.run_name", run_name)
+    if run_id is None:
         return None, []
-    run = runs[0]
-    run_id = run.info.run_id
+    run = tracker.client.get_run(run_id)
     store = TrajectoryStore(run.data.tags.get("pixrl.table_uri", ""))
     versions = {}
     for mv in tracker.client.search_model_versions(f"name='{run.data.tags.get('pixrl.model_name', '')}'"):

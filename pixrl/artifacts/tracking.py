@@ -7,7 +7,6 @@ tasks running in any process log into the right run.
 
 from __future__ import annotations
 
-import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,8 +141,3 @@ class Tracker:
 def default_tracking_uri(workdir: Path) -> str:
     return f"sqlite:///{(workdir / 'mlflow.db').resolve()}"
 
-
-def write_json_tmp(obj: dict) -> Path:
-    f = Path(tempfile.mkdtemp()) / "data.json"
-    f.write_text(json.dumps(obj, indent=2))
-    return f

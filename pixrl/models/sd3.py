@@ -31,9 +31,6 @@ class Conditioning:
     prompt_embeds: torch.Tensor  # [B, L, D]
     pooled: torch.Tensor  # [B, P]
 
-    def __len__(self) -> int:
-        return self.prompt_embeds.shape[0]
-
     def select(self, idx) -> "Conditioning":
         return Conditioning(self.prompt_embeds[idx], self.pooled[idx])
 
