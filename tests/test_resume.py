@@ -3,23 +3,33 @@ reattached, no Lance row is duplicated, and the final weights are bit-identical 
 uninterrupted run (CPU fp32)."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import lance
 import pytest
+from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from conftest import tiny_overrides
+from pixrl.artifacts.checkpoints import verify_checkpoint
 from pixrl.cli import app
-from pixrl.engines.local import LocalEngine
+from pixrl.engines.chaos import ENV
 
 STAGES = ["generate", "decode", "score", "replay", "update", "publish"]
 
 
+def train_args(ckpt, wd, run, iterations=2):
+    return ["train", "--iterations", str(iterations), "--run", run, "--seed", "7", "reward=jpeg_compressibility",
+            *tiny_overrides(ckpt, wd)]
+
+
 def _train(ckpt, wd, run):
-    return CliRunner().invoke(app, ["train", "--iterations", "2", "--run", run, "--seed", "7",
-                                    "reward=jpeg_compressibility", *tiny_overrides(ckpt, wd)])
+    return CliRunner().invoke(app, train_args(ckpt, wd, run))
 
 
 def _final_weights(wd, run, run_id):
@@ -35,37 +45,88 @@ def uninterrupted(tiny_checkpoint, tmp_path_factory, prefect_harness):
     return _final_weights(wd, "ref", run_id)
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_resume_after_exception_is_bit_identical(stage, tiny_checkpoint, tmp_path, monkeypatch, uninterrupted):
-    original = getattr(LocalEngine, stage)
-    calls = {"n": 0}
+def check_resumed_run(wd, run, run_id, reference):
+    """Everything a resumed 2-iteration run must show, whatever interrupted it."""
+    new = _final_weights(wd, run, run_id)
+    assert all(new[k].equal(reference[k]) for k in reference), "resumed weights differ"
 
-    def failing(self, iteration, *args, **kwargs):
-        if iteration == 1 and calls["n"] == 0:
-            calls["n"] += 1
-            raise OSError(f"injected fault in {stage}")
-        return original(self, iteration, *args, **kwargs)
-
-    monkeypatch.setattr(LocalEngine, stage, failing)
-    wd = tmp_path / "wd"
-    res = _train(tiny_checkpoint, wd, "A")
-    assert res.exit_code == 1 and f"injected fault in {stage}" in res.output
-    res = CliRunner().invoke(app, ["resume", "A", "--workdir", str(wd)])
-    assert res.exit_code == 0, res.output
-    assert "(done before)" in res.output
-    run_id = json.loads(res.stdout.strip().splitlines()[-1])["run_id"]
-    new = _final_weights(wd, "A", run_id)
-    assert all(new[k].equal(uninterrupted[k]) for k in uninterrupted), "resumed weights differ"
-
-    ds = lance.dataset(str(wd / "lance" / "A" / "trajectories.lance"))
+    ds = lance.dataset(str(wd / "lance" / run / "trajectories.lance"))
     t = ds.to_table(columns=["sample_id", "iteration", "advantage"])
     assert t.num_rows == 16 and len(set(zip(t["iteration"].to_pylist(), t["sample_id"].to_pylist()))) == 16
     assert t["advantage"].null_count == 0
     client = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
     assert client.get_run(run_id).info.status == "FINISHED"
     assert len(client.search_runs([client.get_experiment_by_name("pixrl").experiment_id])) == 1
-    for key in ("reward/reward/mean", "loss", "time/generate_s", "policy_version"):
+    for key in ("images_per_s", "decode_compute_s", "reward/reward/mean", "zero_std_ratio", "loss",
+                "policy_version", *(f"time/{s}_s" for s in STAGES if s != "publish")):
         assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [0, 1], key
-    versions = sorted(int(v.version) for v in client.search_model_versions("name='pixrl-A'"))
+    versions = sorted(int(v.version) for v in client.search_model_versions(f"name='pixrl-{run}'"))
     assert versions == [1, 2]
-    assert int(client.get_model_version_by_alias("pixrl-A", "rollout").version) == 2
+    alias = client.get_model_version_by_alias(f"pixrl-{run}", "rollout")
+    assert int(alias.version) == 2
+    verify_checkpoint(wd / "checkpoints" / run / run_id / "it_0001")  # the alias target is complete
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_resume_after_exception_is_bit_identical(stage, tiny_checkpoint, tmp_path, monkeypatch, uninterrupted):
+    monkeypatch.setenv(ENV, f"{stage}@1:raise")
+    wd = tmp_path / "wd"
+    res = _train(tiny_checkpoint, wd, "A")
+    assert res.exit_code == 1 and f"injected fault in {stage}" in res.output
+    monkeypatch.delenv(ENV)
+    res = CliRunner().invoke(app, ["resume", "A", "--workdir", str(wd)])
+    assert res.exit_code == 0, res.output
+    assert "(done before)" in res.output
+    run_id = json.loads(res.stdout.strip().splitlines()[-1])["run_id"]
+    check_resumed_run(wd, "A", run_id, uninterrupted)
+
+
+def _cli_process(args, env_extra, **kw):
+    """`pixrl ...` as its own process, talking to the test's Prefect server."""
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), **env_extra}
+    env.pop(ENV, None) if ENV not in env_extra else None
+    return subprocess.Popen([sys.executable, "-c", "from pixrl.cli import app; app()", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def _resume_process(wd, run):
+    p = _cli_process(["resume", run, "--workdir", str(wd)], {})
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    return json.loads(out.strip().splitlines()[-1])["run_id"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_resume_after_sigkill_is_bit_identical(stage, tiny_checkpoint, tmp_path, uninterrupted):
+    """The process dies mid-stage (after its work, before its commit) with no chance to clean up."""
+    wd = tmp_path / "wd"
+    p = _cli_process(train_args(tiny_checkpoint, wd, "K"), {ENV: f"{stage}@1:sigkill"})
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == -signal.SIGKILL, out
+    run_id = _resume_process(wd, "K")
+    check_resumed_run(wd, "K", run_id, uninterrupted)
+
+
+def test_sigkill_from_outside_at_an_arbitrary_moment(tiny_checkpoint, tmp_path):
+    """`pixrl train -n 3` killed by SIGKILL while iteration 1 is under way, then `pixrl resume`,
+    publishes the same final weights as an uninterrupted run."""
+    ref = tmp_path / "ref"
+    p = _cli_process(train_args(tiny_checkpoint, ref, "A", iterations=3), {})
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    ref_id = json.loads(out.strip().splitlines()[-1])["run_id"]
+
+    wd = tmp_path / "wd"
+    p = _cli_process(train_args(tiny_checkpoint, wd, "A", iterations=3), {}, start_new_session=True)
+    deadline = time.time() + 300
+    while not list((wd / "records" / "A").glob("*/it_0001/decode.json")):  # iteration 1 is under way
+        assert p.poll() is None and time.time() < deadline, "training ended before it could be killed"
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    run_id = _resume_process(wd, "A")
+    final = lambda w, rid: load_file(str(w / "checkpoints" / "A" / rid / "it_0002" / "trainable.safetensors"))
+    want, got = final(ref, ref_id), final(wd, run_id)
+    assert all(got[k].equal(want[k]) for k in want), "resumed weights differ from the uninterrupted run"

@@ -78,6 +78,14 @@ class Tracker:
         for i in range(0, len(items), 500):
             self.client.log_batch(run_id, metrics=items[i:i + 500])
 
+    def log_missing_metrics(self, run_id: str, metrics: dict[str, float], step: int) -> list[str]:
+        """Log only the metrics that have no value at this step yet (crash recovery); returns them."""
+        missing = {k: v for k, v in metrics.items()
+                   if all(m.step != step for m in self.client.get_metric_history(run_id, k))}
+        if missing:
+            self.log_metrics(run_id, missing, step)
+        return sorted(missing)
+
     def log_dict(self, run_id: str, obj: dict, artifact_file: str) -> None:
         self.client.log_dict(run_id, obj, artifact_file)
 
@@ -92,7 +100,7 @@ class Tracker:
 
     # --- registry -----------------------------------------------------------------------------
     def publish(self, run_id: str, ckpt_dir: Path, iteration: int, model_name: str,
-                checkpoint_id: str, tags: dict[str, str]) -> PolicyRef:
+                checkpoint_id: str, tags: dict[str, str], before_alias=None) -> PolicyRef:
         """Log the checkpoint under checkpoints/it_NNNN, register it, then move alias `rollout`."""
         artifact_path = f"checkpoints/it_{iteration:04d}"
         self.client.log_artifacts(run_id, str(ckpt_dir), artifact_path)
@@ -104,6 +112,8 @@ class Tracker:
         mv = self.client.create_model_version(model_name, source=source, run_id=run_id,
                                               tags={"checkpoint_id": checkpoint_id, "iteration": str(iteration),
                                                     **tags})
+        if before_alias is not None:
+            before_alias()
         self.client.set_registered_model_alias(model_name, ROLLOUT_ALIAS, mv.version)
         return PolicyRef(model_name, int(mv.version), source, checkpoint_id)
 

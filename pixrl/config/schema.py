@@ -64,7 +64,7 @@ class RewardConfig(_Section):
     options: dict[str, dict] = Field(default_factory=dict, description="per-reward constructor options")
 
     @model_validator(mode="after")
-    def _nonempty(self) -> "RewardConfig":
+    def _nonempty(self) -> RewardConfig:
         if not self.weights:
             raise ValueError("reward.weights is empty; name at least one reward, e.g. reward.weights={shapes: 1.0}")
         return self
@@ -76,6 +76,22 @@ class DatasetConfig(_Section):
     heldout_path: str | None = "builtin:shapes/prompts_heldout.parquet"
 
 
+STAGES = ("generate", "decode", "score", "replay", "update", "publish")
+
+
+class TaskRetry(_Section):
+    """Retries of one stage task for transient faults only (connection, timeout, busy file)."""
+
+    retries: int = Field(2, ge=0, description="extra attempts after the first")
+    delay_s: float = Field(1.0, ge=0, description="wait before the first retry")
+    backoff: float = Field(2.0, ge=1.0, description="each further wait is this many times longer")
+    jitter: float | None = Field(0.5, ge=0, description="Prefect retry_jitter_factor (None: exact delays)")
+
+
+def _default_retries() -> dict[str, TaskRetry]:
+    return {s: TaskRetry(retries=3 if s in ("score", "publish") else 2) for s in STAGES}
+
+
 class RunConfig(_Section):
     name: str = "default"
     iterations: int = Field(40, ge=1)
@@ -85,6 +101,17 @@ class RunConfig(_Section):
     tracking_uri: str | None = None  # default sqlite:///<workdir>/mlflow.db
     experiment: str = "pixrl"
     threads: int | None = None
+    retries: dict[str, TaskRetry] = Field(default_factory=_default_retries,
+                                          description="per stage task; only transient faults are retried")
+
+    @model_validator(mode="after")
+    def _known_stages(self) -> RunConfig:
+        unknown = sorted(set(self.retries) - set(STAGES))
+        if unknown:
+            raise ValueError(f"run.retries has unknown stage(s) {unknown}; stages are {', '.join(STAGES)}")
+        for stage, default in _default_retries().items():  # a partial override keeps the other stages' defaults
+            self.retries.setdefault(stage, default)
+        return self
 
 
 class ExperimentConfig(_Section):
@@ -96,7 +123,7 @@ class ExperimentConfig(_Section):
     run: RunConfig = RunConfig()
 
     @model_validator(mode="after")
-    def _consistent(self) -> "ExperimentConfig":
+    def _consistent(self) -> ExperimentConfig:
         n = self.sampling.group_size * self.sampling.prompts_per_iteration
         if n % self.sampling.micro_batch:
             raise ValueError(f"sampling.micro_batch={self.sampling.micro_batch} must divide group_size × "

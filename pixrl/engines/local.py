@@ -22,15 +22,29 @@ from PIL import Image
 from ..algorithms.base import build_algorithm
 from ..algorithms.recipe import rollout_recipe
 from ..algorithms.sampling import SamplerRecipe, replay_step, sample
-from ..artifacts.checkpoints import CheckpointRef, read_counters, save_checkpoint, verify_checkpoint
+from ..artifacts.checkpoints import (
+    CheckpointRef,
+    read_counters,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from ..artifacts.media import image_grid
-from ..artifacts.trajectories import (TableRef, TrajectoryStore, fixed_list, meta_json, rewards_column,
-                                      tensor_column, tensor_from, trajectory_schema)
 from ..artifacts.tracking import PolicyRef, Tracker
+from ..artifacts.trajectories import (
+    TableRef,
+    TrajectoryStore,
+    fixed_list,
+    meta_json,
+    rewards_column,
+    tensor_column,
+    tensor_from,
+    trajectory_schema,
+)
 from ..config.schema import ExperimentConfig
 from ..datasets.prompts import choose_prompts, load_prompt_set
 from ..rewards.compose import RewardSet
 from .assets import resolve_asset
+from .chaos import fault_point
 from .policy import TrainablePolicy
 
 
@@ -167,9 +181,10 @@ class LocalEngine:
             pa.nulls(n, pa.binary()), pa.nulls(n, schema.field("rewards").type), pa.nulls(n, pa.float32()),
             pa.nulls(n, pa.float32()),
         ], schema=schema)
+        metrics = self._before_commit("generate", iteration, {"images_per_s": n / seconds, "generate_compute_s": seconds})
         ref = self.store.append(table)
         self.store.tag(f"{self.spec.run_name}-it{iteration}-generate", ref.version)
-        return ref, {"images_per_s": n / seconds, "generate_compute_s": seconds}
+        return ref, metrics
 
     # --- decode -------------------------------------------------------------------------------
     def decode(self, iteration: int, ref: TableRef) -> tuple[TableRef, dict | None]:
@@ -187,8 +202,9 @@ class LocalEngine:
                                key="samples", step=iteration)
         upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"],
                         "image": pa.array(pngs, pa.binary())})
+        metrics = self._before_commit("decode", iteration, {"decode_compute_s": seconds})
         out = self.store.merge(upd)
-        return out, {"decode_compute_s": seconds}
+        return out, metrics
 
     # --- score --------------------------------------------------------------------------------
     def score(self, iteration: int, ref: TableRef) -> tuple[TableRef, dict | None]:
@@ -208,11 +224,12 @@ class LocalEngine:
         n = t.num_rows
         upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"],
                         "rewards": rewards_column(scores, n), "reward": pa.array(scores["reward"], pa.float32())})
-        out = self.store.merge(upd)
         metrics = {"score_compute_s": seconds}
         for k, v in scores.items():
             metrics[f"reward/{k}/mean"] = float(np.mean(v))
             metrics[f"reward/{k}/std"] = float(np.std(v))
+        self._before_commit("score", iteration, metrics)
+        out = self.store.merge(upd)
         return out, metrics
 
     # --- replay -------------------------------------------------------------------------------
@@ -227,11 +244,12 @@ class LocalEngine:
         adv = self.algorithm.advantages(rewards, t["group_id"].to_numpy())
         upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"],
                         "advantage": pa.array(adv.advantages, pa.float32())})
-        out = self.store.merge(upd)
         plan = self._plan(t["sample_id"].to_pylist(), adv.advantages)
         metrics = {"zero_std_ratio": adv.zero_std_ratio, "advantage/mean": float(adv.advantages.mean()),
                    "advantage/std": float(adv.advantages.std()), "advantage/abs_max": float(np.abs(adv.advantages).max()),
                    "samples_trained": float(sum(len(mb) for step in plan.steps for mb in step))}
+        self._before_commit("replay", iteration, metrics)
+        out = self.store.merge(upd)
         return out, plan, metrics
 
     def _plan(self, sample_ids: list[str], advantages: np.ndarray) -> BatchPlan:
@@ -315,9 +333,6 @@ class LocalEngine:
             opt.step()
         seconds = time.perf_counter() - t0
         pol.module.eval()
-        counters = {"iteration": iteration, "optimizer_steps": len(plan.steps), "policy_version_in": policy.version}
-        ck = save_checkpoint(out_dir, pol.state(), opt.state_dict(), counters, self.spec.config)
-        pol.mark(ck.checkpoint_id)
         metrics = {"update_compute_s": seconds, "lr": opt.param_groups[0]["lr"],
                    "optimizer_steps": float(len(plan.steps))}
         for key, vals in acc.items():
@@ -327,6 +342,10 @@ class LocalEngine:
                 metrics[key] = float(np.max(vals))
             else:
                 metrics[key] = float(np.mean(vals))
+        self._before_commit("update", iteration, metrics)
+        counters = {"iteration": iteration, "optimizer_steps": len(plan.steps), "policy_version_in": policy.version}
+        ck = save_checkpoint(out_dir, pol.state(), opt.state_dict(), counters, self.spec.config)
+        pol.mark(ck.checkpoint_id)
         return ck, metrics
 
     # --- publish ------------------------------------------------------------------------------
@@ -337,8 +356,33 @@ class LocalEngine:
             return done, None
         verify_checkpoint(Path(ckpt.uri))  # never publish a partial or corrupted checkpoint
         ref = self.tracker.publish(self.spec.run_id, Path(ckpt.uri), iteration, self.spec.model_name,
-                                   ckpt.checkpoint_id, {"run_name": self.spec.run_name})
+                                   ckpt.checkpoint_id, {"run_name": self.spec.run_name},
+                                   before_alias=lambda: fault_point("publish", iteration))
         return ref, {"policy_version": ref.version}
+
+    # --- stage records: metrics that survive a crash between commit and logging -----------------
+    def _record_path(self, stage: str, iteration: int) -> Path:
+        return Path(self.spec.workdir) / "records" / self.spec.run_name / self.spec.run_id / f"it_{iteration:04d}" / f"{stage}.json"
+
+    def _before_commit(self, stage: str, iteration: int, metrics: dict) -> dict:
+        """Write the stage's metrics (atomically, replacing an uncommitted attempt's), then the
+        fault-injection point; the caller commits next. A resume that finds the commit but not
+        the MLflow metrics logs them from this record (`recorded_metrics`)."""
+        path = self._record_path(stage, iteration)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(metrics))
+        tmp.replace(path)
+        fault_point(stage, iteration)
+        return metrics
+
+    def recorded_metrics(self, stage: str, iteration: int) -> dict | None:
+        """Metrics of a committed stage, for logging them if the process died before it could."""
+        if stage == "publish":
+            done = self.tracker.find_version(self.spec.model_name, self.spec.run_id, iteration)
+            return {"policy_version": done.version} if done else None
+        path = self._record_path(stage, iteration)
+        return json.loads(path.read_text()) if path.is_file() else None
 
     # --- what the stores already hold ---------------------------------------------------------
     def _latest(self) -> TableRef:

@@ -12,7 +12,7 @@ from prefect.runtime import flow_run
 
 from ..artifacts.tracking import PolicyRef, Tracker, default_tracking_uri
 from ..config.loader import flatten
-from ..config.schema import ExperimentConfig
+from ..config.schema import STAGES, ExperimentConfig  # noqa: F401  (STAGES re-exported)
 from ..engines import progress
 from ..engines.local import RunSpec
 from ..engines.preflight import preflight
@@ -20,10 +20,9 @@ from ..tasks.decode import decode
 from ..tasks.generate import generate
 from ..tasks.publish import publish
 from ..tasks.replay import replay
+from ..tasks.retry import with_retries
 from ..tasks.score import score
 from ..tasks.update import update
-
-STAGES = ("generate", "decode", "score", "replay", "update", "publish")
 
 
 def _git_commit() -> str:
@@ -48,7 +47,7 @@ def open_run(config: dict, workdir: str, resume_run_id: str | None = None) -> Ru
     wd.mkdir(parents=True, exist_ok=True)
     uri = cfg.run.tracking_uri or default_tracking_uri(wd)
     tracker = Tracker(uri)
-    spec_of = lambda rid: RunSpec(config=cfg.model_dump(mode="json"), run_id=rid, run_name=cfg.run.name,  # noqa: E731
+    spec_of = lambda rid: RunSpec(config=cfg.model_dump(mode="json"), run_id=rid, run_name=cfg.run.name,
                                   workdir=str(wd), tracking_uri=uri, table_uri=table_uri(cfg, wd),
                                   model_name=f"pixrl-{cfg.run.name}")
     fr_id = str(flow_run.get_id() or "")
@@ -69,13 +68,18 @@ def open_run(config: dict, workdir: str, resume_run_id: str | None = None) -> Ru
 
 @flow(name="pixrl-iteration")
 def rl_iteration(spec: RunSpec, iteration: int, policy: dict) -> dict:
-    """One RL iteration; returns the newly published policy reference."""
-    table = generate(spec, iteration, policy)
-    table = decode(spec, iteration, table)
-    table = score(spec, iteration, table)
-    replayed = replay(spec, iteration, table)
-    ckpt = update(spec, iteration, replayed, policy)
-    return publish(spec, iteration, ckpt)
+    """One RL iteration; returns the newly published policy reference. Each task retries
+    transient faults as configured in run.retries; anything else fails the iteration at once."""
+    run = spec.cfg.run
+    label = f"[it={iteration}]"
+    t = {f.name: with_retries(f, run).with_options(task_run_name=f"{f.name}{label}")
+         for f in (generate, decode, score, replay, update, publish)}
+    table = t["generate"](spec, iteration, policy)
+    table = t["decode"](spec, iteration, table)
+    table = t["score"](spec, iteration, table)
+    replayed = t["replay"](spec, iteration, table)
+    ckpt = t["update"](spec, iteration, replayed, policy)
+    return t["publish"](spec, iteration, ckpt)
 
 
 @flow(name="pixrl-train")

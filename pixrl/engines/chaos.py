@@ -1,0 +1,55 @@
+"""Fault injection for resume drills: `PIXRL_FAULT=<stage>@<iteration>:<kind>` makes the stage
+fail at its most delicate point — after its work, before its single commit (publish: after
+the version is registered, before the alias moves).
+
+kind: `raise` (a deterministic error), `transient` (a TransientError, once per process, so a
+task retry gets past it) or `sigkill` (the process dies without cleanup, as under the OOM
+killer or a lost node). Several faults can be given, comma-separated. Unset, it costs nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from .faults import TransientError
+
+ENV = "PIXRL_FAULT"
+KINDS = ("raise", "transient", "sigkill")
+_fired: set[str] = set()
+
+
+class InjectedFault(RuntimeError):
+    """A deterministic failure injected by PIXRL_FAULT."""
+
+
+def _parse(value: str) -> list[tuple[str, int, str]]:
+    faults = []
+    for item in filter(None, (v.strip() for v in value.split(","))):
+        try:
+            where, kind = item.split(":")
+            stage, it = where.split("@")
+            faults.append((stage, int(it), kind))
+        except ValueError:
+            raise ValueError(f"{ENV}={value!r}: expected <stage>@<iteration>:<kind>, e.g. update@1:sigkill") from None
+        if kind not in KINDS:
+            raise ValueError(f"{ENV}: unknown kind {kind!r}; choose one of {', '.join(KINDS)}")
+    return faults
+
+
+def fault_point(stage: str, iteration: int) -> None:
+    value = os.environ.get(ENV)
+    if not value:
+        return
+    for f_stage, f_it, kind in _parse(value):
+        if (f_stage, f_it) != (stage, iteration):
+            continue
+        if kind == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        key = f"{stage}@{iteration}:{kind}"
+        if kind == "transient":
+            if key in _fired:
+                continue
+            _fired.add(key)
+            raise TransientError(f"injected transient fault in {stage} (iteration {iteration})")
+        raise InjectedFault(f"injected fault in {stage} (iteration {iteration})")
