@@ -61,7 +61,7 @@ def train(
     _run_training(cfg, cfg.run.workdir, None)
 
 
-def _run_training(cfg, workdir: str, resume_run_id: Optional[str]) -> None:
+def _run_training(cfg, workdir: str, resume_run_id: Optional[str], fork: Optional[dict] = None) -> None:
     if cfg.run.threads:
         import torch
 
@@ -74,7 +74,7 @@ def _run_training(cfg, workdir: str, resume_run_id: Optional[str]) -> None:
                   f"reward {', '.join(cfg.reward.weights)} · {cfg.run.iterations} iterations · workdir {workdir}")
     with StageProgress(console, cfg.run.iterations) as view:
         try:
-            out = train_flow(cfg.model_dump(mode="json"), workdir, resume_run_id)
+            out = train_flow(cfg.model_dump(mode="json"), workdir, resume_run_id, fork)
         except Exception as exc:  # the flow already marked the MLflow run FAILED
             view.stop()
             _fail(f"{type(exc).__name__}: {exc}", code=1)
@@ -106,7 +106,97 @@ def resume(
         preflight(cfg)
     except PreflightError as exc:
         _fail(str(exc))
-    _run_training(cfg, str(Path(workdir)), run_id)
+    fork = tracker.client.get_run(run_id).data.tags.get("pixrl.fork")  # a fork resumes from its fork point
+    _run_training(cfg, str(Path(workdir)), run_id, json.loads(fork) if fork else None)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def replay(
+    ctx: typer.Context,
+    run: str = typer.Argument(..., help="run name"),
+    iteration: int = typer.Option(..., "--iteration", help="the iteration to replay"),
+    from_stage: Optional[str] = typer.Option(None, "--from-stage",
+                                             help="fork: recompute from this stage on (generate … update)"),
+    into: Optional[str] = typer.Option(None, "--into", help="fork: name of the new run"),
+    iterations: Optional[int] = typer.Option(None, "--iterations", "-n", help="fork: run.iterations of the new run"),
+    workdir: str = typer.Option("work", "--workdir"),
+) -> None:
+    """Re-run iteration N's update from its stored trajectories and report whether the weights
+    equal the recorded checkpoint; with --from-stage and --into, fork a new run from there.
+
+    A fork takes key=value overrides (e.g. `algorithm.lr=3e-5 reward=jpeg_compressibility`)."""
+    from .config.loader import ConfigError, load_config
+    from .config.schema import ExperimentConfig
+    from .engines.lineage import FORKABLE, LineageError, replay_update
+    from .flows.online import run_spec
+
+    tracker = _workdir_tracker(workdir)
+    parent_id = tracker.find_run("pixrl.run_name", run)
+    if parent_id is None:
+        _fail(f"no run named {run!r} in {workdir}")
+    parent_cfg = ExperimentConfig.model_validate(tracker.read_config(parent_id))
+    parent = run_spec(parent_cfg, Path(workdir), parent_id)
+    if (from_stage is None) != (into is None):
+        _fail("a fork needs both --from-stage STAGE and --into NEW_RUN")
+    if into is None:
+        if ctx.args or iterations is not None:
+            _fail(f"overrides {ctx.args} and --iterations only apply to a fork (--from-stage/--into)")
+        try:
+            rep = replay_update(parent, iteration)
+        except LineageError as exc:
+            _fail(str(exc))
+        verdict = "[green]equal[/]" if rep.equal else f"[red]differ[/] in {len(rep.differing)} tensors (max |Δ| {rep.max_abs_diff:.3g})"
+        console.print(f"replayed update of {run} iteration {iteration}: {rep.tensors} tensors, {verdict} "
+                      f"to the recorded checkpoint {rep.recorded}")
+        print(json.dumps(rep.to_dict()))
+        raise typer.Exit(0 if rep.equal else 1)
+    if from_stage not in FORKABLE:
+        _fail(f"--from-stage must be one of {', '.join(FORKABLE)}, got {from_stage!r}")
+    if tracker.find_run("pixrl.run_name", into) is not None:
+        _fail(f"a run named {into!r} already exists in {workdir}; pick a new name, or `pixrl resume {into}`")
+    overrides = [*ctx.args, f"run.name={into}", f"run.workdir={workdir}"]
+    if iterations is not None:
+        overrides.append(f"run.iterations={iterations}")
+    try:
+        cfg = load_config(None, overrides, base=parent_cfg.model_dump(mode="json"))
+    except ConfigError as exc:
+        _fail(str(exc))
+    if not 0 <= iteration < cfg.run.iterations:
+        _fail(f"--iteration {iteration} is outside the new run's 0..{cfg.run.iterations - 1}; raise --iterations")
+    fork = _fork_point(tracker, parent, iteration, from_stage)
+    _run_training(cfg, workdir, None, fork)
+
+
+def _fork_point(tracker, parent, iteration: int, from_stage: str) -> dict:
+    """Lineage of a fork: the parent, the pinned Lance version, and the policy that iteration's
+    rollouts came from (the parent's version published by iteration−1, or its own fork policy)."""
+    from .artifacts.tracking import PolicyRef
+    from .artifacts.trajectories import TrajectoryStore
+    from .engines.lineage import LineageError, fork_rows
+
+    tags = tracker.client.get_run(parent.run_id).data.tags
+    pfork = json.loads(tags["pixrl.fork"]) if "pixrl.fork" in tags else None
+    start = pfork["iteration"] if pfork else 0
+    if iteration < start:
+        _fail(f"run {parent.run_name!r} starts at iteration {start} (it is a fork); pick --iteration ≥ {start}")
+    if pfork and iteration == start:
+        policy = pfork["policy"]
+    elif iteration == 0:
+        policy = PolicyRef(parent.model_name, 0).to_dict()
+    else:
+        ref = tracker.find_version(parent.model_name, parent.run_id, iteration - 1)
+        if ref is None:
+            _fail(f"run {parent.run_name!r} never published iteration {iteration - 1}, so iteration {iteration} "
+                  f"has no policy to start from")
+        policy = ref.to_dict()
+    version = TrajectoryStore(parent.table_uri).latest_version()
+    try:
+        fork_rows(TrajectoryStore(parent.table_uri), parent.run_id, version, iteration, from_stage)
+    except LineageError as exc:
+        _fail(str(exc))
+    return {"parent_run_id": parent.run_id, "parent_run_name": parent.run_name, "iteration": iteration,
+            "from_stage": from_stage, "parent_table_uri": parent.table_uri, "parent_table_version": version,
+            "policy": policy}
 
 
 @app.command()

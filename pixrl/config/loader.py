@@ -6,6 +6,7 @@ Every failure names the offending key or preset and lists the valid choices.
 
 from __future__ import annotations
 
+import copy
 import difflib
 from importlib import resources
 from pathlib import Path
@@ -73,9 +74,10 @@ def _parse_overrides(overrides: list[str]) -> dict:
     return OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)), resolve=True)
 
 
-def compose(experiment: str | None = None, overrides: list[str] | None = None) -> dict:
-    """Merged plain dict (not yet validated)."""
-    exp = _experiment(experiment)
+def compose(experiment: str | None = None, overrides: list[str] | None = None, base: dict | None = None) -> dict:
+    """Merged plain dict (not yet validated). `base` (a resolved config, e.g. a parent run's)
+    replaces the experiment preset; a group=name swap then replaces that whole group."""
+    exp = copy.deepcopy(base) if base is not None else _experiment(experiment)
     defaults = exp.pop("defaults", {}) or {}
     unknown_groups = set(defaults) - set(GROUPS)
     if unknown_groups:
@@ -88,6 +90,8 @@ def compose(experiment: str | None = None, overrides: list[str] | None = None) -
         if key in GROUPS and val and not val.startswith("{"):
             defaults[key] = val
             overrides.remove(o)
+            if base is not None:
+                exp.pop(key, None)
     cli = _parse_overrides(overrides)
     layers = [OmegaConf.create({g: _preset(g, n)}) for g, n in defaults.items()]
     merged = OmegaConf.merge(*layers, OmegaConf.create(exp), OmegaConf.create(cli))
@@ -119,8 +123,9 @@ def format_validation_error(exc: ValidationError) -> str:
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
-def load_config(experiment: str | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
-    raw = compose(experiment, overrides)
+def load_config(experiment: str | None = None, overrides: list[str] | None = None,
+                base: dict | None = None) -> ExperimentConfig:
+    raw = compose(experiment, overrides, base)
     try:
         return ExperimentConfig.model_validate(raw)
     except ValidationError as exc:

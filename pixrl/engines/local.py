@@ -276,8 +276,23 @@ class LocalEngine:
             self.policy.invalidate()  # weights may be half-stepped: reload from a checkpoint next time
             raise
 
+    def update_into(self, iteration: int, policy: PolicyRef, out_dir: Path) -> CheckpointRef:
+        """Recompute iteration's update from its stored trajectories and advantages into out_dir,
+        leaving the run's own checkpoint and records alone (replay / audit)."""
+        t = self.store.read(self._latest(), self.spec.run_id, iteration, ["sample_id", "advantage"])
+        if t.num_rows == 0 or t["advantage"].null_count:
+            raise RuntimeError(f"iteration {iteration} of run {self.spec.run_name!r} has no complete replay stage "
+                               f"in {self.store.uri}; nothing to recompute")
+        plan = self._plan(t["sample_id"].to_pylist(), t["advantage"].to_numpy())
+        ckpt_dir = self.use_policy(policy)
+        try:
+            ck, _ = self._update(iteration, self._latest(), plan, policy, ckpt_dir, out_dir, record=False)
+        finally:
+            self.policy.invalidate()  # the in-memory weights are the replay's, not the run's
+        return ck
+
     def _update(self, iteration: int, ref: TableRef, plan: BatchPlan, policy: PolicyRef,
-                ckpt_dir: Path | None, out_dir: Path) -> tuple[CheckpointRef, dict]:
+                ckpt_dir: Path | None, out_dir: Path, record: bool = True) -> tuple[CheckpointRef, dict]:
         a = self.cfg.algorithm
         pol = self.policy
         opt = pol.ensure_optimizer(ckpt_dir)
@@ -342,8 +357,10 @@ class LocalEngine:
                 metrics[key] = float(np.max(vals))
             else:
                 metrics[key] = float(np.mean(vals))
-        self._before_commit("update", iteration, metrics)
-        counters = {"iteration": iteration, "optimizer_steps": len(plan.steps), "policy_version_in": policy.version}
+        if record:
+            self._before_commit("update", iteration, metrics)
+        counters = {"iteration": iteration, "optimizer_steps": len(plan.steps), "policy_version_in": policy.version,
+                    "policy_model_in": policy.model_name}
         ck = save_checkpoint(out_dir, pol.state(), opt.state_dict(), counters, self.spec.config)
         pol.mark(ck.checkpoint_id)
         return ck, metrics

@@ -84,6 +84,9 @@ class TrainablePolicy:
             else:
                 self.optimizer.load_state_dict(load_optimizer_state(checkpoint_dir))
             self.optimizer_id = self.weights_id
+        for group in self.optimizer.param_groups:  # the moments come from the checkpoint, the settings
+            group.update(lr=a.lr, betas=tuple(a.adam_betas), eps=a.adam_eps,  # from this run's config
+                         weight_decay=a.weight_decay)  # (load_state_dict would restore the saved ones)
         return self.optimizer
 
     def invalidate(self) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -11,9 +12,11 @@ from prefect import flow, task
 from prefect.runtime import flow_run
 
 from ..artifacts.tracking import PolicyRef, Tracker, default_tracking_uri
+from ..artifacts.trajectories import TrajectoryStore
 from ..config.loader import flatten
 from ..config.schema import STAGES, ExperimentConfig  # noqa: F401  (STAGES re-exported)
 from ..engines import progress
+from ..engines.lineage import seed_fork_rows
 from ..engines.local import RunSpec
 from ..engines.preflight import preflight
 from ..tasks.decode import decode
@@ -38,8 +41,16 @@ def table_uri(cfg: ExperimentConfig, workdir: Path) -> str:
     return f"{root.rstrip('/')}/{cfg.run.name}/trajectories.lance"
 
 
+def run_spec(cfg: ExperimentConfig, workdir: Path, run_id: str) -> RunSpec:
+    """Where a run's stores are, from its config, work directory and MLflow run id."""
+    wd = Path(workdir).resolve()
+    return RunSpec(config=cfg.model_dump(mode="json"), run_id=run_id, run_name=cfg.run.name, workdir=str(wd),
+                   tracking_uri=cfg.run.tracking_uri or default_tracking_uri(wd), table_uri=table_uri(cfg, wd),
+                   model_name=f"pixrl-{cfg.run.name}")
+
+
 @task(name="open-run", persist_result=False)
-def open_run(config: dict, workdir: str, resume_run_id: str | None = None) -> RunSpec:
+def open_run(config: dict, workdir: str, resume_run_id: str | None = None, fork: dict | None = None) -> RunSpec:
     """Create the MLflow run (params = flattened config, tags, resolved config as an artifact), or
     reattach to it: when resuming, and when Prefect retries this same flow run."""
     cfg = ExperimentConfig.model_validate(config)
@@ -47,9 +58,7 @@ def open_run(config: dict, workdir: str, resume_run_id: str | None = None) -> Ru
     wd.mkdir(parents=True, exist_ok=True)
     uri = cfg.run.tracking_uri or default_tracking_uri(wd)
     tracker = Tracker(uri)
-    spec_of = lambda rid: RunSpec(config=cfg.model_dump(mode="json"), run_id=rid, run_name=cfg.run.name,
-                                  workdir=str(wd), tracking_uri=uri, table_uri=table_uri(cfg, wd),
-                                  model_name=f"pixrl-{cfg.run.name}")
+    spec_of = lambda rid: run_spec(cfg, wd, rid)  # noqa: E731
     fr_id = str(flow_run.get_id() or "")
     existing = resume_run_id or (tracker.find_run("prefect.flow_run_id", fr_id) if fr_id else None)
     if existing:
@@ -58,6 +67,12 @@ def open_run(config: dict, workdir: str, resume_run_id: str | None = None) -> Ru
     tags = {"pixrl.family": cfg.model.family, "pixrl.algorithm": cfg.algorithm.name,
             "pixrl.reward": ",".join(cfg.reward.weights), "pixrl.run_name": cfg.run.name,
             "prefect.flow_run_id": str(flow_run.get_id() or ""), "git.commit": _git_commit()}
+    if fork:  # lineage: where this run branched off, and the exact Lance version it read
+        tags.update({"pixrl.fork": json.dumps(fork), "pixrl.parent_run_id": fork["parent_run_id"],
+                     "pixrl.parent_run_name": fork["parent_run_name"], "pixrl.fork_iteration": str(fork["iteration"]),
+                     "pixrl.fork_stage": fork["from_stage"], "pixrl.parent_table_uri": fork["parent_table_uri"],
+                     "pixrl.parent_table_version": str(fork["parent_table_version"]),
+                     "mlflow.parentRunId": fork["parent_run_id"]})
     run_id = tracker.start_run(cfg.run.experiment, cfg.run.name, tags)
     tracker.log_params(run_id, flatten(cfg))
     tracker.log_dict(run_id, cfg.model_dump(mode="json"), "config/resolved.yaml")
@@ -82,20 +97,32 @@ def rl_iteration(spec: RunSpec, iteration: int, policy: dict) -> dict:
     return t["publish"](spec, iteration, ckpt)
 
 
+@task(name="seed-fork", persist_result=False)
+def seed_fork(spec: RunSpec, fork: dict) -> None:
+    """Copy the parent's outputs of the stages before the fork point into this run's table."""
+    seed_fork_rows(TrajectoryStore(fork["parent_table_uri"]), fork["parent_run_id"], fork["parent_table_version"],
+                   fork["iteration"], fork["from_stage"], TrajectoryStore(spec.table_uri), spec.run_id)
+
+
 @flow(name="pixrl-train")
-def train(config: dict, workdir: str = "work", resume_run_id: str | None = None) -> dict:
+def train(config: dict, workdir: str = "work", resume_run_id: str | None = None, fork: dict | None = None) -> dict:
     """Run `run.iterations` RL iterations from the base weights; returns where the results are.
 
     Every stage first asks the stores whether its output for (run, iteration) is committed and
     skips if so; resuming a run (or Prefect retrying this flow run) therefore redoes only the
-    failed stage and what follows, with the same MLflow run."""
+    failed stage and what follows, with the same MLflow run. A fork (`pixrl replay --into`)
+    starts at fork.iteration from the parent's policy, reusing the parent's earlier stages."""
     cfg = ExperimentConfig.model_validate(config)
     preflight(cfg)
-    spec = open_run(cfg.model_dump(mode="json"), workdir, resume_run_id)
+    spec = open_run(cfg.model_dump(mode="json"), workdir, resume_run_id, fork)
     tracker = Tracker(spec.tracking_uri)
     policy = PolicyRef(spec.model_name, 0).to_dict()
+    start = 0
+    if fork:
+        seed_fork(spec, fork)
+        policy, start = fork["policy"], fork["iteration"]
     try:
-        for it in range(cfg.run.iterations):
+        for it in range(start, cfg.run.iterations):
             progress.clear(spec.run_id, it)
             t0 = time.perf_counter()
             policy = rl_iteration(spec, it, policy)
