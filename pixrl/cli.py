@@ -199,6 +199,74 @@ def _fork_point(tracker, parent, iteration: int, from_stage: str) -> dict:
             "policy": policy}
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def dpo(
+    ctx: typer.Context,
+    sources: list[str] = typer.Option(..., "--from", help="run name, experiment:NAME or TABLE.lance[@version] (repeatable)"),
+    iterations: Optional[int] = typer.Option(None, "--iterations", "-n", help="DPO optimizer steps (dpo.steps)"),
+    run: Optional[str] = typer.Option(None, "--run", help="name of the DPO run (run.name)"),
+    workdir: str = typer.Option("work", "--workdir"),
+    config: str = typer.Option("shapes_dpo", "--config", "-c", help="experiment preset or YAML"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    iteration_range: Optional[str] = typer.Option(None, "--iteration-range", help="source iterations LO:HI (HI excluded)"),
+    policy_version: Optional[list[int]] = typer.Option(None, "--policy-version", help="only rollouts of this version (repeatable)"),
+    reward_min: Optional[list[str]] = typer.Option(None, "--reward-min", help="NAME=VALUE, NAME = reward or a component"),
+    reward_max: Optional[list[str]] = typer.Option(None, "--reward-max", help="NAME=VALUE"),
+    category: Optional[list[str]] = typer.Option(None, "--category", help="prompt category (repeatable)"),
+    pairing: Optional[str] = typer.Option(None, "--pairing", help="best_worst | all"),
+    margin: Optional[float] = typer.Option(None, "--margin", help="minimum reward difference of a pair"),
+) -> None:
+    """Offline Diffusion-DPO on preference pairs mined from archived rollouts (Lance), pinned to
+    the source versions read. Extra key=value arguments override the config (e.g. dpo.beta=50)."""
+    from .config.loader import ConfigError, load_config
+    from .config.schema import ExperimentConfig
+
+    overrides = [*ctx.args, f"run.workdir={workdir}"]
+    for key, val in (("dpo.steps", iterations), ("run.name", run), ("run.seed", seed), ("dpo.pairing", pairing),
+                     ("dpo.margin", margin)):
+        if val is not None:
+            overrides.append(f"{key}={val}")
+    try:
+        cfg = load_config(config, overrides)
+        if cfg.dpo is None:
+            raise ConfigError(f"config {config!r} has no dpo section; use --config shapes_dpo or add dpo=best_worst")
+        d = cfg.dpo.model_dump()
+        d["source"] = list(sources)
+        if iteration_range:
+            lo, _, hi = iteration_range.partition(":")
+            d["iteration_range"] = (int(lo), int(hi))
+        if policy_version:
+            d["policy_versions"] = list(policy_version)
+        for field, items in (("reward_min", reward_min), ("reward_max", reward_max)):
+            for item in items or []:
+                name, _, val = item.partition("=")
+                d[field][name] = float(val)
+        if category:
+            d["categories"] = list(category)
+        cfg = ExperimentConfig.model_validate({**cfg.model_dump(mode="json"), "dpo": d})
+    except (ConfigError, ValueError) as exc:
+        _fail(str(exc))
+    from .artifacts.archive import ArchiveError
+    from .engines.offline import OfflineError
+    from .flows.offline_dpo import offline_dpo
+
+    if (Path(workdir) / "mlflow.db").is_file() and _workdir_tracker(workdir).find_run("pixrl.run_name", cfg.run.name):
+        _fail(f"a run named {cfg.run.name!r} already exists in {workdir}; pass --run NEW_NAME")
+    console.print(f"[bold]pixrl dpo[/] {cfg.run.name}: {cfg.dpo.steps} steps · {cfg.dpo.pairing} pairs from "
+                  f"{', '.join(sources)} · workdir {workdir}")
+    try:
+        out = offline_dpo(cfg.model_dump(mode="json"), workdir)
+    except (ArchiveError, OfflineError) as exc:
+        _fail(str(exc))
+    except Exception as exc:  # the flow already marked the MLflow run FAILED
+        _fail(f"{type(exc).__name__}: {exc}", code=1)
+    console.print(f"[bold green]done.[/] held-out accuracy {out['heldout_before']:.3f} → {out['heldout_after']:.3f}")
+    console.print(f"  MLflow run  {out['run_id']}   policy models:/{out['model_name']}@rollout")
+    console.print(f"  sources     {', '.join(out['sources'])}   pairs {out['pairs_uri']}")
+    print(json.dumps({k: out[k] for k in ("run_id", "model_name", "heldout_before", "heldout_after", "sources",
+                                          "flow_run_id")}))
+
+
 @app.command()
 def pretrain(
     out: str = typer.Option("pixrl/assets/mini_shapes", help="output directory (diffusers layout)"),

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from .schema import ExperimentConfig
 
-GROUPS = ("model", "sampling", "algorithm", "reward", "dataset", "run")
+GROUPS = ("model", "sampling", "algorithm", "reward", "dataset", "run", "dpo")
 DEFAULT_EXPERIMENT = "shapes_flow_grpo"
 
 

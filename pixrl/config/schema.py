@@ -114,6 +114,29 @@ class RunConfig(_Section):
         return self
 
 
+class DPOConfig(_Section):
+    """Offline Diffusion-DPO over archived rollouts (`pixrl dpo`): where the pairs come from,
+    how they are formed, and the loss. Optimizer and LoRA settings are in `algorithm`."""
+
+    source: list[str] = Field(default_factory=list, description="run names, experiment:NAME, or TABLE.lance[@version]")
+    iteration_range: tuple[int, int] | None = Field(None, description="source iterations [lo, hi)")
+    policy_versions: list[int] | None = Field(None, description="only rollouts of these policy versions")
+    reward_min: dict[str, float] = Field(default_factory=dict, description="'reward' or a component → minimum")
+    reward_max: dict[str, float] = Field(default_factory=dict, description="'reward' or a component → maximum")
+    categories: list[str] | None = Field(None, description="prompt categories (prompt_meta.category)")
+    pairing: Literal["best_worst", "all"] = "best_worst"
+    margin: float = Field(0.0, ge=0, description="minimum reward difference of a pair (ties are always dropped)")
+    beta: float = Field(100.0, gt=0)
+    timesteps: Literal["logit_normal", "uniform"] = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = Field(1.0, gt=0)
+    steps: int = Field(200, ge=1, description="optimizer steps")
+    pairs_per_step: int = Field(32, ge=1)
+    reference: str = Field("base", description="'base' (adapters off / base weights) or models:/NAME/VERSION")
+    init: str = Field("base", description="starting policy: 'base' or models:/NAME/VERSION")
+    eval_per_category: int = Field(48, ge=1)
+
+
 class ExperimentConfig(_Section):
     model: ModelConfig = ModelConfig()
     sampling: SamplingConfig = SamplingConfig()
@@ -121,6 +144,7 @@ class ExperimentConfig(_Section):
     reward: RewardConfig = RewardConfig()
     dataset: DatasetConfig = DatasetConfig()
     run: RunConfig = RunConfig()
+    dpo: DPOConfig | None = None  # set by the offline DPO experiments only
 
     @model_validator(mode="after")
     def _consistent(self) -> ExperimentConfig:

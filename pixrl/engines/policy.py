@@ -36,6 +36,7 @@ class TrainablePolicy:
             p.requires_grad_(True)
         self._base_state = {k: v.detach().clone() for k, v in self.trainable_parameters().items()}
         self._reference = None
+        self._explicit_reference = False
         self.weights_id = BASE
         self.optimizer: torch.optim.Optimizer | None = None
         self.optimizer_id: str | None = None
@@ -104,10 +105,25 @@ class TrainablePolicy:
         """A velocity model for the reference policy, usable wherever the family is."""
         return _ReferenceView(self)
 
-    def reference_velocity(self, *args, **kwargs) -> torch.Tensor:
-        """Velocity of the reference policy: adapters disabled (LoRA) or a frozen base copy."""
+    def set_reference(self, weights: dict[str, torch.Tensor]) -> None:
+        """Use a frozen copy with these trainable weights (e.g. a registered checkpoint) as the
+        reference instead of the base model."""
+        ref = copy.deepcopy(self.module).requires_grad_(False)
+        params = dict(ref.named_parameters())
+        missing = set(self.trainable_parameters()) - set(weights)
+        if missing:
+            raise ValueError(f"reference checkpoint lacks {len(missing)} trainable tensors, e.g. {sorted(missing)[:3]}")
         with torch.no_grad():
-            if self.lora:
+            for k in self.trainable_parameters():
+                params[k].copy_(weights[k].to(params[k].dtype))
+        self._reference = ref
+        self._explicit_reference = True
+
+    def reference_velocity(self, *args, **kwargs) -> torch.Tensor:
+        """Velocity of the reference policy: adapters disabled (LoRA) or a frozen base copy, unless
+        set_reference chose a checkpoint."""
+        with torch.no_grad():
+            if self.lora and not self._explicit_reference:
                 self.module.disable_adapters()
                 try:
                     return self.family.velocity(*args, **kwargs)

@@ -1,0 +1,188 @@
+"""Offline Diffusion-DPO from archived rollouts: the loss against algorithms.md §9, pairing
+rules, selection filters, Lance version pinning, and the flow end to end (real Lance, MLflow,
+Prefect, a tiny real SD3 model)."""
+
+import json
+import math
+
+import lance
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from typer.testing import CliRunner
+
+from conftest import tiny_overrides
+from pixrl.algorithms.diffusion_dpo import dpo_loss, noised, sample_sigmas, velocity_error
+from pixrl.algorithms.pairing import make_pairs
+from pixrl.artifacts.archive import ArchiveError, resolve_sources, select_rows
+from pixrl.artifacts.tracking import Tracker
+from pixrl.cli import app
+from pixrl.config.loader import load_config
+from pixrl.config.schema import DPOConfig
+from pixrl.engines.policy import TrainablePolicy
+
+
+# --- loss -----------------------------------------------------------------------------------
+def test_dpo_loss_matches_the_formula():
+    g = torch.Generator().manual_seed(0)
+    ew, el, rw, rl = (torch.rand(6, generator=g) for _ in range(4))
+    beta = 37.0
+    loss, m = dpo_loss(ew, el, rw, rl, beta)
+    inside = -0.5 * beta * ((ew - rw) - (el - rl))
+    want = -torch.log(torch.sigmoid(inside)).mean()
+    assert torch.allclose(loss, want, atol=1e-6)
+    assert m["implicit_acc"] == (inside > 0).float().mean()
+
+
+def test_noised_sample_and_target_follow_the_flow_convention():
+    x0, eps = torch.randn(3, 4, 2, 2), torch.randn(3, 4, 2, 2)
+    s = torch.tensor([0.0, 0.5, 1.0])
+    xt, v = noised(x0, eps, s)
+    assert torch.equal(xt[0], x0[0]) and torch.equal(xt[2], eps[2]) and torch.allclose(xt[1], (x0[1] + eps[1]) / 2)
+    assert torch.equal(v, eps - x0)
+    sig = sample_sigmas(10_000, "logit_normal", torch.Generator().manual_seed(0))
+    assert 0 < sig.min() and sig.max() < 1 and abs(float(sig.median()) - 0.5) < 0.02
+
+
+def _policy(ckpt, **extra):
+    return TrainablePolicy(load_config("shapes_dpo", tiny_overrides(ckpt, "/tmp/unused", **extra)))
+
+
+def test_loss_is_ln2_at_init_and_a_step_prefers_the_winner(tiny_checkpoint):
+    torch.manual_seed(0)
+    pol = _policy(tiny_checkpoint, **{"algorithm.lr": 1e-3})
+    fam = pol.family
+    c, h, w = fam.latent_shape()
+    g = torch.Generator().manual_seed(1)
+    x_w, x_l, eps = (torch.randn(4, c, h, w, generator=g) for _ in range(3))
+    sigma = sample_sigmas(4, "uniform", g)
+    cond = fam.encode_prompts(["a red circle"] * 8)
+    t = torch.cat([sigma, sigma]) * fam.scheduler.config.num_train_timesteps
+
+    def errors():
+        (xw, vw), (xl, vl) = noised(x_w, eps, sigma), noised(x_l, eps, sigma)
+        x, v = torch.cat([xw, xl]), torch.cat([vw, vl])
+        return velocity_error(fam.velocity(x, t, cond), v), velocity_error(pol.reference_velocity(x, t, cond), v)
+
+    err, ref = errors()
+    loss, m = dpo_loss(err[:4], err[4:], ref[:4], ref[4:], beta=100.0)
+    assert float(loss.detach()) == pytest.approx(math.log(2), abs=1e-6) and float(m["implicit_acc"]) == 0.0
+    opt = pol.ensure_optimizer(None)
+    loss.backward()
+    opt.step()
+    with torch.no_grad():
+        err, ref = errors()
+    # the winner's error fell relative to the reference, more than the loser's: inside > 0
+    inside = -0.5 * ((err[:4] - ref[:4]) - (err[4:] - ref[4:]))
+    assert float(inside.mean()) > 0
+
+
+# --- pairing --------------------------------------------------------------------------------
+def test_best_vs_worst_one_pair_per_group_ties_dropped():
+    keys = ["a", "a", "a", "b", "b", "c", "c"]
+    r = np.array([0.2, 0.9, 0.5, 0.4, 0.4, 0.1, 0.3])
+    p = make_pairs(keys, r, "best_worst")
+    assert list(zip(p.winner, p.loser)) == [(1, 0), (6, 5)]  # group b is tied: no pair
+    assert p.groups == 3 and p.groups_without_pair == 1
+
+
+def test_all_pairs_respect_margin_and_never_cross_groups():
+    keys = ["a", "a", "a", "b", "b"]
+    r = np.array([0.0, 0.3, 0.35, 1.0, 0.0])
+    p = make_pairs(keys, r, "all", margin=0.3)
+    pairs = set(zip(p.winner.tolist(), p.loser.tolist()))
+    assert pairs == {(1, 0), (2, 0), (3, 4)}  # (2, 1) is below the margin; nothing pairs 3 with a's members
+    assert all(keys[w] == keys[l] for w, l in pairs)
+    with pytest.raises(ValueError, match="NaN"):
+        make_pairs(keys, np.array([0, np.nan, 0, 0, 0]), "all")
+
+
+# --- an archive to select from ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def archive(tiny_checkpoint, tmp_path_factory, prefect_harness):
+    wd = tmp_path_factory.mktemp("archive")
+    res = CliRunner().invoke(app, ["train", "-n", "2", "--run", "src", "--seed", "5", "reward=jpeg_compressibility",
+                                   *tiny_overrides(tiny_checkpoint, wd)])
+    assert res.exit_code == 0, res.output
+    run_id = json.loads(res.stdout.strip().splitlines()[-1])["run_id"]
+    return wd, run_id, Tracker(f"sqlite:///{wd / 'mlflow.db'}")
+
+
+def test_filters_select_by_iteration_version_reward_and_category(archive):
+    wd, run_id, tracker = archive
+    (t,) = resolve_sources(["src"], tracker)
+    assert t.run_ids == (run_id,) and t.version == lance.dataset(t.uri).version
+    everything = select_rows([t], DPOConfig())
+    assert everything.num_rows == 16 and set(everything["source"].to_pylist()) == {t.ref}
+    assert set(select_rows([t], DPOConfig(iteration_range=(1, 2)))["iteration"].to_pylist()) == {1}
+    assert set(select_rows([t], DPOConfig(policy_versions=[0]))["iteration"].to_pylist()) == {0}
+    med = float(np.median(everything["reward"].to_numpy()))
+    hi = select_rows([t], DPOConfig(reward_min={"reward": med}))
+    assert 0 < hi.num_rows < 16 and min(hi["reward"].to_pylist()) >= med
+    comp = select_rows([t], DPOConfig(reward_max={"jpeg_compressibility": med}))
+    assert max(comp["reward"].to_pylist()) <= med
+    cats = {json.loads(m)["category"] for m in everything["prompt_meta"].to_pylist()}
+    one = sorted(cats)[0]
+    sel = select_rows([t], DPOConfig(categories=[one]))
+    assert 0 < sel.num_rows and {json.loads(m)["category"] for m in sel["prompt_meta"].to_pylist()} == {one}
+    with pytest.raises(ArchiveError, match="not scored with"):
+        select_rows([t], DPOConfig(reward_min={"pickscore": 0.0}))
+    with pytest.raises(ArchiveError, match="no run named"):
+        resolve_sources(["nope"], tracker)
+
+
+def test_rows_appended_after_the_pinned_version_are_not_read(archive, tmp_path):
+    wd, run_id, tracker = archive
+    src = lance.dataset(str(wd / "lance" / "src" / "trajectories.lance"))
+    copy_uri = str(tmp_path / "copy.lance")
+    lance.write_dataset(src.to_table(), copy_uri)
+    (pinned,) = resolve_sources([copy_uri], tracker)
+    extra = src.to_table(filter="iteration = 1")
+    extra = extra.set_column(extra.schema.get_field_index("iteration"), extra.schema.field("iteration"),
+                             pa.array([7] * extra.num_rows, pa.int32()))
+    lance.write_dataset(extra, copy_uri, mode="append")
+    assert select_rows([pinned], DPOConfig()).num_rows == 16  # time travel: the pinned version
+    (later,) = resolve_sources([f"{copy_uri}@{pinned.version + 1}"], tracker)
+    assert select_rows([later], DPOConfig()).num_rows == 24
+
+
+def test_dpo_flow_end_to_end_with_lineage(archive):
+    wd, src_run, tracker = archive
+    res = CliRunner().invoke(app, ["dpo", "--from", "src", "-n", "3", "--run", "d1", "--workdir", str(wd),
+                                   f"model.path={archive_ckpt(wd)}", "dpo.eval_per_category=2",
+                                   "dpo.pairs_per_step=4", "sampling.eval_steps=2"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    client = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
+    run = client.get_run(out["run_id"])
+    tags = run.data.tags
+    assert tags["pixrl.dpo.source_run_ids"] == src_run and tags["pixrl.algorithm"] == "diffusion_dpo"
+    (pinned,) = json.loads(tags["pixrl.dpo.sources"])
+    assert pinned["version"] == lance.dataset(pinned["uri"]).version and pinned["run_ids"] == [src_run]
+    loss = client.get_metric_history(out["run_id"], "dpo/loss")
+    assert sorted(m.step for m in loss) == [0, 1, 2]
+    assert min(loss, key=lambda m: m.step).value == pytest.approx(math.log(2), abs=1e-6)
+    assert run.data.metrics["pairs"] == lance.dataset(str(wd / "lance" / "d1" / "pairs.lance")).count_rows() > 0
+    assert "heldout/accuracy" in run.data.metrics and "heldout/accuracy_before" in run.data.metrics
+    assert int(client.get_model_version_by_alias("pixrl-d1", "rollout").version) == 1
+    assert run.info.status == "FINISHED"
+
+
+def archive_ckpt(wd):
+    cfg = Tracker(f"sqlite:///{wd / 'mlflow.db'}")
+    rid = cfg.find_run("pixrl.run_name", "src")
+    return cfg.read_config(rid)["model"]["path"]
+
+
+def test_dpo_fails_before_writing_when_nothing_pairs(archive):
+    wd, _, tracker = archive
+    n_runs = len(tracker.client.search_runs([e.experiment_id for e in tracker.client.search_experiments()]))
+    res = CliRunner().invoke(app, ["dpo", "--from", "src", "--run", "d2", "--workdir", str(wd),
+                                   "--reward-min", "reward=1e9", f"model.path={archive_ckpt(wd)}"])
+    assert res.exit_code == 2 and "select no scored rollouts" in res.output
+    res = CliRunner().invoke(app, ["dpo", "--from", "src", "--run", "d3", "--workdir", str(wd), "--margin", "1e9",
+                                   f"model.path={archive_ckpt(wd)}"])
+    assert res.exit_code == 2 and "no preference pairs" in res.output
+    assert len(tracker.client.search_runs([e.experiment_id for e in tracker.client.search_experiments()])) == n_runs
