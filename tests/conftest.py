@@ -34,6 +34,6 @@ def prefect_harness():
 def tiny_overrides(ckpt: Path, workdir: Path, **extra) -> list[str]:
     base = {"model.path": str(ckpt), "run.workdir": str(workdir), "sampling.group_size": 4,
             "sampling.prompts_per_iteration": 2, "sampling.micro_batch": 4, "sampling.steps": 4,
-            "sampling.eval_steps": 4}
+            "sampling.eval_steps": 4, "run.eval_every": 0, "sampling.window_size": 2, "sampling.window_range": "[0,2]"}
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]

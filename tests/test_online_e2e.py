@@ -19,7 +19,7 @@ from pixrl.cli import app
 def trained(tiny_checkpoint, tmp_path_factory, prefect_harness):
     wd = tmp_path_factory.mktemp("e2e")
     args = ["train", "--iterations", "2", "--run", "e2e", "reward=jpeg_compressibility",
-            *tiny_overrides(tiny_checkpoint, wd)]
+            *tiny_overrides(tiny_checkpoint, wd), "sampling.window_size=null", "sampling.window_range=null"]  # every step SDE
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output + repr(res.exception)
     out = json.loads(res.stdout.strip().splitlines()[-1])
@@ -115,3 +115,21 @@ def test_prefect_recorded_one_subflow_and_six_tasks_per_iteration(trained):
             it = int(sub.parameters["iteration"])
             names = sorted(t.name for t in tasks)  # readable in the UI: generate[it=0], ...
             assert names == sorted(f"{s}[it={it}]" for s in ["generate", "decode", "score", "replay", "update", "publish"])
+
+
+def test_periodic_heldout_evaluation_and_champion_alias(tiny_checkpoint, tmp_path, prefect_harness):
+    """run.eval_every: held-out accuracy of the base (step 0) and after every N iterations, with
+    the shared evaluation; alias `champion` on the best published version."""
+    res = CliRunner().invoke(app, ["train", "-n", "2", "--run", "ev", "reward=jpeg_compressibility",
+                                   *tiny_overrides(tiny_checkpoint, tmp_path, **{"run.eval_every": 1,
+                                                                                 "run.eval_per_category": 2})])
+    assert res.exit_code == 0, res.output
+    run_id = json.loads(res.stdout.strip().splitlines()[-1])["run_id"]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    acc = {m.step: m.value for m in client.get_metric_history(run_id, "heldout/accuracy")}
+    assert sorted(acc) == [0, 1, 2] and all(0.0 <= v <= 1.0 for v in acc.values())
+    for cat in ("counting", "position", "color_attr"):
+        assert len(client.get_metric_history(run_id, f"heldout/{cat}")) == 3
+    champion = int(client.get_model_version_by_alias("pixrl-ev", "champion").version)
+    best = max((1, 2), key=lambda v: (acc[v], -v))  # first of the best published versions
+    assert champion == best

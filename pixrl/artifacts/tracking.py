@@ -18,6 +18,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 ROLLOUT_ALIAS = "rollout"
+CHAMPION_ALIAS = "champion"  # best held-out evaluation so far
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,10 @@ class Tracker:
         if missing:
             self.log_metrics(run_id, missing, step)
         return sorted(missing)
+
+    def best_metric(self, run_id: str, key: str, min_step: int = 0) -> float | None:
+        hist = [m.value for m in self.client.get_metric_history(run_id, key) if m.step >= min_step]
+        return max(hist) if hist else None
 
     def log_dict(self, run_id: str, obj: dict, artifact_file: str) -> None:
         self.client.log_dict(run_id, obj, artifact_file)

@@ -101,6 +101,8 @@ class RunConfig(_Section):
     tracking_uri: str | None = None  # default sqlite:///<workdir>/mlflow.db
     experiment: str = "pixrl"
     threads: int | None = None
+    eval_every: int = Field(0, ge=0, description="held-out evaluation every N iterations (0: off); best → alias champion")
+    eval_per_category: int = Field(24, ge=1, description="held-out samples per prompt category")
     retries: dict[str, TaskRetry] = Field(default_factory=_default_retries,
                                           description="per stage task; only transient faults are retried")
 

@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from ..algorithms.base import build_algorithm
-from ..algorithms.recipe import rollout_recipe
+from ..algorithms.recipe import eval_recipe, rollout_recipe
 from ..algorithms.sampling import SamplerRecipe, replay_step, sample
 from ..artifacts.checkpoints import (
     CheckpointRef,
@@ -29,7 +29,7 @@ from ..artifacts.checkpoints import (
     verify_checkpoint,
 )
 from ..artifacts.media import image_grid
-from ..artifacts.tracking import PolicyRef, Tracker
+from ..artifacts.tracking import CHAMPION_ALIAS, PolicyRef, Tracker
 from ..artifacts.trajectories import (
     TableRef,
     TrajectoryStore,
@@ -42,6 +42,7 @@ from ..artifacts.trajectories import (
 )
 from ..config.schema import ExperimentConfig
 from ..datasets.prompts import choose_prompts, load_prompt_set
+from ..datasets.shapes.evaluate import evaluate as evaluate_shapes
 from ..rewards.compose import RewardSet
 from .assets import resolve_asset
 from .chaos import fault_point
@@ -376,6 +377,27 @@ class LocalEngine:
                                    ckpt.checkpoint_id, {"run_name": self.spec.run_name},
                                    before_alias=lambda: fault_point("publish", iteration))
         return ref, {"policy_version": ref.version}
+
+    # --- evaluate (optional, every run.eval_every iterations) -----------------------------------
+    def evaluate(self, after: int, policy: PolicyRef) -> dict | None:
+        """Held-out accuracy of `policy` (the weights after `after` iterations) with the shared ODE
+        evaluation; moves alias `champion` to it when it is the best so far. Done before: the record."""
+        path = self._record_path("evaluate", after)
+        if path.is_file():
+            return json.loads(path.read_text())
+        self.use_policy(policy)
+        res = evaluate_shapes(self.policy.family, "heldout", eval_recipe(self.cfg.sampling),
+                              self.cfg.run.eval_per_category)
+        metrics = {f"heldout/{k}": v for k, v in res.items() if isinstance(v, float)}
+        best = self.tracker.best_metric(self.spec.run_id, "heldout/accuracy", min_step=1)  # published versions only
+        if policy.version > 0 and (best is None or res["accuracy"] > best):
+            self.tracker.move_alias(policy, CHAMPION_ALIAS)
+            metrics["heldout/champion_version"] = float(policy.version)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(metrics))
+        tmp.replace(path)
+        return metrics
 
     # --- stage records: metrics that survive a crash between commit and logging -----------------
     def _record_path(self, stage: str, iteration: int) -> Path:

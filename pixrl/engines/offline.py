@@ -218,7 +218,7 @@ class DPOEngine:
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm)
             opt.step()
-            rec = {"dpo/loss": float(loss), "dpo/grad_norm": float(gnorm), **{f"dpo/{k}": float(v) for k, v in m.items()}}
+            rec = {"dpo/loss": float(loss.detach()), "dpo/grad_norm": float(gnorm), **{f"dpo/{k}": float(v) for k, v in m.items()}}
             history.append(rec)
             if step % log_every == 0 or step == d.steps - 1:
                 self.tracker.log_metrics(self.spec.run_id, rec, step=step)

@@ -20,6 +20,7 @@ from ..engines.lineage import seed_fork_rows
 from ..engines.local import RunSpec
 from ..engines.preflight import preflight
 from ..tasks.decode import decode
+from ..tasks.evaluate import evaluate
 from ..tasks.generate import generate
 from ..tasks.publish import publish
 from ..tasks.replay import replay
@@ -121,7 +122,10 @@ def train(config: dict, workdir: str = "work", resume_run_id: str | None = None,
     if fork:
         seed_fork(spec, fork)
         policy, start = fork["policy"], fork["iteration"]
+    every = cfg.run.eval_every if cfg.dataset.name == "shapes" else 0
     try:
+        if every and start == 0:
+            evaluate.with_options(task_run_name="evaluate[after=0]")(spec, 0, policy)
         for it in range(start, cfg.run.iterations):
             progress.clear(spec.run_id, it)
             t0 = time.perf_counter()
@@ -132,6 +136,8 @@ def train(config: dict, workdir: str = "work", resume_run_id: str | None = None,
                 tracker.log_metrics(spec.run_id, {"time/iteration_s": wall,
                                                   "orchestration_overhead": 1.0 - sum(stage_s.values()) / wall},
                                     step=it)
+            if every and ((it + 1) % every == 0 or it + 1 == cfg.run.iterations):
+                evaluate.with_options(task_run_name=f"evaluate[after={it + 1}]")(spec, it + 1, policy)
     except BaseException:
         tracker.end_run(spec.run_id, "FAILED")
         raise
