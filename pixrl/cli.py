@@ -396,6 +396,34 @@ def status(
     Console().print(table)
 
 
+@app.command()
+def runs(
+    workdir: str = typer.Option("work", "--workdir"),
+    experiment: Optional[str] = typer.Option(None, "--experiment", help="only this MLflow experiment"),
+    as_json: bool = typer.Option(False, "--json", help="last stdout line is a JSON list"),
+) -> None:
+    """Compare runs: final/best train reward, held-out accuracy, images/s, duration, status."""
+    from dataclasses import asdict
+
+    from rich.table import Table
+
+    from .artifacts.comparison import list_runs
+
+    rows = list_runs(_workdir_tracker(workdir), experiment)
+    fmt = lambda v, spec=".3f": "—" if v is None else format(v, spec)  # noqa: E731
+    table = Table(title=f"pixrl runs · {workdir}")
+    for col in ("run", "algorithm", "status", "its", "reward final", "reward best", "held-out", "held-out best",
+                "img/s", "duration", "commit"):
+        table.add_column(col, justify="left" if col in ("run", "algorithm", "status", "commit") else "right")
+    for r in rows:
+        table.add_row(r.name, r.algorithm, r.status, fmt(r.iterations, "d"), fmt(r.final_reward), fmt(r.best_reward),
+                      fmt(r.heldout), fmt(r.best_heldout), fmt(r.images_per_s, ".1f"),
+                      "—" if r.duration_s is None else f"{r.duration_s / 60:.1f} min", r.git_commit)
+    Console().print(table)
+    if as_json:
+        print(json.dumps([asdict(r) for r in rows]))
+
+
 def main() -> None:  # pragma: no cover
     app()
 
