@@ -397,6 +397,29 @@ def status(
 
 
 @app.command()
+def serve(
+    workdir: str = typer.Option("work", "--workdir", help="default workdir in the UI forms"),
+) -> None:
+    """Serve the training, DPO and evaluation deployments from this process (no work pool needed):
+    start `prefect server start` first, then trigger runs from the UI at http://127.0.0.1:4200."""
+    from prefect import serve as prefect_serve
+
+    from .flows.deployments import (DPOParameters, EvalParameters, TrainParameters, evaluation,
+                                    offline_dpo_training, online_training)
+
+    dpo_defaults = DPOParameters.model_construct(sources=["default"], workdir=workdir).model_dump()
+    eval_defaults = EvalParameters.model_construct(run_name="default", workdir=workdir).model_dump()
+    prefect_serve(
+        online_training.to_deployment(name="online", parameters={"params": TrainParameters(workdir=workdir).model_dump()},
+                                      tags=["pixrl", "online"], description="Online RL on the configured preset"),
+        offline_dpo_training.to_deployment(name="dpo", parameters={"params": dpo_defaults}, tags=["pixrl", "offline"],
+                                           description="Diffusion-DPO from archived rollouts"),
+        evaluation.to_deployment(name="evaluate", parameters={"params": eval_defaults}, tags=["pixrl", "eval"],
+                                 description="Held-out evaluation of a published policy"),
+    )
+
+
+@app.command()
 def runs(
     workdir: str = typer.Option("work", "--workdir"),
     experiment: Optional[str] = typer.Option(None, "--experiment", help="only this MLflow experiment"),

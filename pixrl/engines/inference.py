@@ -41,6 +41,17 @@ def load_policy(checkpoint: str | None, run: str | None, workdir: str) -> tuple[
     return TrainablePolicy(cfg), cfg
 
 
+def load_policy_version(tracker: Tracker, run: str, alias: str, workdir: str):
+    """A run's registered policy under an alias (rollout, champion) → (policy, config, ref)."""
+    ref = tracker.resolve(f"pixrl-{run}", alias)
+    if ref is None:
+        raise PolicyNotFound(f"no version of models:/pixrl-{run} has alias {alias!r} in {workdir}; check the run "
+                             f"name, or use alias rollout (champion needs run.eval_every)")
+    ckpt = tracker.download(ref, Path(workdir) / "cache" / "policies" / f"{ref.model_name}-v{ref.version}.eval")
+    policy, cfg = _from_pixrl_checkpoint(ckpt)
+    return policy, cfg, ref
+
+
 def _from_pixrl_checkpoint(ckpt: Path) -> tuple[TrainablePolicy, ExperimentConfig]:
     cfg = ExperimentConfig.model_validate(json.loads((ckpt / CONFIG).read_text()))
     policy = TrainablePolicy(cfg)
