@@ -133,3 +133,27 @@ def test_periodic_heldout_evaluation_and_champion_alias(tiny_checkpoint, tmp_pat
     champion = int(client.get_model_version_by_alias("pixrl-ev", "champion").version)
     best = max((1, 2), key=lambda v: (acc[v], -v))  # first of the best published versions
     assert champion == best
+
+
+def test_prefect_artifacts_per_iteration(trained):
+    """The UI shows a reward table (per component, per category), a link to the sample grid
+    (logged at that path in MLflow) and a progress bar at 100%."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    wd, out = trained
+    with get_client(sync_client=True) as client:
+        def latest(key):
+            arts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+            return max(arts, key=lambda a: a.created)
+
+        table = latest("e2e-rewards")
+        rows = json.loads(table.data) if isinstance(table.data, str) else table.data
+        assert {r["group"] for r in rows} == {"component", "category"}
+        assert {r["name"] for r in rows if r["group"] == "component"} == {"reward (total)", "jpeg_compressibility"}
+        assert "samples/it_0001.png" in latest("e2e-samples").data
+        progress = latest("e2e-progress")
+        assert float(progress.data) == 100.0
+    client = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
+    assert {a.path for a in client.list_artifacts(out["run_id"], "samples")} == {"samples/it_0000.png",
+                                                                               "samples/it_0001.png"}

@@ -97,6 +97,14 @@ class Tracker:
     def log_image(self, run_id: str, image: np.ndarray, key: str, step: int) -> None:
         self.client.log_image(run_id, image, key=key, step=step)
 
+    def log_image_file(self, run_id: str, image: np.ndarray, artifact_file: str) -> None:
+        """The image at a fixed artifact path (what Prefect artifacts and docs link to)."""
+        self.client.log_image(run_id, image, artifact_file=artifact_file)
+
+    def artifact_uri(self, run_id: str, path: str = "") -> str:
+        base = self.client.get_run(run_id).info.artifact_uri
+        return f"{base}/{path}" if path else base
+
     def get_metric_history(self, run_id: str, key: str) -> list[float]:
         return [m.value for m in sorted(self.client.get_metric_history(run_id, key), key=lambda m: m.step)]
 

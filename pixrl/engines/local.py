@@ -199,8 +199,9 @@ class LocalEngine:
         seconds = time.perf_counter() - t0
         g = self.cfg.sampling.group_size
         rows = min(8, len(imgs) // g)
-        self.tracker.log_image(self.spec.run_id, image_grid(imgs[: rows * g], cols=g, scale=4),
-                               key="samples", step=iteration)
+        grid = image_grid(imgs[: rows * g], cols=g, scale=4)
+        self.tracker.log_image(self.spec.run_id, grid, key="samples", step=iteration)
+        self.tracker.log_image_file(self.spec.run_id, grid, f"samples/it_{iteration:04d}.png")
         upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"],
                         "image": pa.array(pngs, pa.binary())})
         metrics = self._before_commit("decode", iteration, {"decode_compute_s": seconds})
@@ -377,6 +378,29 @@ class LocalEngine:
                                    ckpt.checkpoint_id, {"run_name": self.spec.run_name},
                                    before_alias=lambda: fault_point("publish", iteration))
         return ref, {"policy_version": ref.version}
+
+    # --- reporting ----------------------------------------------------------------------------
+    def reward_report(self, iteration: int) -> list[dict]:
+        """Reward statistics of a scored iteration, per component and per prompt category."""
+        t = self.store.read(self._latest(), self.spec.run_id, iteration, ["rewards", "reward", "prompt_meta"])
+        rows = []
+        comps: dict[str, list[float]] = {}
+        for items in t["rewards"].to_pylist():
+            for item in items or []:
+                comps.setdefault(item["name"], []).append(item["value"])
+        total = t["reward"].to_numpy(zero_copy_only=False)
+        for name, vals in [("reward (total)", total), *sorted(comps.items())]:
+            v = np.asarray(vals, np.float64)
+            rows.append({"group": "component", "name": name, "n": int(v.size), "mean": round(float(v.mean()), 4),
+                         "std": round(float(v.std()), 4), "min": round(float(v.min()), 4),
+                         "max": round(float(v.max()), 4)})
+        cats = np.array([json.loads(m).get("category") or "—" for m in t["prompt_meta"].to_pylist()])
+        for cat in sorted(set(cats)):
+            v = total[cats == cat].astype(np.float64)
+            rows.append({"group": "category", "name": cat, "n": int(v.size), "mean": round(float(v.mean()), 4),
+                         "std": round(float(v.std()), 4), "min": round(float(v.min()), 4),
+                         "max": round(float(v.max()), 4)})
+        return rows
 
     # --- evaluate (optional, every run.eval_every iterations) -----------------------------------
     def evaluate(self, after: int, policy: PolicyRef) -> dict | None:

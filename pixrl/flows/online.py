@@ -24,6 +24,7 @@ from ..tasks.evaluate import evaluate
 from ..tasks.generate import generate
 from ..tasks.publish import publish
 from ..tasks.replay import replay
+from ..tasks.report import report_iteration, start_progress, update_progress
 from ..tasks.retry import with_retries
 from ..tasks.score import score
 from ..tasks.update import update
@@ -123,6 +124,7 @@ def train(config: dict, workdir: str = "work", resume_run_id: str | None = None,
         seed_fork(spec, fork)
         policy, start = fork["policy"], fork["iteration"]
     every = cfg.run.eval_every if cfg.dataset.name == "shapes" else 0
+    progress_id = start_progress(spec)
     try:
         if every and start == 0:
             evaluate.with_options(task_run_name="evaluate[after=0]")(spec, 0, policy)
@@ -130,6 +132,8 @@ def train(config: dict, workdir: str = "work", resume_run_id: str | None = None,
             progress.clear(spec.run_id, it)
             t0 = time.perf_counter()
             policy = rl_iteration(spec, it, policy)
+            report_iteration.with_options(task_run_name=f"report[it={it}]")(spec, it)
+            update_progress(progress_id, it + 1, cfg.run.iterations)
             wall = time.perf_counter() - t0  # includes the subflow's own Prefect bookkeeping
             stage_s = progress.stage_seconds(spec.run_id, it)
             if stage_s:  # an iteration found complete in the stores logs nothing again

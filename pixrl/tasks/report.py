@@ -1,0 +1,38 @@
+"""Prefect artifacts that make a run readable in the UI: per iteration a table of reward
+statistics (per component, per prompt category) and a link to the sample grid in MLflow; per run
+a progress bar. Keys allow lowercase letters, digits and dashes only."""
+
+from __future__ import annotations
+
+import re
+
+from prefect import task
+from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
+                               update_progress_artifact)
+
+from ..engines.local import RunSpec, get_engine
+
+
+def artifact_key(*parts: str) -> str:
+    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
+
+
+@task(name="report", persist_result=False)
+def report_iteration(spec: RunSpec, iteration: int) -> None:
+    engine = get_engine(spec)
+    create_table_artifact(engine.reward_report(iteration), key=artifact_key(spec.run_name, "rewards"),
+                          description=f"{spec.run_name} iteration {iteration}: reward per component and category")
+    grid = engine.tracker.artifact_uri(spec.run_id, f"samples/it_{iteration:04d}.png")
+    create_markdown_artifact(
+        f"### {spec.run_name} · iteration {iteration}\n\nSample grid (one row per prompt, one column per group "
+        f"member): `{grid}`\n\nMLflow run `{spec.run_id}` — `mlflow ui --backend-store-uri {spec.tracking_uri}`",
+        key=artifact_key(spec.run_name, "samples"), description=f"sample grid of iteration {iteration}")
+
+
+def start_progress(spec: RunSpec) -> str:
+    return str(create_progress_artifact(0.0, key=artifact_key(spec.run_name, "progress"),
+                                        description=f"{spec.run_name}: iterations done (%)"))
+
+
+def update_progress(artifact_id: str, done: int, total: int) -> None:
+    update_progress_artifact(artifact_id, progress=100.0 * done / max(total, 1))
