@@ -41,6 +41,7 @@ def train(
     workdir: Optional[str] = typer.Option(None, "--workdir", help="where stores live (run.workdir)"),
     run: Optional[str] = typer.Option(None, "--run", help="run name (run.name)"),
     seed: Optional[int] = typer.Option(None, "--seed", help="run seed (run.seed)"),
+    export: Optional[str] = typer.Option(None, "--export", help="write ref.json, metrics.json, reward_curve.csv here"),
 ) -> None:
     """Run online RL; with no --config, the default recipe (Flow-GRPO on the embedded miniature).
 
@@ -58,10 +59,20 @@ def train(
         preflight(cfg)
     except (ConfigError, PreflightError) as exc:
         _fail(str(exc))
-    _run_training(cfg, cfg.run.workdir, None)
+    _run_training(cfg, cfg.run.workdir, None, export=export)
 
 
-def _run_training(cfg, workdir: str, resume_run_id: Optional[str], fork: Optional[dict] = None) -> None:
+def _export(out: dict, export: Optional[str]) -> None:
+    if export:
+        from .artifacts.export import export_run
+        from .artifacts.tracking import Tracker
+
+        export_run(Tracker(out["tracking_uri"]), out["run_id"], Path(export))
+        console.print(f"  exported     {export}/ref.json, metrics.json")
+
+
+def _run_training(cfg, workdir: str, resume_run_id: Optional[str], fork: Optional[dict] = None,
+                  export: Optional[str] = None) -> None:
     if cfg.run.threads:
         import torch
 
@@ -85,6 +96,7 @@ def _run_training(cfg, workdir: str, resume_run_id: Optional[str], fork: Optiona
     console.print(f"  policy       models:/{out['model_name']}@rollout (version {out['policy']['version']})")
     console.print(f"  Prefect      flow run {out['flow_run_id']}  (UI: prefect server start)")
     console.print(f"  checkpoints  {wd / 'checkpoints' / cfg.run.name}")
+    _export(out, export)
     print(json.dumps({k: out[k] for k in ("run_id", "table_uri", "model_name", "flow_run_id")}))
 
 
@@ -215,6 +227,7 @@ def dpo(
     category: Optional[list[str]] = typer.Option(None, "--category", help="prompt category (repeatable)"),
     pairing: Optional[str] = typer.Option(None, "--pairing", help="best_worst | all"),
     margin: Optional[float] = typer.Option(None, "--margin", help="minimum reward difference of a pair"),
+    export: Optional[str] = typer.Option(None, "--export", help="write ref.json, metrics.json, dpo_curve.csv here"),
 ) -> None:
     """Offline Diffusion-DPO on preference pairs mined from archived rollouts (Lance), pinned to
     the source versions read. Extra key=value arguments override the config (e.g. dpo.beta=50)."""
@@ -250,8 +263,6 @@ def dpo(
     from .engines.offline import OfflineError
     from .flows.offline_dpo import offline_dpo
 
-    if (Path(workdir) / "mlflow.db").is_file() and _workdir_tracker(workdir).find_run("pixrl.run_name", cfg.run.name):
-        _fail(f"a run named {cfg.run.name!r} already exists in {workdir}; pass --run NEW_NAME")
     console.print(f"[bold]pixrl dpo[/] {cfg.run.name}: {cfg.dpo.steps} steps · {cfg.dpo.pairing} pairs from "
                   f"{', '.join(sources)} · workdir {workdir}")
     try:
@@ -263,6 +274,7 @@ def dpo(
     console.print(f"[bold green]done.[/] held-out accuracy {out['heldout_before']:.3f} → {out['heldout_after']:.3f}")
     console.print(f"  MLflow run  {out['run_id']}   policy models:/{out['model_name']}@rollout")
     console.print(f"  sources     {', '.join(out['sources'])}   pairs {out['pairs_uri']}")
+    _export(out, export)
     print(json.dumps({k: out[k] for k in ("run_id", "model_name", "heldout_before", "heldout_after", "sources",
                                           "flow_run_id")}))
 
@@ -281,6 +293,7 @@ def pretrain(
 
     cfg = PretrainConfig(seed=seed, vae_steps=vae_steps, denoiser_steps=denoiser_steps, threads=threads)
     log_path = Path(log or f"{out}.log.jsonl")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("a") as fh:
         def emit(rec: dict) -> None:
             fh.write(json.dumps(rec) + "\n")
@@ -313,6 +326,7 @@ def eval_cmd(
     steps: Optional[int] = typer.Option(None, "--steps", help="ODE steps (default sampling.eval_steps)"),
     as_json: bool = typer.Option(False, "--json", help="last stdout line is a JSON object"),
     workdir: str = typer.Option("work", "--workdir"),
+    out: Optional[str] = typer.Option(None, "--out", help="also write the JSON result to this file"),
 ) -> None:
     """Judge accuracy of a policy on the shapes world, overall and per category."""
     if split not in ("heldout", "train"):
@@ -332,6 +346,22 @@ def eval_cmd(
     console.print(table)
     if as_json:
         print(json.dumps(res))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(res, indent=2) + "\n")
+
+
+@app.command()
+def prompts(
+    out: str = typer.Option(..., "--out", help="directory for prompts_train.parquet and prompts_heldout.parquet"),
+    seed: int = typer.Option(0, "--seed", help="split seed (0 = the shipped split)"),
+) -> None:
+    """Write the shapes-world prompt sets (GenEval's six categories) with a held-out split of
+    compositions that never occur in train."""
+    from .datasets.shapes.prompts import write_prompt_files
+
+    for split, path in write_prompt_files(Path(out), seed).items():
+        console.print(f"{split}: {path}")
 
 
 @app.command()

@@ -164,7 +164,7 @@ def test_dpo_flow_end_to_end_with_lineage(archive):
     loss = client.get_metric_history(out["run_id"], "dpo/loss")
     assert sorted(m.step for m in loss) == [0, 1, 2]
     assert min(loss, key=lambda m: m.step).value == pytest.approx(math.log(2), abs=1e-6)
-    assert run.data.metrics["pairs"] == lance.dataset(str(wd / "lance" / "d1" / "pairs.lance")).count_rows() > 0
+    assert run.data.metrics["pairs"] == lance.dataset(str(wd / "lance" / "d1" / out["run_id"] / "pairs.lance")).count_rows() > 0
     assert "heldout/accuracy" in run.data.metrics and "heldout/accuracy_before" in run.data.metrics
     assert int(client.get_model_version_by_alias("pixrl-d1", "rollout").version) == 1
     assert run.info.status == "FINISHED"

@@ -39,9 +39,20 @@ class Tracker:
         self.uri = tracking_uri
         self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
 
+    def artifact_root(self) -> str | None:
+        """<dir of the sqlite file>/mlruns for a local sqlite store, so artifacts (checkpoints!) live
+        beside the database in the work directory, not in whatever directory the process ran from."""
+        if self.uri.startswith("sqlite:///"):
+            return str(Path(self.uri[len("sqlite:///"):]).resolve().parent / "mlruns")
+        return None
+
     def start_run(self, experiment: str, run_name: str, tags: dict[str, str]) -> str:
         exp = self.client.get_experiment_by_name(experiment)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+        if exp is None:
+            root = self.artifact_root()
+            exp_id = self.client.create_experiment(experiment, artifact_location=f"{root}/{experiment}" if root else None)
+        else:
+            exp_id = exp.experiment_id
         run = self.client.create_run(exp_id, run_name=run_name, tags=tags)
         return run.info.run_id
 

@@ -117,6 +117,9 @@ class LocalEngine:
     def _checkpoint_dir(self, policy: PolicyRef) -> Path | None:
         if policy.version == 0:
             return None
+        own = self._own_checkpoint(policy)
+        if own is not None:  # this run wrote it: no second copy from the registry
+            return own
         local = Path(self.spec.workdir) / "cache" / "policies" / f"{policy.model_name}-v{policy.version}"
         if not (local / "counters.json").is_file():
             local = self.tracker.download(policy, local.parent / (local.name + ".dl"))
@@ -125,6 +128,18 @@ class LocalEngine:
                 local.rename(target)
             local = target
         return local
+
+    def _own_checkpoint(self, policy: PolicyRef) -> Path | None:
+        """The local checkpoint directory of a version this run published, if it is intact."""
+        if policy.model_name != self.spec.model_name or not policy.checkpoint_id:
+            return None
+        d = self._checkpoint_path(policy.version - 1)  # version v was published by iteration v − 1
+        try:
+            if d.is_dir() and read_counters(d)["checkpoint_id"] == policy.checkpoint_id:
+                return d
+        except (OSError, ValueError, KeyError):
+            pass
+        return None
 
     def use_policy(self, policy: PolicyRef) -> Path | None:
         ckpt = self._checkpoint_dir(policy)

@@ -81,7 +81,7 @@ class DPOEngine:
             raise OfflineError("the config has no `dpo` section; use the shapes_dpo experiment or dpo=best_worst")
         self.d = self.cfg.dpo
         self.tracker = Tracker(spec.tracking_uri)
-        root = spec.table_uri.rsplit("/", 1)[0]
+        root = f"{spec.table_uri.rsplit('/', 1)[0]}/{spec.run_id}"  # per run: a rerun under one name never reuses
         self.selection_uri = f"{root}/selection.lance"
         self.pairs_uri = f"{root}/pairs.lance"
         self._policy: TrainablePolicy | None = None

@@ -130,16 +130,24 @@ def train(config: dict, workdir: str = "work", resume_run_id: str | None = None,
             evaluate.with_options(task_run_name="evaluate[after=0]")(spec, 0, policy)
         for it in range(start, cfg.run.iterations):
             progress.clear(spec.run_id, it)
-            t0 = time.perf_counter()
-            policy = rl_iteration(spec, it, policy)
-            report_iteration.with_options(task_run_name=f"report[it={it}]")(spec, it)
+            done = tracker.find_version(spec.model_name, spec.run_id, it)
+            if done is not None:  # resume: the iteration is published, so every stage of it is committed
+                tracker.move_alias(done)  # a crash may have come between registration and the alias move
+                tracker.log_missing_metrics(spec.run_id, {"policy_version": done.version}, step=it)
+                for stage in STAGES:
+                    progress.skipped(it, stage)
+                policy = done.to_dict()
+            else:
+                t0 = time.perf_counter()
+                policy = rl_iteration(spec, it, policy)
+                wall = time.perf_counter() - t0  # includes the subflow's own Prefect bookkeeping
+                stage_s = progress.stage_seconds(spec.run_id, it)
+                if stage_s:  # an iteration found complete in the stores logs nothing again
+                    tracker.log_metrics(spec.run_id, {"time/iteration_s": wall,
+                                                      "orchestration_overhead": 1.0 - sum(stage_s.values()) / wall},
+                                        step=it)
+                report_iteration.with_options(task_run_name=f"report[it={it}]")(spec, it)
             update_progress(progress_id, it + 1, cfg.run.iterations)
-            wall = time.perf_counter() - t0  # includes the subflow's own Prefect bookkeeping
-            stage_s = progress.stage_seconds(spec.run_id, it)
-            if stage_s:  # an iteration found complete in the stores logs nothing again
-                tracker.log_metrics(spec.run_id, {"time/iteration_s": wall,
-                                                  "orchestration_overhead": 1.0 - sum(stage_s.values()) / wall},
-                                    step=it)
             if every and ((it + 1) % every == 0 or it + 1 == cfg.run.iterations):
                 evaluate.with_options(task_run_name=f"evaluate[after={it + 1}]")(spec, it + 1, policy)
     except BaseException:
