@@ -259,9 +259,17 @@ def dpo(
         cfg = ExperimentConfig.model_validate({**cfg.model_dump(mode="json"), "dpo": d})
     except (ConfigError, ValueError) as exc:
         _fail(str(exc))
+    import logging
+
+    from rich.logging import RichHandler
+
     from .artifacts.archive import ArchiveError
     from .engines.offline import OfflineError
     from .flows.offline_dpo import offline_dpo
+
+    progress_log = logging.getLogger("pixrl")
+    progress_log.setLevel(logging.INFO)
+    progress_log.addHandler(RichHandler(console=console, show_path=False))
 
     console.print(f"[bold]pixrl dpo[/] {cfg.run.name}: {cfg.dpo.steps} steps · {cfg.dpo.pairing} pairs from "
                   f"{', '.join(sources)} · workdir {workdir}")

@@ -12,6 +12,7 @@ Latents are never copied: update reads them by key from the pinned source versio
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from .local import RunSpec
 from .policy import TrainablePolicy
 
 FINAL = "dpo_final"
+log = logging.getLogger("pixrl.dpo")
 
 
 class OfflineError(RuntimeError):
@@ -222,6 +224,9 @@ class DPOEngine:
             history.append(rec)
             if step % log_every == 0 or step == d.steps - 1:
                 self.tracker.log_metrics(self.spec.run_id, rec, step=step)
+            if step % 25 == 0 or step == d.steps - 1:
+                log.info("step %d/%d  loss %.4f  implicit acc %.2f  margin %+.3f", step + 1, d.steps,
+                         rec["dpo/loss"], rec["dpo/implicit_acc"], rec["dpo/implicit_margin"])
         pol.module.eval()
         seconds = time.perf_counter() - t0
         counters = {"iteration": 0, "optimizer_steps": d.steps, "pairs": len(prompts), "policy_version_in": 0,
