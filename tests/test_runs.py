@@ -27,3 +27,9 @@ def test_runs_lists_and_compares_two_runs(tiny_checkpoint, tmp_path, prefect_har
         assert r["images_per_s"] > 0 and r["duration_s"] > 0
     assert rows["a"]["heldout"] is None and 0.0 <= rows["b"]["heldout"] <= 1.0
     assert "pixrl runs" in res.output
+    for r in rows.values():  # every run carries the same comparison tags
+        tags = client.get_run(r["run_id"]).data.tags
+        for key in ("pixrl.family", "pixrl.algorithm", "pixrl.reward", "pixrl.dataset_version", "git.commit",
+                    "dvc.lock_sha256"):
+            assert tags.get(key), key
+    assert len({client.get_run(r["run_id"]).data.tags["pixrl.dataset_version"] for r in rows.values()}) == 1

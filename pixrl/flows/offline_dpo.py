@@ -17,7 +17,7 @@ from ..config.schema import ExperimentConfig
 from ..engines.local import RunSpec
 from ..engines.offline import check_selection
 from ..tasks import dpo as stages
-from .online import _git_commit, run_spec
+from .online import comparison_tags, run_spec
 
 
 @task(name="open-dpo-run", persist_result=False)
@@ -37,8 +37,7 @@ def open_dpo_run(config: dict, workdir: str, resume_run_id: str | None = None) -
     check_selection(tables, cfg.dpo)  # empty selections and all-tied groups fail before the run exists
     pinned = [t.to_dict() for t in tables]
     source_runs = sorted({r for t in tables for r in (t.run_ids or ())})
-    tags = {"pixrl.family": cfg.model.family, "pixrl.algorithm": "diffusion_dpo", "pixrl.run_name": cfg.run.name,
-            "pixrl.reward": ",".join(cfg.reward.weights), "prefect.flow_run_id": fr_id, "git.commit": _git_commit(),
+    tags = {**comparison_tags(cfg), "pixrl.algorithm": "diffusion_dpo", "prefect.flow_run_id": fr_id,
             "pixrl.dpo.sources": json.dumps(pinned), "pixrl.dpo.source_run_ids": ",".join(source_runs),
             "pixrl.dpo.tables": ",".join(t.ref for t in tables),
             "pixrl.dpo.filters": json.dumps(cfg.dpo.model_dump(mode="json", exclude={"source"}))}

@@ -38,6 +38,25 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def _file_digest(path: Path) -> str:
+    import hashlib
+
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    except OSError:
+        return "none"
+
+
+def comparison_tags(cfg: ExperimentConfig) -> dict[str, str]:
+    """The tags every pixrl run carries, so runs line up in MLflow's comparison views."""
+    from ..engines.assets import resolve_asset
+
+    return {"pixrl.family": cfg.model.family, "pixrl.reward": ",".join(cfg.reward.weights),
+            "pixrl.run_name": cfg.run.name, "pixrl.dataset": cfg.dataset.name,
+            "pixrl.dataset_version": _file_digest(resolve_asset(cfg.dataset.path)),
+            "git.commit": _git_commit(), "dvc.lock_sha256": _file_digest(Path("dvc.lock"))}
+
+
 def table_uri(cfg: ExperimentConfig, workdir: Path) -> str:
     root = cfg.run.store_root or str((workdir / "lance").resolve())
     return f"{root.rstrip('/')}/{cfg.run.name}/trajectories.lance"
@@ -66,9 +85,8 @@ def open_run(config: dict, workdir: str, resume_run_id: str | None = None, fork:
     if existing:
         tracker.reopen(existing, {"prefect.last_flow_run_id": fr_id})
         return spec_of(existing)
-    tags = {"pixrl.family": cfg.model.family, "pixrl.algorithm": cfg.algorithm.name,
-            "pixrl.reward": ",".join(cfg.reward.weights), "pixrl.run_name": cfg.run.name,
-            "prefect.flow_run_id": str(flow_run.get_id() or ""), "git.commit": _git_commit()}
+    tags = {**comparison_tags(cfg), "pixrl.algorithm": cfg.algorithm.name,
+            "prefect.flow_run_id": str(flow_run.get_id() or "")}
     if fork:  # lineage: where this run branched off, and the exact Lance version it read
         tags.update({"pixrl.fork": json.dumps(fork), "pixrl.parent_run_id": fork["parent_run_id"],
                      "pixrl.parent_run_name": fork["parent_run_name"], "pixrl.fork_iteration": str(fork["iteration"]),
