@@ -80,7 +80,7 @@ def main() -> None:
         summary[f"{split}_lift"] = summary[f"{split}_after"] - summary[f"{split}_before"]
 
     keys = ["reward/reward/mean", "reward/shapes.correct/mean", "reward/shapes.partial/mean", "zero_std_ratio",
-            "loss", "clipfrac", "approx_kl", "grad_norm", "optimizer_steps", "time/iteration_s"]
+            "loss", "clipfrac", "approx_kl", "grad_norm", "optimizer_steps", "time/iteration_s", "heldout/accuracy"]
     hist = {k: {m.step: m.value for m in c.get_metric_history(info["run_id"], k)} for k in keys}
     steps = sorted(hist["reward/reward/mean"])
     with (out_dir / "reward_curve.csv").open("w", newline="") as f:
@@ -93,6 +93,8 @@ def main() -> None:
     summary["reward_first_10pct"] = float(r[:q].mean())
     summary["reward_last_10pct"] = float(r[-q:].mean())
     summary["optimizer_updates"] = int(sum(hist["optimizer_steps"].values()))
+    summary["iteration_compute_s"] = float(sum(hist["time/iteration_s"].values()))  # excludes any downtime
+    summary["heldout_curve"] = {int(k): v for k, v in sorted(hist["heldout/accuracy"].items())}
     run = c.get_run(info["run_id"])
     import shutil
     import tempfile
@@ -123,8 +125,13 @@ def main() -> None:
         k = np.ones(10) / 10
         ax[0].plot(steps[9:], np.convolve(r, k, mode="valid"), lw=2, label="10-it moving avg")
     ax[0].set_xlabel("iteration"); ax[0].set_ylabel("train reward"); ax[0].legend()
-    zs = [hist["zero_std_ratio"].get(s, np.nan) for s in steps]
-    ax[1].plot(steps, zs, lw=0.8, color="gray"); ax[1].set_xlabel("iteration"); ax[1].set_ylabel("zero_std_ratio")
+    if hist["heldout/accuracy"]:
+        hs = sorted(hist["heldout/accuracy"])
+        ax[1].plot(hs, [hist["heldout/accuracy"][s] for s in hs], marker="o")
+        ax[1].set_xlabel("iteration"); ax[1].set_ylabel("held-out accuracy (ODE eval)")
+    else:
+        zs = [hist["zero_std_ratio"].get(s, np.nan) for s in steps]
+        ax[1].plot(steps, zs, lw=0.8, color="gray"); ax[1].set_xlabel("iteration"); ax[1].set_ylabel("zero_std_ratio")
     fig.suptitle(f"{a.name}: held-out {summary['heldout_before']:.3f} → {summary['heldout_after']:.3f}")
     fig.tight_layout()
     fig.savefig(out_dir / "reward_curve.png", dpi=110)
