@@ -29,7 +29,7 @@ from ..artifacts.checkpoints import (
     verify_checkpoint,
 )
 from ..artifacts.media import image_grid
-from ..artifacts.tracking import CHAMPION_ALIAS, PolicyRef, Tracker
+from ..artifacts.tracking import CHAMPION_ALIAS, PolicyRef
 from ..artifacts.trajectories import (
     TableRef,
     TrajectoryStore,
@@ -45,8 +45,8 @@ from ..datasets.prompts import choose_prompts, load_prompt_set
 from ..datasets.shapes.evaluate import evaluate as evaluate_shapes
 from ..rewards.compose import RewardSet
 from .assets import resolve_asset
+from .base import EngineBase
 from .chaos import fault_point
-from .policy import TrainablePolicy
 
 
 @dataclass(frozen=True)
@@ -97,22 +97,11 @@ def _encode_unique(fam, prompts: list[str]):
     return fam.encode_prompts(uniq), {t: i for i, t in enumerate(uniq)}
 
 
-class LocalEngine:
+class LocalEngine(EngineBase):
     def __init__(self, spec: RunSpec):
-        self.spec = spec
-        self.cfg = spec.cfg
+        super().__init__(spec)
         self.store = TrajectoryStore(spec.table_uri)
-        self.tracker = Tracker(spec.tracking_uri)
-        self._policy: TrainablePolicy | None = None
         self.algorithm = build_algorithm(self.cfg.algorithm)
-        if self.cfg.run.threads:
-            torch.set_num_threads(self.cfg.run.threads)
-
-    @property
-    def policy(self) -> TrainablePolicy:
-        if self._policy is None:
-            self._policy = TrainablePolicy(self.cfg)
-        return self._policy
 
     def _checkpoint_dir(self, policy: PolicyRef) -> Path | None:
         if policy.version == 0:

@@ -27,10 +27,10 @@ from ..algorithms.recipe import eval_recipe
 from ..artifacts.archive import PinnedTable, select_rows
 from ..artifacts.checkpoints import CheckpointRef, load_weights, read_counters, save_checkpoint, verify_checkpoint
 from ..artifacts.trajectories import tensor_from
-from ..artifacts.tracking import PolicyRef, Tracker
+from ..artifacts.tracking import PolicyRef
 from ..datasets.shapes.evaluate import evaluate
+from .base import EngineBase
 from .local import RunSpec
-from .policy import TrainablePolicy
 
 FINAL = "dpo_final"
 log = logging.getLogger("pixrl.dpo")
@@ -75,26 +75,15 @@ def check_selection(tables: list[PinnedTable], d) -> None:
                            f"{d.margin}; lower dpo.margin or select more rollouts")
 
 
-class DPOEngine:
+class DPOEngine(EngineBase):
     def __init__(self, spec: RunSpec):
-        self.spec = spec
-        self.cfg = spec.cfg
+        super().__init__(spec)
         if self.cfg.dpo is None:
             raise OfflineError("the config has no `dpo` section; use the shapes_dpo experiment or dpo=best_worst")
         self.d = self.cfg.dpo
-        self.tracker = Tracker(spec.tracking_uri)
         root = f"{spec.table_uri.rsplit('/', 1)[0]}/{spec.run_id}"  # per run: a rerun under one name never reuses
         self.selection_uri = f"{root}/selection.lance"
         self.pairs_uri = f"{root}/pairs.lance"
-        self._policy: TrainablePolicy | None = None
-        if self.cfg.run.threads:
-            torch.set_num_threads(self.cfg.run.threads)
-
-    @property
-    def policy(self) -> TrainablePolicy:
-        if self._policy is None:
-            self._policy = TrainablePolicy(self.cfg)
-        return self._policy
 
     @property
     def final_dir(self) -> Path:
