@@ -10,14 +10,10 @@ from pathlib import Path
 
 import lance
 
+from .files import write_text_atomic as _write
 from .tracking import Tracker
 
 
-def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def _curve(path: Path, tracker: Tracker, run_id: str, keys: list[str], index: str) -> list[dict]:

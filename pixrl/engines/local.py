@@ -44,6 +44,7 @@ from ..config.schema import ExperimentConfig
 from ..datasets.prompts import choose_prompts, load_prompt_set
 from ..datasets.shapes.evaluate import evaluate as evaluate_shapes
 from ..rewards.compose import RewardSet
+from ..artifacts.files import write_json_atomic
 from .assets import resolve_asset
 from .base import EngineBase
 from .chaos import fault_point
@@ -421,10 +422,7 @@ class LocalEngine(EngineBase):
         if policy.version > 0 and (best is None or res["accuracy"] > best):
             self.tracker.move_alias(policy, CHAMPION_ALIAS)
             metrics["heldout/champion_version"] = float(policy.version)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(metrics))
-        tmp.replace(path)
+        write_json_atomic(path, metrics)
         return metrics
 
     # --- stage records: metrics that survive a crash between commit and logging -----------------
@@ -435,11 +433,7 @@ class LocalEngine(EngineBase):
         """Write the stage's metrics (atomically, replacing an uncommitted attempt's), then the
         fault-injection point; the caller commits next. A resume that finds the commit but not
         the MLflow metrics logs them from this record (`recorded_metrics`)."""
-        path = self._record_path(stage, iteration)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(metrics))
-        tmp.replace(path)
+        write_json_atomic(self._record_path(stage, iteration), metrics)
         fault_point(stage, iteration)
         return metrics
 

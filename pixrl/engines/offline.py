@@ -26,7 +26,8 @@ from ..algorithms.pairing import make_pairs
 from ..algorithms.recipe import eval_recipe
 from ..artifacts.archive import PinnedTable, select_rows
 from ..artifacts.checkpoints import CheckpointRef, load_weights, read_counters, save_checkpoint, verify_checkpoint
-from ..artifacts.trajectories import tensor_from
+from ..artifacts.files import write_json_atomic
+from ..artifacts.trajectories import TrajectoryStore, tensor_from
 from ..artifacts.tracking import PolicyRef
 from ..datasets.shapes.evaluate import evaluate
 from .base import EngineBase
@@ -41,20 +42,14 @@ class OfflineError(RuntimeError):
 
 
 def _write_once(uri: str, table: pa.Table) -> int:
-    """Create a Lance table in one commit; refuse to replace an existing one."""
-    try:
+    """Create a Lance table in one commit; an existing one is kept, never replaced."""
+    if _exists(uri):
         return lance.dataset(uri).version
-    except (ValueError, FileNotFoundError, OSError):
-        pass
     return lance.write_dataset(table, uri, mode="create").version
 
 
 def _exists(uri: str) -> bool:
-    try:
-        lance.dataset(uri)
-        return True
-    except (ValueError, FileNotFoundError, OSError):
-        return False
+    return TrajectoryStore(uri).exists()
 
 
 def _group_keys(sel: pa.Table) -> list[tuple]:
@@ -255,8 +250,5 @@ class DPOEngine(EngineBase):
                    **{f"heldout/{k}": v for k, v in after.items() if isinstance(v, float)}}
         self.tracker.log_metrics(self.spec.run_id, metrics, step=self.d.steps)
         self.tracker.log_dict(self.spec.run_id, res, "evaluation.json")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(res))
-        tmp.replace(path)
+        write_json_atomic(path, res)
         return res
