@@ -93,7 +93,8 @@ def _run_training(cfg, workdir: str, resume_run_id: Optional[str], fork: Optiona
     console.print("\n[bold green]done.[/] Results:")
     console.print(f"  MLflow run   {out['run_id']}  (UI: mlflow ui --backend-store-uri {out['tracking_uri']})")
     console.print(f"  Lance table  {out['table_uri']}")
-    console.print(f"  policy       models:/{out['model_name']}@rollout (version {out['policy']['version']})")
+    console.print(f"  policy       models:/{out['model_name']}/{out['policy']['version']} (alias rollout = the "
+                  f"experiment's latest; champion = its best held-out)")
     console.print(f"  Prefect      flow run {out['flow_run_id']}  (UI: prefect server start)")
     console.print(f"  checkpoints  {wd / 'checkpoints' / cfg.run.name}")
     _export(out, export)
@@ -140,14 +141,14 @@ def replay(
     from .config.loader import ConfigError, load_config
     from .config.schema import ExperimentConfig
     from .engines.lineage import FORKABLE, LineageError, replay_update
-    from .flows.online import run_spec
+    from .flows.online import recorded_model_name, run_spec
 
     tracker = _workdir_tracker(workdir)
     parent_id = tracker.find_run("pixrl.run_name", run)
     if parent_id is None:
         _fail(f"no run named {run!r} in {workdir}")
     parent_cfg = ExperimentConfig.model_validate(tracker.read_config(parent_id))
-    parent = run_spec(parent_cfg, Path(workdir), parent_id)
+    parent = run_spec(parent_cfg, Path(workdir), parent_id, recorded_model_name(tracker, parent_id))
     if (from_stage is None) != (into is None):
         _fail("a fork needs both --from-stage STAGE and --into NEW_RUN")
     if into is None:
@@ -227,6 +228,8 @@ def dpo(
     category: Optional[list[str]] = typer.Option(None, "--category", help="prompt category (repeatable)"),
     pairing: Optional[str] = typer.Option(None, "--pairing", help="best_worst | all"),
     margin: Optional[float] = typer.Option(None, "--margin", help="minimum reward difference of a pair"),
+    pair_on: Optional[str] = typer.Option(None, "--pair-on", help="rank groups by 'reward' or a component (shapes.correct)"),
+    balance: Optional[str] = typer.Option(None, "--balance", help="none | category (pairs per step drawn per category)"),
     export: Optional[str] = typer.Option(None, "--export", help="write ref.json, metrics.json, dpo_curve.csv here"),
 ) -> None:
     """Offline Diffusion-DPO on preference pairs mined from archived rollouts (Lance), pinned to
@@ -236,7 +239,7 @@ def dpo(
 
     overrides = [*ctx.args, f"run.workdir={workdir}"]
     for key, val in (("dpo.steps", iterations), ("run.name", run), ("run.seed", seed), ("dpo.pairing", pairing),
-                     ("dpo.margin", margin)):
+                     ("dpo.margin", margin), ("dpo.pair_on", pair_on), ("dpo.balance", balance)):
         if val is not None:
             overrides.append(f"{key}={val}")
     try:
@@ -280,10 +283,10 @@ def dpo(
     except Exception as exc:  # the flow already marked the MLflow run FAILED
         _fail(f"{type(exc).__name__}: {exc}", code=1)
     console.print(f"[bold green]done.[/] held-out accuracy {out['heldout_before']:.3f} → {out['heldout_after']:.3f}")
-    console.print(f"  MLflow run  {out['run_id']}   policy models:/{out['model_name']}@rollout")
+    console.print(f"  MLflow run  {out['run_id']}   policy models:/{out['model_name']}/{out['policy']['version']}")
     console.print(f"  sources     {', '.join(out['sources'])}   pairs {out['pairs_uri']}")
     _export(out, export)
-    print(json.dumps({k: out[k] for k in ("run_id", "model_name", "heldout_before", "heldout_after", "sources",
+    print(json.dumps({k: out[k] for k in ("run_id", "model_name", "policy", "heldout_before", "heldout_after", "sources",
                                           "flow_run_id")}))
 
 
@@ -328,7 +331,7 @@ def _policy(checkpoint: Optional[str], run: Optional[str], workdir: str, steps: 
 @app.command("eval")
 def eval_cmd(
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="diffusers dir or pixrl checkpoint dir"),
-    run: Optional[str] = typer.Option(None, "--run", help="evaluate models:/pixrl-RUN@rollout from --workdir"),
+    run: Optional[str] = typer.Option(None, "--run", help="evaluate RUN's newest published version from --workdir"),
     split: str = typer.Option("heldout", "--split", help="heldout | train"),
     per_category: int = typer.Option(48, "--per-category", help="samples per category"),
     steps: Optional[int] = typer.Option(None, "--steps", help="ODE steps (default sampling.eval_steps)"),

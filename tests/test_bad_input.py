@@ -82,9 +82,9 @@ def test_nan_score_fails_without_half_writes(tmp_path, tiny_checkpoint, prefect_
     assert it1.num_rows == 8 and it1["reward"].null_count == 8  # score wrote nothing
     assert ds.version == 6  # it0: create, decode, score, replay; it1: generate + decode only
     client = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
-    versions = client.search_model_versions("name='pixrl-nan'")
+    versions = client.search_model_versions("name='pixrl-policy'")
     assert [int(v.version) for v in versions] == [1]
-    assert int(client.get_model_version_by_alias("pixrl-nan", "rollout").version) == 1
+    assert int(client.get_model_version_by_alias("pixrl-policy", "rollout").version) == 1
     run = client.search_runs([client.get_experiment_by_name("pixrl").experiment_id])[0]
     assert run.info.status == "FAILED"
     # the stores tell which stages of the failed iteration completed

@@ -127,3 +127,46 @@ def test_served_training_deployment_runs_from_a_trigger(prefect_server, tiny_che
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     assert json.loads(json.dumps(runs[0].data.params))["run.seed"] == "4"
     assert lance.dataset(str(wd / "lance" / "ui" / "trajectories.lance")).count_rows() == 8
+
+
+def test_prefect_yaml_deploys_to_a_process_pool_and_a_worker_runs_it(prefect_server, tiny_checkpoint, tmp_path):
+    """The path users with a work pool take: `prefect deploy --all` from prefect.yaml registers the
+    three deployments (typed parameter schemas included) on a `process` pool, and a worker pulls
+    the code from $PIXRL_HOME and runs a triggered training flow to Completed."""
+    url, env = prefect_server
+    wd = tmp_path / "wd"
+    env = {**env, "PIXRL_HOME": str(ROOT)}
+    for cmd in (["work-pool", "create", "pixrl-process", "--type", "process"], ["--no-prompt", "deploy", "--all"]):
+        out = subprocess.run([sys.executable, "-m", "prefect", *cmd], env=env, cwd=ROOT, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: url}):
+        with get_client(sync_client=True) as client:
+            deps = {d.name: d for d in client.read_deployments()}
+        assert set(deps) == {"online", "dpo", "evaluate"}
+        for d in deps.values():
+            assert d.work_pool_name == "pixrl-process"
+        assert deps["online"].parameter_openapi_schema["definitions"]["TrainParameters"]["properties"]["iterations"][
+            "default"] == 40
+        overrides = [o for o in tiny_overrides(tiny_checkpoint, wd) if not o.startswith("run.workdir")]
+        params = {"run_name": "pooled", "iterations": 1, "workdir": str(wd),
+                  "overrides": ["reward=jpeg_compressibility", *overrides]}
+        fr = run_deployment("pixrl-online/online", parameters={"params": params}, timeout=0)  # scheduled
+        worker = subprocess.run([sys.executable, "-m", "prefect", "worker", "start", "--pool", "pixrl-process",
+                                 "--run-once"], env={**env, "PREFECT_WORKER_QUERY_SECONDS": "1"}, cwd=tmp_path,
+                                capture_output=True, text=True, timeout=600)
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(fr.id).state
+            assert state.is_completed(), (state, worker.stdout[-3000:], worker.stderr[-3000:])
+            ml = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
+            runs = ml.search_runs([e.experiment_id for e in ml.search_experiments()],
+                                  filter_string="tags.`pixrl.run_name` = 'pooled'")
+            assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+            # the MLflow run belongs to the training subflow of the deployment's flow run
+            sub = client.read_flow_run(runs[0].data.tags["prefect.flow_run_id"])
+            assert client.read_task_run(sub.parent_task_run_id).flow_run_id == fr.id
+    assert lance.dataset(str(wd / "lance" / "pooled" / "trajectories.lance")).count_rows() == 8

@@ -21,6 +21,7 @@ from pixrl.artifacts.tracking import Tracker
 from pixrl.cli import app
 from pixrl.config.loader import load_config
 from pixrl.config.schema import DPOConfig
+from pixrl.engines.offline import pair_order, pair_scores
 from pixrl.engines.policy import TrainablePolicy
 
 
@@ -99,6 +100,37 @@ def test_all_pairs_respect_margin_and_never_cross_groups():
         make_pairs(keys, np.array([0, np.nan, 0, 0, 0]), "all")
 
 
+def test_pairs_rank_by_a_named_reward_component():
+    """pair_on='shapes.correct': exactly-right against wrong, whatever the partial credit says."""
+    comp = lambda c, p: [{"name": "shapes.correct", "value": c}, {"name": "shapes.partial", "value": p}]  # noqa: E731
+    sel = pa.table({"reward": [0.9, 0.6, 0.7, 0.1],
+                    "rewards": [comp(0.0, 0.9), comp(1.0, 0.2), comp(0.0, 0.7), comp(0.0, 0.1)]})
+    assert pair_scores(sel, "reward").tolist() == [0.9, 0.6, 0.7, 0.1]
+    scores = pair_scores(sel, "shapes.correct")
+    p = make_pairs(["g"] * 4, scores, "all", margin=1.0)
+    assert sorted(zip(p.winner.tolist(), p.loser.tolist())) == [(1, 0), (1, 2), (1, 3)]
+    by_total = make_pairs(["g"] * 4, pair_scores(sel, "reward"), "best_worst")
+    assert (by_total.winner.tolist(), by_total.loser.tolist()) == ([0], [3])
+    with pytest.raises(ArchiveError, match="dpo.pair_on"):
+        pair_scores(sel, "pickscore")
+
+
+def test_category_balance_gives_each_category_its_share_of_every_step():
+    cats = ["colors"] * 90 + ["position"] * 6 + ["counting"] * 4
+    rng = np.random.default_rng(0)
+    plan = pair_order(cats, steps=20, per_step=6, balance="category", rng=rng)
+    for batch in plan:
+        assert len(batch) == 6
+        assert sorted(cats[i] for i in batch) == ["colors"] * 2 + ["counting"] * 2 + ["position"] * 2
+    used = [i for batch in plan for i in batch if cats[i] == "counting"]
+    assert set(used) == set(range(96, 100))  # a small category cycles through all its pairs
+    flat = pair_order(cats, steps=50, per_step=6, balance="none", rng=np.random.default_rng(0))
+    seq = [i for b in flat for i in b]
+    assert len(seq) == 300
+    for epoch in range(3):  # 'none': consecutive permutations of all pairs
+        assert sorted(seq[epoch * 100:(epoch + 1) * 100]) == list(range(100))
+
+
 # --- an archive to select from ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def archive(tiny_checkpoint, tmp_path_factory, prefect_harness):
@@ -127,7 +159,7 @@ def test_filters_select_by_iteration_version_reward_and_category(archive):
     one = sorted(cats)[0]
     sel = select_rows([t], DPOConfig(categories=[one]))
     assert 0 < sel.num_rows and {json.loads(m)["category"] for m in sel["prompt_meta"].to_pylist()} == {one}
-    with pytest.raises(ArchiveError, match="not scored with"):
+    with pytest.raises(ArchiveError, match="not a reward these rollouts were scored with"):
         select_rows([t], DPOConfig(reward_min={"pickscore": 0.0}))
     with pytest.raises(ArchiveError, match="no run named"):
         resolve_sources(["nope"], tracker)
@@ -166,7 +198,14 @@ def test_dpo_flow_end_to_end_with_lineage(archive):
     assert min(loss, key=lambda m: m.step).value == pytest.approx(math.log(2), abs=1e-6)
     assert run.data.metrics["pairs"] == lance.dataset(str(wd / "lance" / "d1" / out["run_id"] / "pairs.lance")).count_rows() > 0
     assert "heldout/accuracy" in run.data.metrics and "heldout/accuracy_before" in run.data.metrics
-    assert int(client.get_model_version_by_alias("pixrl-d1", "rollout").version) == 1
+    # the DPO version joins the experiment's registered model beside the source run's versions,
+    # takes `rollout`, and (its held-out accuracy tagged) `champion`, since nothing else was evaluated
+    assert out["model_name"] == "pixrl-policy"
+    dpo_version = client.get_model_version_by_alias("pixrl-policy", "rollout")
+    assert dpo_version.run_id == out["run_id"] and int(dpo_version.version) == out["policy"]["version"]
+    assert {v.run_id for v in client.search_model_versions("name='pixrl-policy'")} == {src_run, out["run_id"]}
+    assert float(dpo_version.tags["heldout_accuracy"]) == run.data.metrics["heldout/accuracy"]
+    assert client.get_model_version_by_alias("pixrl-policy", "champion").version == dpo_version.version
     assert run.info.status == "FINISHED"
 
 

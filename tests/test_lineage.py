@@ -78,7 +78,9 @@ def test_fork_from_score_reproduces_the_parent_and_records_lineage(parent):
     assert [m.step for m in client.get_metric_history(fid, "loss")] == [1]
     assert [m.step for m in client.get_metric_history(fid, "reward/reward/mean")] == [1]  # score ran in the fork
     assert client.get_metric_history(fid, "time/decode_s") == []  # decode did not
-    assert int(client.get_model_version_by_alias("pixrl-F", "rollout").version) == 1
+    (fork_version,) = client.search_model_versions(f"name='pixrl-policy' and run_id='{fid}'")
+    assert fork_version.tags["iteration"] == "1"  # parent and fork share the experiment's model
+    assert client.get_model_version_by_alias("pixrl-policy", "rollout").version == fork_version.version
 
 
 def test_fork_from_generate_with_an_override_branches_from_the_right_policy(parent):

@@ -60,9 +60,9 @@ def check_resumed_run(wd, run, run_id, reference):
     for key in ("images_per_s", "decode_compute_s", "reward/reward/mean", "zero_std_ratio", "loss",
                 "policy_version", *(f"time/{s}_s" for s in STAGES if s != "publish")):
         assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [0, 1], key
-    versions = sorted(int(v.version) for v in client.search_model_versions(f"name='pixrl-{run}'"))
+    versions = sorted(int(v.version) for v in client.search_model_versions("name='pixrl-policy'"))
     assert versions == [1, 2]
-    alias = client.get_model_version_by_alias(f"pixrl-{run}", "rollout")
+    alias = client.get_model_version_by_alias("pixrl-policy", "rollout")
     assert int(alias.version) == 2
     verify_checkpoint(wd / "checkpoints" / run / run_id / "it_0001")  # the alias target is complete
 

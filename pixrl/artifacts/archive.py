@@ -107,12 +107,14 @@ def _where(t: PinnedTable, f) -> str:
     return " AND ".join(parts)
 
 
-def _component(rewards: list, name: str) -> float:
+def component_value(rewards: list, name: str) -> float:
+    """One named reward component of a scored row."""
     for item in rewards or []:
         if item["name"] == name:
             return item["value"]
-    raise ArchiveError(f"reward filter names {name!r}, which these rollouts were not scored with "
-                       f"(they have {[i['name'] for i in rewards or []]})")
+    raise ArchiveError(f"{name!r} is not a reward these rollouts were scored with (they have "
+                       f"{['reward', *(i['name'] for i in rewards or [])]}); use one of those in the reward "
+                       f"filters or dpo.pair_on")
 
 
 def select_rows(tables: list[PinnedTable], f) -> pa.Table:
@@ -125,7 +127,7 @@ def select_rows(tables: list[PinnedTable], f) -> pa.Table:
         comps = rows["rewards"].to_pylist()
         for bounds, ok in ((f.reward_min, np.greater_equal), (f.reward_max, np.less_equal)):
             for name, bound in bounds.items():
-                vals = rewards if name == "reward" else np.array([_component(c, name) for c in comps])
+                vals = rewards if name == "reward" else np.array([component_value(c, name) for c in comps])
                 keep &= ok(vals, bound)
         if f.categories is not None:
             cats = np.array([json.loads(m).get("category") for m in rows["prompt_meta"].to_pylist()])

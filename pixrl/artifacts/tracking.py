@@ -1,5 +1,8 @@
 """MLflow: one run per training run (params, per-iteration metrics, sample grids, resolved
-config) and the model registry (one version per published checkpoint, alias `rollout`).
+config) and the model registry: one registered model per experiment (`<experiment>-policy`),
+one version per published checkpoint of any of its runs, tagged with run and iteration; aliases
+`rollout` (the experiment's latest published version) and `champion` (its best held-out
+evaluation, compared through each evaluated version's `heldout_accuracy` tag).
 
 Everything goes through an explicit run id (MlflowClient), never the global "active run", so
 tasks running in any process log into the right run.
@@ -19,6 +22,12 @@ from mlflow.tracking import MlflowClient
 
 ROLLOUT_ALIAS = "rollout"
 CHAMPION_ALIAS = "champion"  # best held-out evaluation so far
+HELDOUT_TAG = "heldout_accuracy"
+
+
+def policy_model_name(experiment: str) -> str:
+    """The registered model of an experiment: its runs' versions side by side, one alias set."""
+    return f"{experiment}-policy"
 
 
 @dataclass(frozen=True)
@@ -141,16 +150,47 @@ class Tracker:
         self.client.set_registered_model_alias(model_name, ROLLOUT_ALIAS, mv.version)
         return PolicyRef(model_name, int(mv.version), source, checkpoint_id)
 
+    def run_versions(self, model_name: str, run_id: str) -> list:
+        """Every version one run registered (searched by run id, not the whole model's history)."""
+        try:
+            return self.client.search_model_versions(f"name='{model_name}' and run_id='{run_id}'")
+        except MlflowException:
+            return []
+
     def find_version(self, model_name: str, run_id: str, iteration: int) -> PolicyRef | None:
         """The version this run registered for this iteration, if any."""
-        try:
-            versions = self.client.search_model_versions(f"name='{model_name}'")
-        except MlflowException:
-            return None
-        for mv in versions:
-            if mv.run_id == run_id and mv.tags.get("iteration") == str(iteration):
-                return PolicyRef(model_name, int(mv.version), mv.source, mv.tags.get("checkpoint_id"))
+        for mv in self.run_versions(model_name, run_id):
+            if mv.tags.get("iteration") == str(iteration):
+                return _ref(mv)
         return None
+
+    def latest_of_run(self, model_name: str, run_id: str) -> PolicyRef | None:
+        """A run's newest published version (its own 'rollout', whatever other runs published since)."""
+        versions = self.run_versions(model_name, run_id)
+        return _ref(max(versions, key=lambda mv: int(mv.version))) if versions else None
+
+    def champion_of_run(self, model_name: str, run_id: str) -> PolicyRef | None:
+        """A run's best evaluated version (earliest among equals), from the `heldout_accuracy` tags."""
+        scored = [mv for mv in self.run_versions(model_name, run_id) if HELDOUT_TAG in mv.tags]
+        if not scored:
+            return None
+        return _ref(max(scored, key=lambda mv: (float(mv.tags[HELDOUT_TAG]), -int(mv.version))))
+
+    def record_evaluation(self, policy: PolicyRef, accuracy: float, n: int) -> bool:
+        """Tag the version with its held-out accuracy, then move the experiment's `champion` alias to
+        it if it beats the current champion (strictly). Returns whether the alias moved."""
+        name, version = policy.model_name, str(policy.version)
+        self.client.set_model_version_tag(name, version, HELDOUT_TAG, repr(float(accuracy)))
+        self.client.set_model_version_tag(name, version, "heldout_n", str(int(n)))
+        try:
+            current = self.client.get_model_version_by_alias(name, CHAMPION_ALIAS)
+        except MlflowException:
+            current = None
+        if current is not None and current.version != version and HELDOUT_TAG in current.tags \
+                and float(current.tags[HELDOUT_TAG]) >= accuracy:
+            return False
+        self.client.set_registered_model_alias(name, CHAMPION_ALIAS, version)
+        return True
 
     def move_alias(self, policy: PolicyRef, alias: str = ROLLOUT_ALIAS) -> None:
         self.client.set_registered_model_alias(policy.model_name, alias, str(policy.version))
@@ -160,16 +200,19 @@ class Tracker:
             mv = self.client.get_model_version_by_alias(model_name, alias)
         except MlflowException:
             return None
-        return PolicyRef(model_name, int(mv.version), mv.source, mv.tags.get("checkpoint_id"))
+        return _ref(mv)
 
     def version(self, model_name: str, version: int) -> PolicyRef:
-        mv = self.client.get_model_version(model_name, str(version))
-        return PolicyRef(model_name, int(mv.version), mv.source, mv.tags.get("checkpoint_id"))
+        return _ref(self.client.get_model_version(model_name, str(version)))
 
     def download(self, policy: PolicyRef, dst: Path) -> Path:
         dst.mkdir(parents=True, exist_ok=True)
         mlflow.set_tracking_uri(self.uri)
         return Path(mlflow.artifacts.download_artifacts(artifact_uri=policy.source, dst_path=str(dst)))
+
+
+def _ref(mv) -> PolicyRef:
+    return PolicyRef(mv.name, int(mv.version), mv.source, mv.tags.get("checkpoint_id"))
 
 
 def default_tracking_uri(workdir: Path) -> str:

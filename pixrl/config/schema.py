@@ -127,7 +127,12 @@ class DPOConfig(_Section):
     reward_max: dict[str, float] = Field(default_factory=dict, description="'reward' or a component → maximum")
     categories: list[str] | None = Field(None, description="prompt categories (prompt_meta.category)")
     pairing: Literal["best_worst", "all"] = "best_worst"
-    margin: float = Field(0.0, ge=0, description="minimum reward difference of a pair (ties are always dropped)")
+    pair_on: str = Field("reward", description="what ranks a group: 'reward' (the total) or a reward component, "
+                                                "e.g. 'shapes.correct' to pair exactly-right against wrong")
+    margin: float = Field(0.0, ge=0, description="minimum pair_on difference of a pair (ties are always dropped)")
+    balance: Literal["none", "category"] = Field("none", description="'category': every step draws pairs from the "
+                                                                     "prompt categories in turn, so no category's "
+                                                                     "pairs drown the others")
     beta: float = Field(100.0, gt=0)
     timesteps: Literal["logit_normal", "uniform"] = "logit_normal"
     logit_mean: float = 0.0

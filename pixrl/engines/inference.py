@@ -1,5 +1,5 @@
 """Loads a policy for evaluation or generation: the embedded miniature, a diffusers directory,
-a pixrl training checkpoint over its base model, or the `rollout` version of a named run."""
+a pixrl training checkpoint over its base model, or a named run's newest (or best) version."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..artifacts.checkpoints import CONFIG, WEIGHTS
-from ..artifacts.tracking import Tracker, default_tracking_uri
+from ..artifacts.tracking import CHAMPION_ALIAS, ROLLOUT_ALIAS, PolicyRef, Tracker, default_tracking_uri
 from ..config.loader import load_config
 from ..config.schema import ExperimentConfig
 from .policy import TrainablePolicy
@@ -22,10 +22,7 @@ def load_policy(checkpoint: str | None, run: str | None, workdir: str) -> tuple[
         raise PolicyNotFound("pass either --checkpoint or --run, not both")
     if run:
         tracker = Tracker(default_tracking_uri(Path(workdir)))
-        ref = tracker.resolve(f"pixrl-{run}")
-        if ref is None:
-            raise PolicyNotFound(f"no published policy for run {run!r} in {workdir} (looked for "
-                                 f"models:/pixrl-{run}@rollout); check --run and --workdir")
+        ref = run_policy_ref(tracker, run, ROLLOUT_ALIAS, workdir)
         ckpt = tracker.download(ref, Path(workdir) / "cache" / "policies" / f"{ref.model_name}-v{ref.version}.eval")
         return _from_pixrl_checkpoint(ckpt)
     if checkpoint:
@@ -41,12 +38,30 @@ def load_policy(checkpoint: str | None, run: str | None, workdir: str) -> tuple[
     return TrainablePolicy(cfg), cfg
 
 
-def load_policy_version(tracker: Tracker, run: str, alias: str, workdir: str):
-    """A run's registered policy under an alias (rollout, champion) → (policy, config, ref)."""
-    ref = tracker.resolve(f"pixrl-{run}", alias)
+def run_policy_ref(tracker: Tracker, run: str, alias: str, workdir: str) -> PolicyRef:
+    """A run's version in its experiment's registered model: `rollout` = the run's newest published
+    version, `champion` = its best held-out evaluation (the experiment-wide aliases may point at
+    other runs' versions; these are this run's)."""
+    run_id = tracker.find_run("pixrl.run_name", run)
+    if run_id is None:
+        raise PolicyNotFound(f"no run named {run!r} in {workdir}; `pixrl runs --workdir {workdir}` lists the runs")
+    model = tracker.client.get_run(run_id).data.tags.get("pixrl.model_name", "")
+    if alias == ROLLOUT_ALIAS:
+        ref = tracker.latest_of_run(model, run_id)
+    elif alias == CHAMPION_ALIAS:
+        ref = tracker.champion_of_run(model, run_id)
+    else:
+        raise PolicyNotFound(f"unknown alias {alias!r}; use {ROLLOUT_ALIAS} or {CHAMPION_ALIAS}")
     if ref is None:
-        raise PolicyNotFound(f"no version of models:/pixrl-{run} has alias {alias!r} in {workdir}; check the run "
-                             f"name, or use alias rollout (champion needs run.eval_every)")
+        hint = "it has published nothing yet" if alias == ROLLOUT_ALIAS else \
+            "none of its versions was evaluated (set run.eval_every), or use alias rollout"
+        raise PolicyNotFound(f"run {run!r} has no {alias} version in models:/{model} ({hint})")
+    return ref
+
+
+def load_policy_version(tracker: Tracker, run: str, alias: str, workdir: str):
+    """A run's registered policy by alias (rollout, champion) → (policy, config, ref)."""
+    ref = run_policy_ref(tracker, run, alias, workdir)
     ckpt = tracker.download(ref, Path(workdir) / "cache" / "policies" / f"{ref.model_name}-v{ref.version}.eval")
     policy, cfg = _from_pixrl_checkpoint(ckpt)
     return policy, cfg, ref

@@ -29,7 +29,7 @@ from ..artifacts.checkpoints import (
     verify_checkpoint,
 )
 from ..artifacts.media import image_grid
-from ..artifacts.tracking import CHAMPION_ALIAS, PolicyRef
+from ..artifacts.tracking import PolicyRef
 from ..artifacts.trajectories import (
     TableRef,
     TrajectoryStore,
@@ -410,7 +410,8 @@ class LocalEngine(EngineBase):
     # --- evaluate (optional, every run.eval_every iterations) -----------------------------------
     def evaluate(self, after: int, policy: PolicyRef) -> dict | None:
         """Held-out accuracy of `policy` (the weights after `after` iterations) with the shared ODE
-        evaluation; moves alias `champion` to it when it is the best so far. Done before: the record."""
+        evaluation; tags the version with it and moves the experiment's alias `champion` to it when
+        it beats the experiment's best so far. Done before: the record."""
         path = self._record_path("evaluate", after)
         if path.is_file():
             return json.loads(path.read_text())
@@ -418,9 +419,7 @@ class LocalEngine(EngineBase):
         res = evaluate_shapes(self.policy.family, "heldout", eval_recipe(self.cfg.sampling),
                               self.cfg.run.eval_per_category)
         metrics = {f"heldout/{k}": v for k, v in res.items() if isinstance(v, float)}
-        best = self.tracker.best_metric(self.spec.run_id, "heldout/accuracy", min_step=1)  # published versions only
-        if policy.version > 0 and (best is None or res["accuracy"] > best):
-            self.tracker.move_alias(policy, CHAMPION_ALIAS)
+        if policy.version > 0 and self.tracker.record_evaluation(policy, res["accuracy"], res["n"]):
             metrics["heldout/champion_version"] = float(policy.version)
         write_json_atomic(path, metrics)
         return metrics

@@ -5,7 +5,7 @@ its output is already there (so a rerun of the flow resumes). Artifacts:
 - `<store_root>/<run>/selection.lance`: the selected rows' keys, prompts and rewards;
 - `<store_root>/<run>/pairs.lance`: winner/loser keys per pair, with rewards and margin;
 - `checkpoints/<run>/<run_id>/dpo_final`: the trained weights (same format as the online loop),
-  registered in MLflow as `pixrl-<run>` with alias `rollout`.
+  registered in MLflow as a version of the experiment's `<experiment>-policy` (alias `rollout`).
 Latents are never copied: update reads them by key from the pinned source versions.
 """
 
@@ -24,7 +24,7 @@ import torch
 from ..algorithms.diffusion_dpo import dpo_loss, noised, sample_sigmas, velocity_error
 from ..algorithms.pairing import make_pairs
 from ..algorithms.recipe import eval_recipe
-from ..artifacts.archive import PinnedTable, select_rows
+from ..artifacts.archive import PinnedTable, component_value, select_rows
 from ..artifacts.checkpoints import CheckpointRef, load_weights, read_counters, save_checkpoint, verify_checkpoint
 from ..artifacts.files import write_json_atomic
 from ..artifacts.trajectories import TrajectoryStore, tensor_from
@@ -64,10 +64,48 @@ def check_selection(tables: list[PinnedTable], d) -> None:
     if rows.num_rows == 0:
         raise OfflineError(f"the filters select no scored rollouts from {[t.ref for t in tables]}; "
                            f"loosen dpo.iteration_range / policy_versions / reward_min / categories")
-    pairs = make_pairs(_group_keys(rows), rows["reward"].to_numpy(zero_copy_only=False), d.pairing, d.margin)
+    pairs = make_pairs(_group_keys(rows), pair_scores(rows, d.pair_on), d.pairing, d.margin)
     if pairs.count == 0:
         raise OfflineError(f"no preference pairs: all {pairs.groups} selected groups are tied or below margin "
                            f"{d.margin}; lower dpo.margin or select more rollouts")
+
+
+def pair_scores(sel: pa.Table, pair_on: str) -> np.ndarray:
+    """The value that ranks samples within a group: the total reward or one named component."""
+    if pair_on == "reward":
+        return sel["reward"].to_numpy(zero_copy_only=False)
+    return np.array([component_value(items, pair_on) for items in sel["rewards"].to_pylist()], dtype=np.float64)
+
+
+def pair_order(categories: list[str], steps: int, per_step: int, balance: str, rng: np.random.Generator) -> list[list[int]]:
+    """Pair indices for each optimizer step. 'none': epochs of a fixed-seed permutation of all pairs.
+    'category': the categories in turn (each its own permutation, refilled when used up), so every
+    category contributes about per_step / n_categories pairs per step however many pairs it has."""
+    if balance == "none":
+        order: list[int] = []
+        out = []
+        for _ in range(steps):
+            if len(order) < per_step:
+                order += rng.permutation(len(categories)).tolist()
+            out.append(order[:per_step])
+            order = order[per_step:]
+        return out
+    by_cat: dict[str, list[int]] = {}
+    for i, c in enumerate(categories):
+        by_cat.setdefault(c, []).append(i)
+    names = sorted(by_cat)
+    queues: dict[str, list[int]] = {c: [] for c in names}
+    out, k = [], 0
+    for _ in range(steps):
+        batch = []
+        for _ in range(per_step):
+            c = names[k % len(names)]
+            k += 1
+            if not queues[c]:
+                queues[c] = [by_cat[c][int(j)] for j in rng.permutation(len(by_cat[c]))]
+            batch.append(queues[c].pop())
+        out.append(batch)
+    return out
 
 
 class DPOEngine(EngineBase):
@@ -102,7 +140,8 @@ class DPOEngine(EngineBase):
         sel = lance.dataset(self.selection_uri).to_table()
         keys = _group_keys(sel)
         rewards = sel["reward"].to_numpy(zero_copy_only=False)
-        pairs = make_pairs(keys, rewards, self.d.pairing, self.d.margin)
+        scores = pair_scores(sel, self.d.pair_on)
+        pairs = make_pairs(keys, scores, self.d.pairing, self.d.margin)
         if pairs.count == 0:
             raise OfflineError(f"no preference pairs: all {pairs.groups} groups are tied or below margin "
                                f"{self.d.margin}; lower dpo.margin or select more rollouts")
@@ -115,7 +154,7 @@ class DPOEngine(EngineBase):
             "group_id": take("group_id", w),
             "winner_sample_id": take("sample_id", w), "loser_sample_id": take("sample_id", lo),
             "winner_reward": take("reward", w), "loser_reward": take("reward", lo),
-            "margin": pa.array(rewards[w] - rewards[lo], pa.float32()),
+            "margin": pa.array(scores[w] - scores[lo], pa.float32()),
         })
         _write_once(self.pairs_uri, table)
         return {"pairs": float(pairs.count), "pair_groups": float(pairs.groups),
@@ -171,6 +210,7 @@ class DPOEngine(EngineBase):
         self._set_start()
         pol, fam = self.policy, self.policy.family
         prompts = pairs["prompt"].to_pylist()
+        cats = [json.loads(m).get("category", "") if m else "" for m in pairs["prompt_meta"].to_pylist()]
         uniq = sorted(set(prompts))
         with torch.no_grad():
             cond_all = fam.encode_prompts(uniq)
@@ -180,14 +220,12 @@ class DPOEngine(EngineBase):
         n_train = fam.scheduler.config.num_train_timesteps
         rng = np.random.default_rng(self.cfg.run.seed)
         gen = torch.Generator().manual_seed(self.cfg.run.seed)
-        order: list[int] = []
+        plan = pair_order(cats, d.steps, d.pairs_per_step, d.balance, rng)
         t0 = time.perf_counter()
         history: list[dict] = []
         pol.module.train()
         for step in range(d.steps):
-            if len(order) < d.pairs_per_step:  # epochs of a fixed-seed permutation
-                order += rng.permutation(len(prompts)).tolist()
-            idx, order = order[:d.pairs_per_step], order[d.pairs_per_step:]
+            idx = plan[step]
             b = len(idx)
             sigma = sample_sigmas(b, d.timesteps, gen, d.logit_mean, d.logit_std)
             noise = torch.randn((b, *x_w.shape[1:]), generator=gen)
@@ -232,8 +270,9 @@ class DPOEngine(EngineBase):
         return ref, {"policy_version": ref.version}
 
     # --- evaluate -----------------------------------------------------------------------------
-    def evaluate(self, ckpt: CheckpointRef) -> dict:
-        """Held-out accuracy before (the starting policy) and after, with the shared evaluation."""
+    def evaluate(self, ckpt: CheckpointRef, policy: PolicyRef) -> dict:
+        """Held-out accuracy before (the starting policy) and after, with the shared evaluation; the
+        published version is tagged with it and competes for the experiment's `champion` alias."""
         path = Path(self.spec.workdir) / "records" / self.spec.run_name / self.spec.run_id / "evaluation.json"
         if path.is_file():
             return json.loads(path.read_text())
@@ -248,6 +287,8 @@ class DPOEngine(EngineBase):
                "before": before, "after": after}
         metrics = {"heldout/accuracy_before": before["accuracy"], "heldout/accuracy": after["accuracy"],
                    **{f"heldout/{k}": v for k, v in after.items() if isinstance(v, float)}}
+        if self.tracker.record_evaluation(policy, after["accuracy"], after["n"]):
+            metrics["heldout/champion_version"] = float(policy.version)
         self.tracker.log_metrics(self.spec.run_id, metrics, step=self.d.steps)
         self.tracker.log_dict(self.spec.run_id, res, "evaluation.json")
         write_json_atomic(path, res)

@@ -37,7 +37,7 @@ class DPOParameters(_Params):
 
 class EvalParameters(_Params):
     run_name: str = Field(..., description="evaluate the published policy of this run")
-    alias: str = Field("rollout", description="registry alias: rollout (latest) or champion (best held-out)")
+    alias: str = Field("rollout", description="which of the run's versions: rollout (its newest) or champion (its best held-out)")
     split: str = Field("heldout", pattern="^(heldout|train)$", description="prompt split: heldout or train")
     per_category: int = Field(48, ge=1, description="samples per prompt category")
     workdir: str = Field("work", description="directory of the stores")

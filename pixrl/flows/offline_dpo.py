@@ -17,7 +17,7 @@ from ..config.schema import ExperimentConfig
 from ..engines.local import RunSpec
 from ..engines.offline import check_selection
 from ..tasks import dpo as stages
-from .online import comparison_tags, run_spec
+from .online import comparison_tags, recorded_model_name, run_spec
 
 
 @task(name="open-dpo-run", persist_result=False)
@@ -32,7 +32,7 @@ def open_dpo_run(config: dict, workdir: str, resume_run_id: str | None = None) -
     if existing:
         tracker.reopen(existing, {"prefect.last_flow_run_id": fr_id})
         pinned = json.loads(tracker.client.get_run(existing).data.tags["pixrl.dpo.sources"])
-        return run_spec(cfg, wd, existing), pinned
+        return run_spec(cfg, wd, existing, recorded_model_name(tracker, existing)), pinned
     tables = resolve_sources(cfg.dpo.source, tracker)
     check_selection(tables, cfg.dpo)  # empty selections and all-tied groups fail before the run exists
     pinned = [t.to_dict() for t in tables]
@@ -60,7 +60,7 @@ def offline_dpo(config: dict, workdir: str = "work", resume_run_id: str | None =
         pairs_uri = stages.pair(spec, sel)
         ckpt = stages.update(spec, pairs_uri)
         policy = stages.publish(spec, ckpt)
-        ev = stages.evaluate(spec, ckpt)
+        ev = stages.evaluate(spec, ckpt, policy)
     except BaseException:
         tracker.end_run(spec.run_id, "FAILED")
         raise

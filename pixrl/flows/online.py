@@ -11,7 +11,7 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.runtime import flow_run
 
-from ..artifacts.tracking import PolicyRef, Tracker, default_tracking_uri
+from ..artifacts.tracking import PolicyRef, Tracker, default_tracking_uri, policy_model_name
 from ..artifacts.trajectories import TrajectoryStore
 from ..config.loader import flatten
 from ..config.schema import STAGES, ExperimentConfig  # noqa: F401  (STAGES re-exported)
@@ -57,17 +57,23 @@ def comparison_tags(cfg: ExperimentConfig) -> dict[str, str]:
             "git.commit": _git_commit(), "dvc.lock_sha256": _file_digest(Path("dvc.lock"))}
 
 
+def recorded_model_name(tracker: Tracker, run_id: str) -> str | None:
+    """The registered model an existing run publishes to (its `pixrl.model_name` tag)."""
+    return tracker.client.get_run(run_id).data.tags.get("pixrl.model_name")
+
+
 def table_uri(cfg: ExperimentConfig, workdir: Path) -> str:
     root = cfg.run.store_root or str((workdir / "lance").resolve())
     return f"{root.rstrip('/')}/{cfg.run.name}/trajectories.lance"
 
 
-def run_spec(cfg: ExperimentConfig, workdir: Path, run_id: str) -> RunSpec:
-    """Where a run's stores are, from its config, work directory and MLflow run id."""
+def run_spec(cfg: ExperimentConfig, workdir: Path, run_id: str, model_name: str | None = None) -> RunSpec:
+    """Where a run's stores are, from its config, work directory and MLflow run id. The registered
+    model is the experiment's (`<experiment>-policy`) unless the run recorded another one."""
     wd = Path(workdir).resolve()
     return RunSpec(config=cfg.model_dump(mode="json"), run_id=run_id, run_name=cfg.run.name, workdir=str(wd),
                    tracking_uri=cfg.run.tracking_uri or default_tracking_uri(wd), table_uri=table_uri(cfg, wd),
-                   model_name=f"pixrl-{cfg.run.name}")
+                   model_name=model_name or policy_model_name(cfg.run.experiment))
 
 
 @task(name="open-run", persist_result=False)
@@ -84,7 +90,7 @@ def open_run(config: dict, workdir: str, resume_run_id: str | None = None, fork:
     existing = resume_run_id or (tracker.find_run("prefect.flow_run_id", fr_id) if fr_id else None)
     if existing:
         tracker.reopen(existing, {"prefect.last_flow_run_id": fr_id})
-        return spec_of(existing)
+        return run_spec(cfg, wd, existing, recorded_model_name(tracker, existing))
     tags = {**comparison_tags(cfg), "pixrl.algorithm": cfg.algorithm.name,
             "prefect.flow_run_id": str(flow_run.get_id() or "")}
     if fork:  # lineage: where this run branched off, and the exact Lance version it read

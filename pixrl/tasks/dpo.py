@@ -7,6 +7,7 @@ from prefect import task
 
 from ..artifacts.archive import PinnedTable
 from ..artifacts.checkpoints import CheckpointRef
+from ..artifacts.tracking import PolicyRef
 from ..engines.local import RunSpec
 from ..engines.offline import DPOEngine
 
@@ -56,6 +57,6 @@ def publish(spec: RunSpec, checkpoint: dict) -> dict:
 
 
 @task(name="evaluate", persist_result=False, task_run_name="evaluate")
-def evaluate(spec: RunSpec, checkpoint: dict) -> dict:
+def evaluate(spec: RunSpec, checkpoint: dict, policy: dict) -> dict:
     """Held-out accuracy of the starting and the trained policy (the shared shapes evaluation)."""
-    return _engine(spec).evaluate(CheckpointRef(**checkpoint))
+    return _engine(spec).evaluate(CheckpointRef(**checkpoint), PolicyRef(**policy))
