@@ -106,6 +106,12 @@ def _best_assignment(expected, detections) -> tuple[int, dict[int, Detection]]:
     return best_n, best_map
 
 
+def locate(image: np.ndarray, meta: dict) -> dict[int, Detection]:
+    """The detection matched to each object of the prompt (object index → Detection), as the judge
+    matches them; for analyses of where a policy draws things."""
+    return _best_assignment(_expected(meta), detect(image))[1]
+
+
 def _relation_holds(rel: str, a: Detection, b: Detection) -> bool:
     if rel == "left of":
         return a.cx < b.cx - RELATION_MARGIN
