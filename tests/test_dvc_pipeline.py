@@ -47,7 +47,10 @@ def test_dvc_repro_runs_the_pipeline_end_to_end(tmp_path):
     train_ref = json.loads((tmp_path / "dvc/train/ref.json").read_text())
     assert lance.dataset(train_ref["table_uri"], version=train_ref["table_version"]).count_rows() == 2 * 16
     dpo_ref = json.loads((tmp_path / "dvc/dpo/ref.json").read_text())
-    assert dpo_ref["sources"][0]["run_ids"] == [train_ref["run_id"]] and dpo_ref["model_version"] == 1
+    assert dpo_ref["sources"][0]["run_ids"] == [train_ref["run_id"]]
+    # one registered model for the experiment: train published versions 1, 2; the DPO run version 3
+    assert dpo_ref["model"] == train_ref["model"] and (train_ref["model_version"], dpo_ref["model_version"]) == (2, 3)
+    assert dpo_ref["best_model_version"] == 3 and train_ref["best_model_version"] in (1, 2)
 
     metrics = json.loads(_dvc(["metrics", "show", "--json"], tmp_path, env))
     flat = json.dumps(metrics)

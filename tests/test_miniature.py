@@ -46,6 +46,6 @@ def test_eval_rejects_bad_arguments(tmp_path):
     r = CliRunner().invoke(app, ["eval", "--split", "validation"])
     assert r.exit_code == 2 and "heldout" in r.output
     r = CliRunner().invoke(app, ["eval", "--run", "nope", "--workdir", str(tmp_path)])
-    assert r.exit_code == 2 and "no published policy" in r.output
+    assert r.exit_code == 2 and "no run named 'nope'" in r.output and "pixrl runs" in r.output
     r = CliRunner().invoke(app, ["generate", "--out", str(tmp_path / "x")])
     assert r.exit_code == 2 and "no prompts" in r.output

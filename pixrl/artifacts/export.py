@@ -33,10 +33,12 @@ def export_run(tracker: Tracker, run_id: str, out_dir: Path) -> dict:
     run = tracker.client.get_run(run_id)
     tags, metrics = run.data.tags, run.data.metrics
     model = tags.get("pixrl.model_name")
-    alias = tracker.resolve(model) if model else None
+    latest = tracker.latest_of_run(model, run_id) if model else None  # this run's, not the experiment's alias
+    best = tracker.champion_of_run(model, run_id) if model else None
     ref = {"run_id": run_id, "run_name": tags.get("pixrl.run_name"), "tracking_uri": tracker.uri,
            "experiment_id": run.info.experiment_id, "algorithm": tags.get("pixrl.algorithm"),
-           "model": model, "model_version": alias.version if alias else None, "git_commit": tags.get("git.commit")}
+           "model": model, "model_version": latest.version if latest else None,
+           "best_model_version": best.version if best else None, "git_commit": tags.get("git.commit")}
     out: dict = {}
     if "pixrl.table_uri" in tags:  # online
         uri = tags["pixrl.table_uri"]
