@@ -4,7 +4,7 @@ base miniature and (optionally) a trained run — the evidence behind the note t
 split learns "the circle goes right" (every train prompt with a circle and a horizontal relation
 places it right) while 4 of the 6 held-out position prompts ask for it on the left.
 
-    .venv/bin/python benchmarks/position_bias.py [--run NAME --workdir DIR] [--samples 48]
+    .venv/bin/python benchmarks/position_bias.py [--run NAME --workdir DIR | --checkpoint PATH] [--samples 48]
 """
 
 from __future__ import annotations
@@ -41,15 +41,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run", default=None)
     ap.add_argument("--workdir", default="work")
+    ap.add_argument("--checkpoint", default=None, help="a diffusers directory or pixrl checkpoint instead of --run")
+    ap.add_argument("--skip-base", action="store_true")
     ap.add_argument("--samples", type=int, default=48)
     args = ap.parse_args()
     split = split_prompts()
     horizontal = {s: [p for p in split[s] if p["relation"] in ("left of", "right of")] for s in ("train", "heldout")}
     out = {}
-    for label, run in (("base", None), ("run", args.run)):
-        if label == "run" and run is None:
+    for label, ckpt, run in (("base", None, None), ("run", args.checkpoint, args.run)):
+        if (label == "run" and run is None and ckpt is None) or (label == "base" and args.skip_base):
             continue
-        policy, cfg = load_policy(None, run, args.workdir)
+        policy, cfg = load_policy(ckpt, run, args.workdir)
         recipe = eval_recipe(cfg.sampling)
         out[label] = {s: measure(policy.family, recipe, ps, args.samples) for s, ps in horizontal.items()}
         for s, rows in out[label].items():
