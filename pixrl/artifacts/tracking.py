@@ -107,10 +107,6 @@ class Tracker:
             self.log_metrics(run_id, missing, step)
         return sorted(missing)
 
-    def best_metric(self, run_id: str, key: str, min_step: int = 0) -> float | None:
-        hist = [m.value for m in self.client.get_metric_history(run_id, key) if m.step >= min_step]
-        return max(hist) if hist else None
-
     def log_dict(self, run_id: str, obj: dict, artifact_file: str) -> None:
         self.client.log_dict(run_id, obj, artifact_file)
 
@@ -194,13 +190,6 @@ class Tracker:
 
     def move_alias(self, policy: PolicyRef, alias: str = ROLLOUT_ALIAS) -> None:
         self.client.set_registered_model_alias(policy.model_name, alias, str(policy.version))
-
-    def resolve(self, model_name: str, alias: str = ROLLOUT_ALIAS) -> PolicyRef | None:
-        try:
-            mv = self.client.get_model_version_by_alias(model_name, alias)
-        except MlflowException:
-            return None
-        return _ref(mv)
 
     def version(self, model_name: str, version: int) -> PolicyRef:
         return _ref(self.client.get_model_version(model_name, str(version)))
