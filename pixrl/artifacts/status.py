@@ -31,9 +31,8 @@ def run_status(workdir: Path, run_name: str, tracking_uri: str) -> tuple[str | N
     run = tracker.client.get_run(run_id)
     store = TrajectoryStore(run.data.tags.get("pixrl.table_uri", ""))
     versions = {}
-    for mv in tracker.client.search_model_versions(f"name='{run.data.tags.get('pixrl.model_name', '')}'"):
-        if mv.run_id == run_id:
-            versions[int(mv.tags.get("iteration", -1))] = f"v{mv.version}"
+    for mv in tracker.run_versions(run.data.tags.get("pixrl.model_name", ""), run_id):  # not the whole experiment's
+        versions[int(mv.tags.get("iteration", -1))] = f"v{mv.version}"
     its: dict[int, IterationStatus] = {}
     if store.exists():
         t = store.dataset().to_table(columns=["iteration", "image", "reward", "advantage"],
