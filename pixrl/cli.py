@@ -297,12 +297,18 @@ def pretrain(
     vae_steps: int = typer.Option(600),
     denoiser_steps: int = typer.Option(2000),
     threads: int = typer.Option(1, help="torch threads (results are reproducible per seed and thread count)"),
+    layers: Optional[int] = typer.Option(None, help="transformer blocks (default: MiniSpec's)"),
+    text_hidden: Optional[int] = typer.Option(None, help="width of each text encoder (default: MiniSpec's)"),
+    text_layers: Optional[int] = typer.Option(None, help="layers of each text encoder (default: MiniSpec's)"),
     log: Optional[str] = typer.Option(None, help="JSONL log file (default <out>.log.jsonl)"),
 ) -> None:
     """Pretrain the shapes-world miniature (VAE, text encoders, transformer) on CPU."""
+    from .models.mini.build import MiniSpec
     from .models.mini.pretrain import PretrainConfig, pretrain as run_pretrain
 
     cfg = PretrainConfig(seed=seed, vae_steps=vae_steps, denoiser_steps=denoiser_steps, threads=threads)
+    sizes = {"num_layers": layers, "text_hidden": text_hidden, "text_layers": text_layers}
+    spec = MiniSpec(**{k: v for k, v in sizes.items() if v is not None})
     log_path = Path(log or f"{out}.log.jsonl")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("a") as fh:
@@ -311,7 +317,7 @@ def pretrain(
             fh.flush()
             console.print(rec)
 
-        run_pretrain(Path(out), cfg, log=emit)
+        run_pretrain(Path(out), cfg, spec=spec, log=emit)
 
 
 def _policy(checkpoint: Optional[str], run: Optional[str], workdir: str, steps: Optional[int]):

@@ -5,8 +5,8 @@ import pytest
 from scipy import ndimage
 
 from pixrl.datasets.shapes.judge import judge
-from pixrl.datasets.shapes.prompts import (CATEGORIES, PromptError, all_prompts, composition_key, parse,
-                                           split_prompts, text_of)
+from pixrl.datasets.shapes.prompts import (CATEGORIES, PromptError, all_prompts, composition_key,
+                                           holdout_group, missing_primitives, parse, split_prompts, text_of)
 from pixrl.datasets.shapes.render import render_prompt
 
 
@@ -52,6 +52,28 @@ def test_heldout_compositions_never_occur_in_train():
     assert {p["category"] for p in split["heldout"]} == set(CATEGORIES) - {"single_object"}
     words = lambda ps: {w for p in ps for w in p["prompt"].split()}  # noqa: E731
     assert words(split["heldout"]) <= words(split["train"])
+
+
+def test_split_holds_relations_out_in_both_orders_and_keeps_every_primitive_in_train():
+    split = split_prompts()
+    assert missing_primitives(split["train"]) == []
+    held_position = [p for p in split["heldout"] if p["relation"]]
+    assert held_position
+    train_groups = {holdout_group(p) for p in split["train"]}
+    for p in held_position:  # the reverse order of a held-out relation is never trained
+        a, b = (o["shape"] for o in p["objects"])
+        flipped = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
+        reverse = {"objects": [dict(p["objects"][1]), dict(p["objects"][0])], "relation": p["relation"]}
+        assert text_of(reverse) in {q["prompt"] for q in split["heldout"]}, (a, b)
+        assert holdout_group(p) not in train_groups
+        assert holdout_group({**p, "relation": flipped[p["relation"]]}) == holdout_group(p)
+    # the coverage check names what a split would lose
+    no_circle_left = [p for p in split["train"]
+                      if not (p["relation"] in ("left of", "right of") and "circle" in p["prompt"])]
+    assert "circle on the left" in missing_primitives(no_circle_left)
+    only_yellow_triangle = [p for p in split["train"] if not any(
+        o.get("color") == "yellow" and o["shape"] != "triangle" for o in p["objects"])]
+    assert "yellow with 2 shapes" in missing_primitives(only_yellow_triangle)
 
 
 def _accuracy(perturb: bool, n: int = 1200) -> tuple[float, dict]:

@@ -129,20 +129,63 @@ def composition_key(meta: dict) -> str:
     return "+".join(objs)
 
 
+_AXIS = {"left of": "horizontal", "right of": "horizontal", "above": "vertical", "below": "vertical"}
+_SIDES = {"left of": ("left", "right"), "right of": ("right", "left"), "above": ("top", "bottom"),
+          "below": ("bottom", "top")}
+
+
+def holdout_group(meta: dict) -> str:
+    """The unit a split holds out. A composition, except for relations: both orders of a pair on
+    one axis go together ('circle left of triangle' with 'triangle left of circle'). Holding out
+    one order while training the other would reward a pair-specific layout on train prompts that
+    fails the held-out prompt by construction; held out together, only the relation itself
+    transfers to them."""
+    if meta.get("relation"):
+        pair = "+".join(sorted(o["shape"] for o in meta["objects"]))
+        return f"position:{pair}:{_AXIS[meta['relation']]}"
+    return composition_key(meta)
+
+
+def missing_primitives(train: list[dict]) -> list[str]:
+    """Primitives a held-out prompt may need that the train prompts never show: a shape on a
+    side of an axis, a colour with fewer than 2 shapes (or a shape with fewer than 2 colours),
+    a count, or a word. A split must not hold out the only examples of a primitive."""
+    missing: list[str] = []
+    sides = {(o["shape"], side) for m in train if m.get("relation")
+             for o, side in zip(m["objects"], _SIDES[m["relation"]])}
+    missing += [f"{s} on the {side}" for s in SHAPES for side in ("left", "right", "top", "bottom")
+                if (s, side) not in sides]
+    pairs = {(o["color"], o["shape"]) for m in train for o in m["objects"] if o.get("color")}
+    missing += [f"{c} with 2 shapes" for c in COLORS if len({s for cc, s in pairs if cc == c}) < 2]
+    missing += [f"{s} in 2 colours" for s in SHAPES if len({c for c, ss in pairs if ss == s}) < 2]
+    counts = {o["count"] for m in train for o in m["objects"]}
+    missing += [f"count {n}" for n in NUMBER_WORDS if n not in counts]
+    words = {w for m in train for w in m["prompt"].split()}
+    missing += [f"word {w!r}" for w in sorted({w for m in all_prompts() for w in m["prompt"].split()} - words)]
+    return missing
+
+
 def split_prompts(seed: int = 0, heldout_fraction: float = 0.25) -> dict[str, list[dict]]:
-    """Train / held-out split over compositions, per category. single_object (3 prompts) stays
-    in train only: holding one out would remove a shape word from training."""
+    """Train / held-out split over hold-out groups (see `holdout_group`), per category.
+
+    Groups are drawn in a seeded order; a group is held out only if train keeps every primitive
+    (`missing_primitives`), until the category's share is reached. single_object (3 prompts)
+    stays in train: holding one out would remove a shape word from training."""
     rng = np.random.default_rng(seed)
-    by_key: dict[str, list[dict]] = {}
-    for p in all_prompts():
-        by_key.setdefault(composition_key(p), []).append(p)
-    train, held = [], []
+    prompts = all_prompts()
+    held_groups: set[str] = set()
     for cat in CATEGORIES:
-        keys = sorted({composition_key(p) for p in all_prompts() if p["category"] == cat})
-        n_held = 0 if cat == "single_object" else max(1, round(heldout_fraction * len(keys)))
-        chosen = set(rng.permutation(keys)[:n_held].tolist())
-        for k in keys:
-            (held if k in chosen else train).extend(by_key[k])
+        groups = sorted({holdout_group(p) for p in prompts if p["category"] == cat})
+        n_held = 0 if cat == "single_object" else max(1, round(heldout_fraction * len(groups)))
+        chosen = 0
+        for g in rng.permutation(groups).tolist():
+            if chosen == n_held:
+                break
+            trial = held_groups | {g}
+            if not missing_primitives([p for p in prompts if holdout_group(p) not in trial]):
+                held_groups, chosen = trial, chosen + 1
+    train = [p for p in prompts if holdout_group(p) not in held_groups]
+    held = [p for p in prompts if holdout_group(p) in held_groups]
     return {"train": train, "heldout": held}
 
 
