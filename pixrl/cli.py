@@ -101,6 +101,50 @@ def _run_training(cfg, workdir: str, resume_run_id: Optional[str], fork: Optiona
     print(json.dumps({k: out[k] for k in ("run_id", "table_uri", "model_name", "flow_run_id")}))
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def rollouts(
+    ctx: typer.Context,
+    config: Optional[str] = typer.Option(None, "--config", "-c", help="experiment preset name or YAML path"),
+    iterations: Optional[int] = typer.Option(None, "--iterations", "-n", help="batches of groups (run.iterations)"),
+    workdir: Optional[str] = typer.Option(None, "--workdir", help="where stores live (run.workdir)"),
+    run: Optional[str] = typer.Option(None, "--run", help="run name (run.name)"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="run seed (run.seed)"),
+    policy_version: int = typer.Option(0, "--policy-version",
+                                       help="version of the experiment's registered model; 0 = base weights"),
+) -> None:
+    """Archive scored rollouts of one policy without training (generate → decode → score), for
+    offline training: `pixrl dpo --from RUN` mines them like an RL run's archive."""
+    from .config.loader import ConfigError, load_config
+    from .engines.preflight import PreflightError, preflight
+    from .flows.rollouts import RolloutsError, rollouts as rollouts_flow
+
+    overrides = list(ctx.args)
+    for key, val in (("run.iterations", iterations), ("run.workdir", workdir), ("run.name", run), ("run.seed", seed)):
+        if val is not None:
+            overrides.append(f"{key}={val}")
+    try:
+        cfg = load_config(config, overrides)
+        preflight(cfg)
+    except (ConfigError, PreflightError) as exc:
+        _fail(str(exc))
+    if cfg.run.threads:
+        import torch
+
+        torch.set_num_threads(cfg.run.threads)
+    s = cfg.sampling
+    console.print(f"[bold]pixrl rollouts[/] {cfg.run.name}: policy version {policy_version} · {cfg.run.iterations} × "
+                  f"{s.prompts_per_iteration} prompts × {s.group_size} samples · workdir {cfg.run.workdir}")
+    try:
+        out = rollouts_flow(cfg.model_dump(mode="json"), cfg.run.workdir, policy_version)
+    except RolloutsError as exc:
+        _fail(str(exc))
+    except Exception as exc:  # the flow already marked the MLflow run FAILED
+        _fail(f"{type(exc).__name__}: {exc}", code=1)
+    console.print(f"[bold green]done.[/] MLflow run {out['run_id']}  Lance table {out['table_uri']}")
+    console.print(f"  next: pixrl dpo --from {cfg.run.name} --workdir {cfg.run.workdir}")
+    print(json.dumps({k: out[k] for k in ("run_id", "table_uri", "model_name", "policy", "flow_run_id")}))
+
+
 @app.command()
 def resume(
     run: str = typer.Argument(..., help="run name to continue"),

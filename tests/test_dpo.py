@@ -225,3 +225,30 @@ def test_dpo_fails_before_writing_when_nothing_pairs(archive):
                                    f"model.path={archive_ckpt(wd)}"])
     assert res.exit_code == 2 and "no preference pairs" in res.output
     assert len(tracker.client.search_runs([e.experiment_id for e in tracker.client.search_experiments()])) == n_runs
+
+
+def test_rollouts_archive_a_fixed_policy_that_dpo_then_trains_on(tiny_checkpoint, tmp_path, prefect_harness):
+    wd = tmp_path / "base-archive"
+    bad = CliRunner().invoke(app, ["rollouts", "-n", "2", "--run", "nope", "--policy-version", "3", "reward=jpeg_compressibility",
+                                   *tiny_overrides(tiny_checkpoint, wd)])
+    assert bad.exit_code == 2 and "pixrl-policy/3 is not registered" in bad.output
+    assert not (wd / "lance").exists()  # refused before a run or a table was written
+    res = CliRunner().invoke(app, ["rollouts", "-n", "2", "--run", "base", "reward=jpeg_compressibility",
+                                   *tiny_overrides(tiny_checkpoint, wd)])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    rows = lance.dataset(out["table_uri"]).to_table()
+    assert rows.num_rows == 2 * 2 * 4  # iterations × prompts × group
+    assert set(rows["policy_version"].to_pylist()) == {0} and set(rows["iteration"].to_pylist()) == {0, 1}
+    assert rows["image"].null_count == 0 and rows["reward"].null_count == 0
+    client = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
+    run = client.get_run(out["run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["pixrl.mode"] == "rollouts"
+    assert client.search_model_versions("name='pixrl-policy'") == []  # nothing trained, nothing published
+    assert not (wd / "checkpoints").exists()
+    res = CliRunner().invoke(app, ["dpo", "--from", "base", "-n", "2", "--run", "dpo-base", "--workdir", str(wd),
+                                   f"model.path={tiny_checkpoint}", "dpo.eval_per_category=1",
+                                   "dpo.pairs_per_step=2", "sampling.eval_steps=2"])
+    assert res.exit_code == 0, res.output
+    dpo_run = client.get_run(json.loads(res.stdout.strip().splitlines()[-1])["run_id"])
+    assert dpo_run.data.tags["pixrl.dpo.source_run_ids"] == out["run_id"] and dpo_run.data.metrics["pairs"] > 0
