@@ -245,6 +245,12 @@ def _fork_point(tracker, parent, iteration: int, from_stage: str) -> dict:
         if ref is None:
             _fail(f"run {parent.run_name!r} never published iteration {iteration - 1}, so iteration {iteration} "
                   f"has no policy to start from")
+        from .artifacts.tracking import PrunedCheckpoint
+
+        try:
+            tracker.check_loadable(ref)
+        except PrunedCheckpoint as exc:
+            _fail(f"cannot fork at iteration {iteration}: {exc}")
         policy = ref.to_dict()
     version = TrajectoryStore(parent.table_uri).latest_version()
     try:

@@ -43,6 +43,13 @@ class PolicyRef:
         return self.__dict__.copy()
 
 
+PRUNED_TAG = "pixrl.pruned"  # set on a registered version whose weights retention deleted
+
+
+class PrunedCheckpoint(RuntimeError):
+    """A registered policy version whose weights `run.keep_checkpoints` deleted."""
+
+
 class Tracker:
     def __init__(self, tracking_uri: str):
         self.uri = tracking_uri
@@ -194,7 +201,19 @@ class Tracker:
     def version(self, model_name: str, version: int) -> PolicyRef:
         return _ref(self.client.get_model_version(model_name, str(version)))
 
+    def check_loadable(self, policy: PolicyRef) -> None:
+        """Raise PrunedCheckpoint, naming the way out, if retention deleted this version's weights."""
+        if policy.version == 0:
+            return
+        mv = self.client.get_model_version(policy.model_name, str(policy.version))
+        if mv.tags.get(PRUNED_TAG):
+            raise PrunedCheckpoint(
+                f"models:/{policy.model_name}/{policy.version} (run {mv.run_id}, iteration {mv.tags.get('iteration')}) "
+                f"was pruned by {mv.tags[PRUNED_TAG]}: its weights are deleted. Use a kept version (the run's newest, "
+                f"an evaluated one, or an aliased one), and set run.keep_checkpoints higher (or null) to keep more.")
+
     def download(self, policy: PolicyRef, dst: Path) -> Path:
+        self.check_loadable(policy)
         dst.mkdir(parents=True, exist_ok=True)
         mlflow.set_tracking_uri(self.uri)
         return Path(mlflow.artifacts.download_artifacts(artifact_uri=policy.source, dst_path=str(dst)))

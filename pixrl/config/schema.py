@@ -103,6 +103,9 @@ class RunConfig(_Section):
     threads: int | None = None
     eval_every: int = Field(0, ge=0, description="held-out evaluation every N iterations (0: off); best → alias champion")
     eval_per_category: int = Field(24, ge=1, description="held-out samples per prompt category")
+    keep_checkpoints: int | None = Field(None, ge=1, description="keep a run's newest N checkpoints; older ones are "
+                                         "deleted locally and from the registry unless evaluated or aliased "
+                                         "(null: keep all, so any iteration can be replayed from its weights)")
     retries: dict[str, TaskRetry] = Field(default_factory=_default_retries,
                                           description="per stage task; only transient faults are retried")
 

@@ -47,7 +47,9 @@ def replay_update(spec: RunSpec, iteration: int, out_dir: Path | None = None) ->
     engine = LocalEngine(spec)
     recorded = engine._checkpoint_path(iteration)
     if not recorded.is_dir():
-        raise LineageError(f"run {spec.run_name!r} has no checkpoint for iteration {iteration} ({recorded}); "
+        keep = spec.cfg.run.keep_checkpoints
+        why = f" (run.keep_checkpoints={keep} keeps only the newest {keep})" if keep else ""
+        raise LineageError(f"run {spec.run_name!r} has no checkpoint for iteration {iteration} ({recorded}){why}; "
                            f"`pixrl status {spec.run_name}` lists the complete iterations")
     verify_checkpoint(recorded)
     c = read_counters(recorded)

@@ -29,6 +29,7 @@ from ..artifacts.checkpoints import (
     verify_checkpoint,
 )
 from ..artifacts.media import image_grid
+from ..artifacts.retention import prune_checkpoints
 from ..artifacts.tracking import PolicyRef
 from ..artifacts.trajectories import (
     TableRef,
@@ -123,7 +124,9 @@ class LocalEngine(EngineBase):
         """The local checkpoint directory of a version this run published, if it is intact."""
         if policy.model_name != self.spec.model_name or not policy.checkpoint_id:
             return None
-        d = self._checkpoint_path(policy.version - 1)  # version v was published by iteration v − 1
+        if not (policy.source or "").rpartition("/")[2].startswith("it_"):
+            return None
+        d = self._checkpoint_path(int(policy.source.rpartition("/it_")[2]))  # logged under checkpoints/it_NNNN
         try:
             if d.is_dir() and read_counters(d)["checkpoint_id"] == policy.checkpoint_id:
                 return d
@@ -382,7 +385,13 @@ class LocalEngine(EngineBase):
         ref = self.tracker.publish(self.spec.run_id, Path(ckpt.uri), iteration, self.spec.model_name,
                                    ckpt.checkpoint_id, {"run_name": self.spec.run_name},
                                    before_alias=lambda: fault_point("publish", iteration))
-        return ref, {"policy_version": ref.version}
+        metrics = {"policy_version": ref.version}
+        keep = self.cfg.run.keep_checkpoints
+        if keep:
+            pruned = prune_checkpoints(self.tracker, self.spec.model_name, self.spec.run_id,
+                                       self._checkpoint_path(0).parent, keep)
+            metrics["checkpoints_pruned"] = float(len(pruned))
+        return ref, metrics
 
     # --- reporting ----------------------------------------------------------------------------
     def reward_report(self, iteration: int) -> list[dict]:
