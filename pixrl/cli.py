@@ -47,10 +47,17 @@ def train(
 
     Extra arguments are key=value overrides, e.g. `sampling.group_size=4 algorithm.lr=3e-4`.
     """
+    cfg = _checked_config(config, list(ctx.args), iterations, workdir, run, seed)
+    _run_training(cfg, cfg.run.workdir, None, export=export)
+
+
+def _checked_config(config: Optional[str], overrides: list[str], iterations: Optional[int], workdir: Optional[str],
+                    run: Optional[str], seed: Optional[int]):
+    """The experiment config from a preset/YAML, key=value overrides and the common options,
+    validated and preflighted (paths, assets, rewards) before anything is written."""
     from .config.loader import ConfigError, load_config
     from .engines.preflight import PreflightError, preflight
 
-    overrides = list(ctx.args)
     for key, val in (("run.iterations", iterations), ("run.workdir", workdir), ("run.name", run), ("run.seed", seed)):
         if val is not None:
             overrides.append(f"{key}={val}")
@@ -59,7 +66,7 @@ def train(
         preflight(cfg)
     except (ConfigError, PreflightError) as exc:
         _fail(str(exc))
-    _run_training(cfg, cfg.run.workdir, None, export=export)
+    return cfg
 
 
 def _export(out: dict, export: Optional[str]) -> None:
@@ -114,19 +121,9 @@ def rollouts(
 ) -> None:
     """Archive scored rollouts of one policy without training (generate → decode → score), for
     offline training: `pixrl dpo --from RUN` mines them like an RL run's archive."""
-    from .config.loader import ConfigError, load_config
-    from .engines.preflight import PreflightError, preflight
     from .flows.rollouts import RolloutsError, rollouts as rollouts_flow
 
-    overrides = list(ctx.args)
-    for key, val in (("run.iterations", iterations), ("run.workdir", workdir), ("run.name", run), ("run.seed", seed)):
-        if val is not None:
-            overrides.append(f"{key}={val}")
-    try:
-        cfg = load_config(config, overrides)
-        preflight(cfg)
-    except (ConfigError, PreflightError) as exc:
-        _fail(str(exc))
+    cfg = _checked_config(config, list(ctx.args), iterations, workdir, run, seed)
     if cfg.run.threads:
         import torch
 
