@@ -347,13 +347,15 @@ def pretrain(
     layers: Optional[int] = typer.Option(None, help="transformer blocks (default: MiniSpec's)"),
     text_hidden: Optional[int] = typer.Option(None, help="width of each text encoder (default: MiniSpec's)"),
     text_layers: Optional[int] = typer.Option(None, help="layers of each text encoder (default: MiniSpec's)"),
+    text_steps: int = typer.Option(0, help="CLIP-pretrain the text encoders this many steps first, then freeze them"),
     log: Optional[str] = typer.Option(None, help="JSONL log file (default <out>.log.jsonl)"),
 ) -> None:
     """Pretrain the shapes-world miniature (VAE, text encoders, transformer) on CPU."""
     from .models.mini.build import MiniSpec
     from .models.mini.pretrain import PretrainConfig, pretrain as run_pretrain
 
-    cfg = PretrainConfig(seed=seed, vae_steps=vae_steps, denoiser_steps=denoiser_steps, threads=threads)
+    cfg = PretrainConfig(seed=seed, vae_steps=vae_steps, denoiser_steps=denoiser_steps, threads=threads,
+                         text_steps=text_steps)
     sizes = {"num_layers": layers, "text_hidden": text_hidden, "text_layers": text_layers}
     spec = MiniSpec(**{k: v for k, v in sizes.items() if v is not None})
     log_path = Path(log or f"{out}.log.jsonl")

@@ -29,10 +29,10 @@ class MiniSpec:
     image_size: int = 32
     vae_channels: tuple[int, ...] = (16, 32, 64)  # 3 blocks → ×4 downsampling; thin at full resolution
     latent_channels: int = 4
-    text_hidden: int = 32  # per CLIP encoder; joint_attention_dim = 2 × text_hidden
-    text_layers: int = 3
+    text_hidden: int = 64  # per CLIP encoder; joint_attention_dim = 2 × text_hidden
+    text_layers: int = 4
     text_max_length: int = 16
-    num_layers: int = 4
+    num_layers: int = 6  # with 4 blocks and 32-wide text encoders, colour binding stayed at 0.3
     heads: int = 4
     head_dim: int = 32
     patch_size: int = 1

@@ -26,6 +26,7 @@ from ...datasets.shapes.judge import judge
 from ...datasets.shapes.prompts import split_prompts
 from ...datasets.shapes.render import render_prompt
 from .build import MiniSpec, build_pipeline, save_pipeline
+from .text_towers import train_text_towers
 
 
 @dataclass
@@ -42,6 +43,9 @@ class PretrainConfig:
     ema_decay: float = 0.999
     save_every_steps: int = 500
     threads: int = 1
+    text_steps: int = 0  # > 0: CLIP-pretrain the text encoders first (text_towers.py), then freeze them
+    text_batch_size: int = 256
+    text_lr: float = 1e-3
 
 
 class SceneStream:
@@ -55,9 +59,13 @@ class SceneStream:
         idx = self.rng.integers(len(self.prompts), size=n)
         seeds = self.rng.integers(2**31, size=n)
         metas = [self.prompts[i] for i in idx]
-        imgs = np.stack([render_prompt(m, int(s)) for m, s in zip(metas, seeds)])
-        x = torch.from_numpy(imgs).permute(0, 3, 1, 2).float() / 127.5 - 1.0
-        return x, [m["prompt"] for m in metas], metas
+        return self.render(list(zip(metas, seeds))), [m["prompt"] for m in metas], metas
+
+    @staticmethod
+    def render(items: list[tuple[dict, int]]) -> torch.Tensor:
+        """Renders of (metadata, seed) as a float batch in [-1, 1], NCHW."""
+        imgs = np.stack([render_prompt(m, int(s)) for m, s in items])
+        return torch.from_numpy(imgs).permute(0, 3, 1, 2).float() / 127.5 - 1.0
 
 
 def _to_uint8(x: torch.Tensor) -> np.ndarray:
@@ -118,14 +126,25 @@ def _sample_t(n: int, gen: torch.Generator) -> torch.Tensor:
     return torch.where(pick, ln, un).clamp(1e-4, 1 - 1e-4)
 
 
+def trained_modules(pipe, cfg: PretrainConfig) -> list:
+    """What the denoiser phase trains (and keeps an EMA of): the transformer, plus the text
+    encoders unless they were CLIP-pretrained."""
+    if cfg.text_steps:
+        return [pipe.transformer]
+    return [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
+
+
 def train_denoiser(pipe, stream: SceneStream, cfg: PretrainConfig, log: Callable[[dict], None],
                    on_save: Callable[[dict], None]) -> None:
-    modules = [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
+    modules = trained_modules(pipe, cfg)
     params = [p for m in modules for p in m.parameters()]
     for m in modules:
         m.requires_grad_(True)
         m.train()
     pipe.vae.requires_grad_(False)
+    if cfg.text_steps:  # pretrained text towers stay frozen, as SD3's are
+        pipe.text_encoder.requires_grad_(False)
+        pipe.text_encoder_2.requires_grad_(False)
     _adaln_zero(pipe.transformer)
     ema = [copy.deepcopy(m).requires_grad_(False) for m in modules]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
@@ -181,10 +200,12 @@ def pretrain(out_dir: Path, cfg: PretrainConfig, spec: MiniSpec | None = None,
     train_vae(pipe.vae, stream, cfg, log)
     pipe.vae.eval()
     log({"phase": "latent_stats", **set_latent_stats(pipe.vae, stream)})
+    if cfg.text_steps:
+        train_text_towers(pipe, stream, cfg.text_steps, cfg.text_batch_size, cfg.text_lr, cfg.seed, log)
 
     def save(state: dict) -> None:
         export = copy.copy(pipe)
-        live = [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
+        live = trained_modules(pipe, cfg)
         backup = [copy.deepcopy(m.state_dict()) for m in live]
         for m, e in zip(live, state["ema"]):
             m.load_state_dict(e.state_dict())
