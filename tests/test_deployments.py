@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("flow, model, expected", [
     (online_training, "TrainParameters", {"preset": ("string", "shapes_flow_grpo"), "run_name": ("string", "default"),
-                                          "iterations": ("integer", 40), "seed": ("integer", 0),
+                                          "iterations": ("integer", 32), "seed": ("integer", 0),
                                           "workdir": ("string", "work"), "overrides": ("array", None)}),
     (offline_dpo_training, "DPOParameters", {"sources": ("array", None), "run_name": ("string", "dpo"),
                                              "steps": ("integer", 200), "workdir": ("string", "work")}),
@@ -151,7 +151,7 @@ def test_prefect_yaml_deploys_to_a_process_pool_and_a_worker_runs_it(prefect_ser
         for d in deps.values():
             assert d.work_pool_name == "pixrl-process"
         assert deps["online"].parameter_openapi_schema["definitions"]["TrainParameters"]["properties"]["iterations"][
-            "default"] == 40
+            "default"] == 32
         overrides = [o for o in tiny_overrides(tiny_checkpoint, wd) if not o.startswith("run.workdir")]
         params = {"run_name": "pooled", "iterations": 1, "workdir": str(wd),
                   "overrides": ["reward=jpeg_compressibility", *overrides]}

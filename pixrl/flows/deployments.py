@@ -18,7 +18,7 @@ class _Params(BaseModel):
 class TrainParameters(_Params):
     preset: str = Field("shapes_flow_grpo", description="experiment preset (pixrl/config/presets/experiment) or a YAML path")
     run_name: str = Field("default", description="run name: the MLflow run, the Lance table and model pixrl-<name>")
-    iterations: int = Field(40, ge=1, description="RL iterations")
+    iterations: int = Field(32, ge=1, description="RL iterations")
     seed: int = Field(0, description="run seed: prompt order and sampler noise")
     workdir: str = Field("work", description="directory of the stores: Lance, MLflow (sqlite), checkpoints")
     overrides: list[str] = Field(default_factory=list,
