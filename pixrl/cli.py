@@ -348,6 +348,8 @@ def pretrain(
     text_hidden: Optional[int] = typer.Option(None, help="width of each text encoder (default: MiniSpec's)"),
     text_layers: Optional[int] = typer.Option(None, help="layers of each text encoder (default: MiniSpec's)"),
     text_steps: int = typer.Option(0, help="CLIP-pretrain the text encoders this many steps first, then freeze them"),
+    relation_twins: float = typer.Option(0.0, help="fraction of each denoiser batch made of relation-flipped twin "
+                                                   "pairs (same scene, shapes' places exchanged, flipped caption)"),
     log: Optional[str] = typer.Option(None, help="JSONL log file (default <out>.log.jsonl)"),
 ) -> None:
     """Pretrain the shapes-world miniature (VAE, text encoders, transformer) on CPU."""
@@ -355,7 +357,7 @@ def pretrain(
     from .models.mini.pretrain import PretrainConfig, pretrain as run_pretrain
 
     cfg = PretrainConfig(seed=seed, vae_steps=vae_steps, denoiser_steps=denoiser_steps, threads=threads,
-                         text_steps=text_steps)
+                         text_steps=text_steps, relation_twins=relation_twins)
     sizes = {"num_layers": layers, "text_hidden": text_hidden, "text_layers": text_layers}
     spec = MiniSpec(**{k: v for k, v in sizes.items() if v is not None})
     log_path = Path(log or f"{out}.log.jsonl")

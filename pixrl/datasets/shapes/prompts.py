@@ -43,6 +43,19 @@ def text_of(meta: dict) -> str:
     return " and ".join(parts)
 
 
+_FLIPPED = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
+
+
+def flip_relation(meta: dict) -> dict:
+    """The same two objects under the opposite relation ("left of" <-> "right of", "above" <->
+    "below"): what a scene with the two objects' places exchanged shows."""
+    if not meta.get("relation"):
+        raise ValueError(f"prompt {meta.get('prompt')!r} has no relation to flip")
+    out = {**meta, "relation": _FLIPPED[meta["relation"]]}
+    out["prompt"] = text_of(out)
+    return out
+
+
 def _parse_phrase(words: list[str], text: str) -> dict:
     if not words:
         raise PromptError(f"empty object phrase in {text!r}")

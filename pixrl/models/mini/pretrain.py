@@ -14,7 +14,7 @@ import copy
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from ...datasets.shapes.judge import judge
-from ...datasets.shapes.prompts import split_prompts
-from ...datasets.shapes.render import render_prompt
+from ...datasets.shapes.prompts import flip_relation, split_prompts
+from ...datasets.shapes.render import render, render_prompt, sample_scene
 from .build import MiniSpec, build_pipeline, save_pipeline
 from .text_towers import train_text_towers
 
@@ -46,6 +46,7 @@ class PretrainConfig:
     text_steps: int = 0  # > 0: CLIP-pretrain the text encoders first (text_towers.py), then freeze them
     text_batch_size: int = 256
     text_lr: float = 1e-3
+    relation_twins: float = 0.0  # fraction of each denoiser batch made of relation-flipped twin pairs
 
 
 class SceneStream:
@@ -54,6 +55,30 @@ class SceneStream:
     def __init__(self, seed: int):
         self.prompts = split_prompts()["train"]
         self.rng = np.random.default_rng(seed)
+        texts = {p["prompt"] for p in self.prompts}
+        # relation prompts whose flip ("left of" <-> "right of") is a train prompt too; the split
+        # holds out a pair's relations together, so this is every train relation prompt
+        self.twinnable = [p for p in self.prompts if p.get("relation") and flip_relation(p)["prompt"] in texts]
+
+    def twin_batch(self, n_pairs: int) -> tuple[torch.Tensor, list[str], list[dict]]:
+        """`n_pairs` relation scenes, then the same scenes with the two shapes' cells exchanged under
+        the flipped caption: [a_1..a_k, b_1..b_k]. A twin differs from its scene only in the
+        relation word and the layout, so a text-blind denoiser cannot fit both."""
+        if not self.twinnable:
+            raise ValueError("relation_twins needs train prompts with a relation whose flip is also in train")
+        idx = self.rng.integers(len(self.twinnable), size=n_pairs)
+        metas, twins, images, flipped = [], [], [], []
+        for i in idx:
+            meta = self.twinnable[i]
+            first, second = sample_scene(meta, self.rng)
+            metas.append(meta)
+            twins.append(flip_relation(meta))
+            images.append(render([first, second]))
+            flipped.append(render([replace(first, row=second.row, col=second.col),
+                                   replace(second, row=first.row, col=first.col)]))
+        x = torch.from_numpy(np.stack(images + flipped)).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+        both = metas + twins
+        return x, [m["prompt"] for m in both], both
 
     def batch(self, n: int) -> tuple[torch.Tensor, list[str], list[dict]]:
         idx = self.rng.integers(len(self.prompts), size=n)
@@ -126,6 +151,17 @@ def _sample_t(n: int, gen: torch.Generator) -> torch.Tensor:
     return torch.where(pick, ln, un).clamp(1e-4, 1 - 1e-4)
 
 
+def _twin_noise(n: int, n_pairs: int, shape: tuple, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """t and ε for a batch whose last 2·n_pairs samples are twin pairs [a.., b..]: each twin gets
+    its scene's t and ε, so the only difference the loss sees is the caption and the layout."""
+    t = _sample_t(n - n_pairs, gen)
+    eps = torch.randn((n - n_pairs, *shape), generator=gen)
+    if n_pairs:
+        t = torch.cat([t, t[-n_pairs:]])
+        eps = torch.cat([eps, eps[-n_pairs:]])
+    return t, eps
+
+
 def trained_modules(pipe, cfg: PretrainConfig) -> list:
     """What the denoiser phase trains (and keeps an EMA of): the transformer, plus the text
     encoders unless they were CLIP-pretrained."""
@@ -151,16 +187,19 @@ def train_denoiser(pipe, stream: SceneStream, cfg: PretrainConfig, log: Callable
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     vcfg = pipe.vae.config
     start = time.time()
+    n_pairs = round(cfg.relation_twins * cfg.batch_size / 2)
     for step in range(1, cfg.denoiser_steps + 1):
-        x, captions, _ = stream.batch(cfg.batch_size)
+        x, captions, _ = stream.batch(cfg.batch_size - 2 * n_pairs)
+        if n_pairs:
+            xt, ct, _ = stream.twin_batch(n_pairs)
+            x, captions = torch.cat([x, xt]), captions + ct
         with torch.no_grad():
             z0 = (pipe.vae.encode(x).latent_dist.sample(generator=gen) - vcfg.shift_factor) * vcfg.scaling_factor
         drop = torch.rand(len(captions), generator=gen) < cfg.caption_dropout
         captions = ["" if d else c for c, d in zip(captions, drop.tolist())]
         embeds, _, pooled, _ = pipe.encode_prompt(prompt=captions, prompt_2=None, prompt_3=None,
                                                   do_classifier_free_guidance=False, max_sequence_length=0)
-        t = _sample_t(len(captions), gen)
-        eps = torch.randn(z0.shape, generator=gen)
+        t, eps = _twin_noise(len(captions), n_pairs, z0.shape[1:], gen)
         tb = t.view(-1, 1, 1, 1)
         zt = (1 - tb) * z0 + tb * eps
         v = pipe.transformer(hidden_states=zt, timestep=t * 1000, encoder_hidden_states=embeds,
