@@ -33,6 +33,11 @@ def _dvc(args, cwd, env):
 def test_dvc_repro_runs_the_pipeline_end_to_end(tmp_path):
     assert yaml.safe_load((ROOT / "params.yaml").read_text()).keys() == TINY.keys()  # the same parameter groups
     shutil.copy(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    shutil.copy(ROOT / ".dvcignore", tmp_path / ".dvcignore")
+    code_deps = {d for st in yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"].values()
+                 for d in st.get("deps", []) if d.startswith("pixrl/")}
+    for dep in code_deps:  # the stages' code dependencies, hashed by DVC (the command runs the installed package)
+        shutil.copytree(ROOT / dep, tmp_path / dep, ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(TINY))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "DVC_NO_ANALYTICS": "1",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
@@ -58,3 +63,7 @@ def test_dvc_repro_runs_the_pipeline_end_to_end(tmp_path):
         assert f'"{key}"' in flat, key
     _dvc(["plots", "show", "--json"], tmp_path, env)
     assert "No changes" in _dvc(["status"], tmp_path, env) or "up to date" in _dvc(["status"], tmp_path, env)
+    # a change to the miniature's code makes the pretrain stage (and what follows) stale
+    changed = tmp_path / "pixrl/models/mini/pretrain.py"
+    changed.write_text(changed.read_text() + "\n# edited\n")
+    assert "pretrain" in _dvc(["status"], tmp_path, env)
