@@ -131,12 +131,17 @@ def rollouts(
     s = cfg.sampling
     console.print(f"[bold]pixrl rollouts[/] {cfg.run.name}: policy version {policy_version} · {cfg.run.iterations} × "
                   f"{s.prompts_per_iteration} prompts × {s.group_size} samples · workdir {cfg.run.workdir}")
-    try:
-        out = rollouts_flow(cfg.model_dump(mode="json"), cfg.run.workdir, policy_version)
-    except RolloutsError as exc:
-        _fail(str(exc))
-    except Exception as exc:  # the flow already marked the MLflow run FAILED
-        _fail(f"{type(exc).__name__}: {exc}", code=1)
+    from .progress_view import StageProgress
+
+    with StageProgress(console, cfg.run.iterations, last_stage="score") as view:
+        try:
+            out = rollouts_flow(cfg.model_dump(mode="json"), cfg.run.workdir, policy_version)
+        except RolloutsError as exc:
+            view.stop()
+            _fail(str(exc))
+        except Exception as exc:  # the flow already marked the MLflow run FAILED
+            view.stop()
+            _fail(f"{type(exc).__name__}: {exc}", code=1)
     console.print(f"[bold green]done.[/] MLflow run {out['run_id']}  Lance table {out['table_uri']}")
     console.print(f"  next: pixrl dpo --from {cfg.run.name} --workdir {cfg.run.workdir}")
     print(json.dumps({k: out[k] for k in ("run_id", "table_uri", "model_name", "policy", "flow_run_id")}))

@@ -9,8 +9,10 @@ from .engines import progress
 
 
 class StageProgress:
-    def __init__(self, console: Console, iterations: int):
+    def __init__(self, console: Console, iterations: int, last_stage: str = "publish"):
+        """`last_stage` ends an iteration's line: publish for training, score for `pixrl rollouts`."""
         self.console = console
+        self.last_stage = last_stage
         self.progress = Progress(TextColumn("[bold blue]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.fields[stage]}"), TimeElapsedColumn(), console=console)
         self.task = self.progress.add_task("iterations", total=iterations, stage="")
@@ -51,7 +53,7 @@ class StageProgress:
 
     def _end(self, iteration: int, stage: str, text: str) -> None:
         self._line[stage] = text
-        if stage == "publish":
+        if stage == self.last_stage:
             self.progress.console.print(f"it {iteration:3d} | " + " | ".join(self._line.values()))
             self._line.clear()
             self.progress.advance(self.task)

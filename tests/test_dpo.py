@@ -236,6 +236,7 @@ def test_rollouts_archive_a_fixed_policy_that_dpo_then_trains_on(tiny_checkpoint
     res = CliRunner().invoke(app, ["rollouts", "-n", "2", "--run", "base", "reward=jpeg_compressibility",
                                    *tiny_overrides(tiny_checkpoint, wd)])
     assert res.exit_code == 0, res.output
+    assert "it   1 | generate" in res.output and "reward=" in res.output  # one progress line per iteration
     out = json.loads(res.stdout.strip().splitlines()[-1])
     rows = lance.dataset(out["table_uri"]).to_table()
     assert rows.num_rows == 2 * 2 * 4  # iterations × prompts × group
