@@ -69,6 +69,8 @@ def test_pretrain_trains_on_twin_pairs_when_asked(tmp_path, monkeypatch):
         return real(self, n_pairs)
 
     monkeypatch.setattr(SceneStream, "twin_batch", counted)  # the real batches, counted
+    threads = torch.get_num_threads()
     out = pretrain(tmp_path / "mini", cfg, spec, log=lambda rec: None)
     assert calls == [2, 2]  # 0.5 of a batch of 8 = 2 pairs per step
+    assert torch.get_num_threads() == threads  # pretrain(threads=1) gave the caller's setting back
     assert json.loads((Path(out) / "pixrl_pretrain.json").read_text())["config"]["relation_twins"] == 0.5

@@ -230,7 +230,16 @@ def pretrain(out_dir: Path, cfg: PretrainConfig, spec: MiniSpec | None = None,
              log: Callable[[dict], None] = print, on_checkpoint: Callable[[Path, int], None] | None = None) -> Path:
     """Build, pretrain and save the miniature to `out_dir` (diffusers layout, EMA weights)."""
     spec = spec or MiniSpec()
+    threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
+    try:
+        return _pretrain(out_dir, cfg, spec, log, on_checkpoint)
+    finally:  # the caller's thread count: bit-identical results elsewhere in the process depend on it
+        torch.set_num_threads(threads)
+
+
+def _pretrain(out_dir: Path, cfg: PretrainConfig, spec: MiniSpec, log: Callable[[dict], None],
+              on_checkpoint: Callable[[Path, int], None] | None) -> Path:
     torch.manual_seed(cfg.seed)
     work = out_dir.parent / (out_dir.name + ".build")
     pipe = build_pipeline(spec, cfg.seed, work)
