@@ -76,9 +76,8 @@ class SceneStream:
             images.append(render([first, second]))
             flipped.append(render([replace(first, row=second.row, col=second.col),
                                    replace(second, row=first.row, col=first.col)]))
-        x = torch.from_numpy(np.stack(images + flipped)).permute(0, 3, 1, 2).float() / 127.5 - 1.0
         both = metas + twins
-        return x, [m["prompt"] for m in both], both
+        return _to_tensor(np.stack(images + flipped)), [m["prompt"] for m in both], both
 
     def batch(self, n: int) -> tuple[torch.Tensor, list[str], list[dict]]:
         idx = self.rng.integers(len(self.prompts), size=n)
@@ -89,8 +88,12 @@ class SceneStream:
     @staticmethod
     def render(items: list[tuple[dict, int]]) -> torch.Tensor:
         """Renders of (metadata, seed) as a float batch in [-1, 1], NCHW."""
-        imgs = np.stack([render_prompt(m, int(s)) for m, s in items])
-        return torch.from_numpy(imgs).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+        return _to_tensor(np.stack([render_prompt(m, int(s)) for m, s in items]))
+
+
+def _to_tensor(images: np.ndarray) -> torch.Tensor:
+    """uint8 [N, H, W, 3] → float NCHW in [-1, 1] (the inverse of `_to_uint8`)."""
+    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
 
 
 def _to_uint8(x: torch.Tensor) -> np.ndarray:

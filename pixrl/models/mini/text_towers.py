@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ...datasets.shapes.prompts import composition_key, text_of
+from ...datasets.shapes.prompts import composition_key, flip_relation
 
 
 class HardNegativeBatches:
@@ -82,7 +82,6 @@ def clip_loss(text: torch.Tensor, image: torch.Tensor, keys: list[str], logit_sc
 def relation_retrieval(text_encoder, tokenizer, vision, stream, n: int = 128) -> float:
     """For images of position prompts: how often the image is closer to its caption than to the
     same caption with the relation flipped ("A left of B" vs "A right of B"). 0.5 = blind to it."""
-    flip = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
     metas = [p for p in stream.prompts if p.get("relation")]
     if not metas:
         return float("nan")
@@ -91,8 +90,7 @@ def relation_retrieval(text_encoder, tokenizer, vision, stream, n: int = 128) ->
     x = stream.render([(m, int(s)) for m, s in zip(picked, rng.integers(2**31, size=n))])
     v = F.normalize(vision(pixel_values=x).image_embeds, dim=-1)
     right = F.normalize(_text_embeds(text_encoder, tokenizer, [m["prompt"] for m in picked]), dim=-1)
-    wrong = F.normalize(_text_embeds(text_encoder, tokenizer,
-                                     [text_of({**m, "relation": flip[m["relation"]]}) for m in picked]), dim=-1)
+    wrong = F.normalize(_text_embeds(text_encoder, tokenizer, [flip_relation(m)["prompt"] for m in picked]), dim=-1)
     return float(((v * right).sum(-1) > (v * wrong).sum(-1)).float().mean())
 
 
