@@ -57,6 +57,12 @@ def test_empty_prompt_set(tmp_path, tiny_checkpoint):
     assert not (tmp_path / "wd").exists()
 
 
+def test_unknown_training_category_names_the_available_ones(tmp_path, tiny_checkpoint):
+    res = _run(["train", *tiny_overrides(tiny_checkpoint, tmp_path / "wd"), "dataset.categories=[counting,postion]"])
+    assert res.exit_code == 2 and "['postion'] match no prompt" in res.output and "'position'" in res.output
+    assert not (tmp_path / "wd").exists()
+
+
 @register_reward("nan_on_second_call")
 class _NanOnSecondCall(Reward):
     """Scores like a real reward on its first call, returns NaN for one sample on the second."""

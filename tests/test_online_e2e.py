@@ -19,7 +19,8 @@ from pixrl.cli import app
 def trained(tiny_checkpoint, tmp_path_factory, prefect_harness):
     wd = tmp_path_factory.mktemp("e2e")
     args = ["train", "--iterations", "2", "--run", "e2e", "reward=jpeg_compressibility",
-            *tiny_overrides(tiny_checkpoint, wd), "sampling.window_size=null", "sampling.window_range=null"]  # every step SDE
+            *tiny_overrides(tiny_checkpoint, wd), "sampling.window_size=null", "sampling.window_range=null",  # every step SDE
+            "dataset.categories=[counting,colors]"]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output + repr(res.exception)
     out = json.loads(res.stdout.strip().splitlines()[-1])
@@ -38,6 +39,8 @@ def test_lance_rows_complete(trained):
     assert set(t["policy_version"].to_pylist()) == {0, 1}
     lat = t["latents"].combine_chunks().to_numpy_ndarray()
     assert lat.shape == (16, 3, 4, 8, 8)  # 3 stored steps of 4 (timestep_fraction 0.99)
+    # dataset.categories: only those categories' prompts were drawn, and both of them
+    assert {json.loads(m)["category"] for m in t["prompt_meta"].to_pylist()} == {"counting", "colors"}
     rewards = {r["name"] for r in t["rewards"][0].as_py()}
     assert rewards == {"jpeg_compressibility"}
     assert np.allclose(t["reward"].to_numpy(), [r[0]["value"] for r in t["rewards"].to_pylist()])

@@ -74,6 +74,9 @@ class DatasetConfig(_Section):
     name: str = "shapes"
     path: str = "builtin:shapes/prompts_train.parquet"  # parquet/text file of prompts, or builtin:
     heldout_path: str | None = "builtin:shapes/prompts_heldout.parquet"
+    categories: list[str] | None = Field(None, description="train only on prompts of these categories (prompt "
+                                                           "metadata 'category'); held-out evaluation still "
+                                                           "covers every category")
 
 
 STAGES = ("generate", "decode", "score", "replay", "update", "publish")

@@ -42,6 +42,19 @@ def load_prompt_set(path: Path) -> list[PromptItem]:
     return items
 
 
+def select_categories(items: list[PromptItem], categories: list[str] | None) -> list[PromptItem]:
+    """The prompts whose metadata category is one of `categories` (None: all). A category with no
+    prompt is an error, not an empty draw, so a typo cannot silently shrink the training set."""
+    if categories is None:
+        return items
+    have = sorted({it.meta.get("category", "") for it in items} - {""})
+    missing = [c for c in categories if c not in have]
+    if missing:
+        raise PromptSetError(f"dataset.categories {missing} match no prompt; the prompt set has categories "
+                             f"{have}" + ("" if have else " (none: its prompts carry no category metadata)"))
+    return [it for it in items if it.meta.get("category", "") in set(categories)]
+
+
 def _meta(text: str) -> dict:
     """Shapes metadata when the text is in the template language; {} otherwise."""
     try:

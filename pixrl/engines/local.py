@@ -42,7 +42,7 @@ from ..artifacts.trajectories import (
     trajectory_schema,
 )
 from ..config.schema import ExperimentConfig
-from ..datasets.prompts import choose_prompts, load_prompt_set
+from ..datasets.prompts import choose_prompts, load_prompt_set, select_categories
 from ..datasets.shapes.evaluate import evaluate as evaluate_shapes
 from ..rewards.compose import RewardSet
 from ..artifacts.files import write_json_atomic
@@ -144,7 +144,7 @@ class LocalEngine(EngineBase):
         if self.store.count(self.spec.run_id, iteration):  # committed before: the store decides
             return self._latest(), None
         cfg, s = self.cfg, self.cfg.sampling
-        items = load_prompt_set(resolve_asset(cfg.dataset.path))
+        items = select_categories(load_prompt_set(resolve_asset(cfg.dataset.path)), cfg.dataset.categories)
         rng = np.random.default_rng(_seed(cfg.run.seed, iteration, 0))
         prompts = choose_prompts(items, s.prompts_per_iteration, rng)
         recipe = rollout_recipe(s, rng)

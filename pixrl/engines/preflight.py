@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..algorithms.base import build_algorithm
 from ..config.schema import ExperimentConfig
-from ..datasets.prompts import load_prompt_set
+from ..datasets.prompts import load_prompt_set, select_categories
 from ..models.registry import get_family
 from ..rewards.compose import RewardSet
 from .assets import resolve_asset, resolve_model_path
@@ -24,7 +24,7 @@ def preflight(cfg: ExperimentConfig) -> None:
             raise FileNotFoundError(
                 f"model.path {cfg.model.path!r} ({path}) is not a diffusers model directory (no model_index.json); "
                 f"point model.path at a local checkout in the diffusers layout")
-        load_prompt_set(resolve_asset(cfg.dataset.path))
+        select_categories(load_prompt_set(resolve_asset(cfg.dataset.path)), cfg.dataset.categories)
         RewardSet(cfg.reward.weights, cfg.reward.options)
     except (KeyError, ValueError, FileNotFoundError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
