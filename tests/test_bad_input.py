@@ -59,8 +59,18 @@ def test_empty_prompt_set(tmp_path, tiny_checkpoint):
 
 def test_unknown_training_category_names_the_available_ones(tmp_path, tiny_checkpoint):
     res = _run(["train", *tiny_overrides(tiny_checkpoint, tmp_path / "wd"), "dataset.categories=[counting,postion]"])
-    assert res.exit_code == 2 and "['postion'] match no prompt" in res.output and "'position'" in res.output
+    msg = " ".join(res.output.split())
+    assert res.exit_code == 2 and "['postion'] match no prompt" in msg and "'position'" in msg
     assert not (tmp_path / "wd").exists()
+    # the default recipe trains on chosen categories; a free-form prompt file has none, and the
+    # message says how to train on every prompt instead
+    free = tmp_path / "free.txt"
+    free.write_text("a watercolour fox\n")
+    res = _run(["train", *tiny_overrides(tiny_checkpoint, tmp_path / "wd"), f"dataset.path={free}"])
+    msg = " ".join(res.output.split())  # the console wraps long lines
+    assert res.exit_code == 2 and "no category metadata" in msg and "dataset.categories=null" in msg
+    assert not (tmp_path / "wd").exists()
+    assert load_config(None, ["dataset.categories=null"]).dataset.categories is None
 
 
 @register_reward("nan_on_second_call")

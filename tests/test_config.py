@@ -22,6 +22,7 @@ def test_default_recipe_values():
     cfg = load_config()
     assert cfg.model.path == "builtin:mini_shapes" and cfg.algorithm.name == "flow_grpo"
     assert cfg.reward.weights == {"shapes": 1.0}
+    assert cfg.dataset.categories == ["two_object", "counting", "colors", "color_attr"]  # position is unreadable
     flat = flatten(cfg)
     assert flat["sampling.noise_level"] == "0.7" and flat["algorithm.lora.enabled"] == "False"
 

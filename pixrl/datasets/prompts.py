@@ -51,7 +51,8 @@ def select_categories(items: list[PromptItem], categories: list[str] | None) -> 
     missing = [c for c in categories if c not in have]
     if missing:
         raise PromptSetError(f"dataset.categories {missing} match no prompt; the prompt set has categories "
-                             f"{have}" + ("" if have else " (none: its prompts carry no category metadata)"))
+                             f"{have}" + ("" if have else " (none: its prompts carry no category metadata)")
+                             + "; list some of those, or set dataset.categories=null to train on every prompt")
     return [it for it in items if it.meta.get("category", "") in set(categories)]
 
 
