@@ -7,7 +7,7 @@ nothing may be downloaded, so the tokenizer files are written here: every single
 
 from __future__ import annotations
 
-import json
+from collections import Counter
 from pathlib import Path
 
 from transformers import CLIPTokenizer
@@ -18,22 +18,38 @@ _CHARS = "abcdefghijklmnopqrstuvwxyz0123456789.,'-!"
 
 def _train_merges(words: list[str]) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """Learn BPE merges on the word list itself, so that applying them in rank order turns every
-    listed word into one token (hand-written merge chains collide: 're' from 'red' splits 'three')."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    listed word into one token (hand-written merge chains collide: 're' from 'red' splits 'three').
 
-    tk = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.BpeTrainer(vocab_size=4096, min_frequency=1, show_progress=False,
-                                  initial_alphabet=list(_CHARS), end_of_word_suffix="</w>",
-                                  special_tokens=[BOS, EOS])
-    tk.train_from_iterator([" ".join(words)] * 4, trainer=trainer)
-    state = json.loads(tk.to_str())["model"]
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
-    vocab = dict(state["vocab"])
-    for c in _CHARS:  # every character, alone and word-final, so any ASCII text tokenizes
-        for t in (c, c + "</w>"):
-            vocab.setdefault(t, len(vocab))
+    Written out rather than taken from `tokenizers.BpeTrainer`, whose ties between equally frequent
+    pairs (and ids of word-final characters) follow a per-process hash order: two pretraining runs
+    with the same seed got different token ids. Here ties go to the alphabetically first pair."""
+    seqs = [list(w[:-1]) + [w[-1] + "</w>"] for w in words]
+    merges: list[tuple[str, str]] = []
+    while True:
+        counts = Counter(pair for seq in seqs for pair in zip(seq, seq[1:]))
+        if not counts:
+            break
+        best = min(counts, key=lambda pair: (-counts[pair], pair))
+        merges.append(best)
+        seqs = [_merge(seq, best) for seq in seqs]
+    chars = [c for c in _CHARS] + [c + "</w>" for c in _CHARS]
+    vocab: dict[str, int] = {}
+    for t in [BOS, EOS, *chars, *("".join(m) for m in merges)]:
+        vocab.setdefault(t, len(vocab))
     return vocab, merges
+
+
+def _merge(seq: list[str], pair: tuple[str, str]) -> list[str]:
+    out: list[str] = []
+    i = 0
+    while i < len(seq):
+        if i + 1 < len(seq) and (seq[i], seq[i + 1]) == pair:
+            out.append(seq[i] + seq[i + 1])
+            i += 2
+        else:
+            out.append(seq[i])
+            i += 1
+    return out
 
 
 def write_word_tokenizer(words: list[str], out_dir: Path, max_length: int) -> CLIPTokenizer:
