@@ -71,6 +71,9 @@ def test_unknown_training_category_names_the_available_ones(tmp_path, tiny_check
     assert res.exit_code == 2 and "no category metadata" in msg and "dataset.categories=null" in msg
     assert not (tmp_path / "wd").exists()
     assert load_config(None, ["dataset.categories=null"]).dataset.categories is None
+    res = _run(["train", *tiny_overrides(tiny_checkpoint, tmp_path / "wd"), "dataset.categories=[]"])
+    assert res.exit_code == 2 and "dataset.categories is empty" in " ".join(res.output.split())
+    assert not (tmp_path / "wd").exists()
 
 
 @register_reward("nan_on_second_call")

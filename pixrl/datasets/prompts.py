@@ -47,13 +47,17 @@ def select_categories(items: list[PromptItem], categories: list[str] | None) -> 
     prompt is an error, not an empty draw, so a typo cannot silently shrink the training set."""
     if categories is None:
         return items
+    if not categories:
+        raise PromptSetError("dataset.categories is empty, so nothing could be trained; list categories, or set "
+                             "dataset.categories=null to train on every prompt")
     have = sorted({it.meta.get("category", "") for it in items} - {""})
     missing = [c for c in categories if c not in have]
     if missing:
         raise PromptSetError(f"dataset.categories {missing} match no prompt; the prompt set has categories "
                              f"{have}" + ("" if have else " (none: its prompts carry no category metadata)")
                              + "; list some of those, or set dataset.categories=null to train on every prompt")
-    return [it for it in items if it.meta.get("category", "") in set(categories)]
+    wanted = set(categories)
+    return [it for it in items if it.meta.get("category", "") in wanted]
 
 
 def _meta(text: str) -> dict:
