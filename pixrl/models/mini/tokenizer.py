@@ -32,7 +32,7 @@ def _train_merges(words: list[str]) -> tuple[dict[str, int], list[tuple[str, str
         best = min(counts, key=lambda pair: (-counts[pair], pair))
         merges.append(best)
         seqs = [_merge(seq, best) for seq in seqs]
-    chars = [c for c in _CHARS] + [c + "</w>" for c in _CHARS]
+    chars = list(_CHARS) + [c + "</w>" for c in _CHARS]
     vocab: dict[str, int] = {}
     for t in [BOS, EOS, *chars, *("".join(m) for m in merges)]:
         vocab.setdefault(t, len(vocab))
