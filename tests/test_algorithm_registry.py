@@ -10,8 +10,26 @@ from pixrl.config.schema import AlgorithmConfig
 
 
 def test_unknown_algorithm_lists_registered():
-    with pytest.raises(KeyError, match="registered algorithms: flow_grpo"):
+    with pytest.raises(KeyError, match="registered algorithms: diffusion_dpo, flow_grpo"):
         build_algorithm(AlgorithmConfig(name="dpo-typo"))
+
+
+def test_each_algorithm_validates_its_own_settings():
+    """Flow-GRPO's keys live in its own settings model; a typo names the key, a close match and
+    the algorithm's keys; a bad value names the constraint. Diffusion-DPO (offline) is registered."""
+    with pytest.raises(ValueError, match=r"'algorithm.clip_rnge' for algorithm 'flow_grpo' \(did you mean "
+                                         r"'algorithm.clip_range'\?\)"):
+        build_algorithm(AlgorithmConfig(clip_rnge=0.2))
+    with pytest.raises(ValueError, match="algorithm.beta: Input should be greater than or equal to 0"):
+        build_algorithm(AlgorithmConfig(beta=-1))
+    algo = build_algorithm(AlgorithmConfig(clip_range=0.2))
+    assert algo.settings.clip_range == 0.2 and algo.settings.std_eps == 1e-4 and not algo.offline
+    from pixrl.config.schema import DPOConfig
+
+    dpo = build_algorithm(AlgorithmConfig(name="diffusion_dpo"), DPOConfig())
+    assert dpo.offline and dpo.needs == {"final_latent"} and dpo.needs_reference
+    with pytest.raises(ValueError, match="no settings|unknown key 'algorithm.clip_range'"):
+        build_algorithm(AlgorithmConfig(name="diffusion_dpo", clip_range=0.2), DPOConfig())
 
 
 def test_flow_grpo_loss_adds_beta_kl():

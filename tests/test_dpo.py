@@ -21,7 +21,8 @@ from pixrl.artifacts.tracking import Tracker
 from pixrl.cli import app
 from pixrl.config.loader import load_config
 from pixrl.config.schema import DPOConfig
-from pixrl.engines.offline import pair_order, pair_scores
+from pixrl.algorithms.pairing import pair_order
+from pixrl.stages.offline import pair_scores
 from pixrl.engines.policy import TrainablePolicy
 
 

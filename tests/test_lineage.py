@@ -14,8 +14,8 @@ from conftest import tiny_overrides
 from pixrl.artifacts.tracking import Tracker
 from pixrl.cli import app
 from pixrl.config.schema import ExperimentConfig
-from pixrl.engines.lineage import replay_update
-from pixrl.flows.online import run_spec
+from pixrl.stages.lineage import replay_update
+from pixrl.run import run_spec
 
 
 def _ok(args):

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from pixrl.artifacts.checkpoints import verify_checkpoint
 from pixrl.cli import app
-from pixrl.engines.chaos import ENV
+from pixrl.stages.chaos import ENV
 
 STAGES = ["generate", "decode", "score", "replay", "update", "publish"]
 

@@ -12,8 +12,8 @@ from conftest import tiny_overrides
 from pixrl.artifacts.checkpoints import CorruptCheckpoint
 from pixrl.cli import app
 from pixrl.config.loader import ConfigError, load_config
-from pixrl.engines.chaos import ENV
-from pixrl.engines.faults import TransientError, is_transient
+from pixrl.stages.chaos import ENV
+from pixrl.stages.faults import TransientError, is_transient
 from pixrl.rewards.base import REWARDS, Reward, ScoringError
 
 

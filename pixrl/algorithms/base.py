@@ -1,13 +1,21 @@
 """What an RL algorithm provides to the loop, and the registry that names algorithms.
 
 The engine never branches on algorithm names: it asks the algorithm which trajectory fields it
-needs stored, for advantages from rewards and groups, and for the loss of one replayed
-transition. A new GRPO-family algorithm is one module here + one preset + its tests.
+needs stored (preflight refuses a run or an offline source that lacks them), for advantages
+from rewards and groups, which samples train, and for the losses of a micro-batch of stored
+rollouts. `losses(batch, policy)` owns the loop over stored steps through the shared replay
+step and yields one loss term at a time: the trainer calls backward on each before the next is
+computed, so only one step's graph is alive (as flow_grpo's trainer does). A new GRPO-family
+algorithm is one module here + one preset + its tests.
 """
 
 from __future__ import annotations
 
+import difflib
 from abc import ABC, abstractmethod
+from typing import Iterator
+
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 import numpy as np
 import torch
@@ -15,37 +23,81 @@ import torch
 from ..config.registry import Registry
 from ..config.schema import AlgorithmConfig
 from .advantages import GroupAdvantages
-from .flow_sde import StepOut
+from .replay import ReplayPolicy
+
+
+class NoSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
 
 class Algorithm(ABC):
+    """Subclasses set `Settings`: a pydantic model (extra keys forbidden) of their own keys in the
+    `algorithm` config section, beside the shared ones of AlgorithmConfig."""
+
     name: str = ""
+    Settings: type[BaseModel] = NoSettings
     #: trajectory fields the update reads back from the store
     needs: frozenset[str] = frozenset()
+    #: trains from archived rollouts (preference pairs), not inside the online loop
+    offline: bool = False
 
-    def __init__(self, cfg: AlgorithmConfig):
+    def __init__(self, cfg: AlgorithmConfig, loss_settings=None):
         self.cfg = cfg
+        self.settings = _own_settings(self.Settings, self.name or cfg.name, cfg.model_extra or {})
+        self.loss_settings = loss_settings
 
     @property
     def needs_reference(self) -> bool:
         """Whether transition_loss wants the reference policy's step (e.g. KL with β > 0)."""
         return False
 
-    @abstractmethod
-    def advantages(self, rewards: np.ndarray, group_ids: np.ndarray) -> GroupAdvantages: ...
+    def advantages(self, rewards: np.ndarray, group_ids: np.ndarray) -> GroupAdvantages:
+        raise TypeError(f"algorithm {self.name!r} computes no rollout advantages (offline: {self.offline})")
+
+    def trains_on(self, advantages: np.ndarray) -> np.ndarray:
+        """Which samples enter the update (a boolean mask); all by default."""
+        return np.ones(len(advantages), dtype=bool)
 
     @abstractmethod
-    def transition_loss(self, new: StepOut, old_log_prob: torch.Tensor, advantages: torch.Tensor,
-                        reference: StepOut | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+    def losses(self, batch, policy: ReplayPolicy) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        """Loss terms of one micro-batch (a RolloutBatch with the `needs` fields and `advantage`),
+        each with its metrics; the trainer averages them over the optimizer step's terms."""
+
+    def terms(self, batch) -> int:
+        """How many loss terms `losses` yields for `batch` (the trainer's averaging divisor)."""
+        return 1
+
+
+
+def _own_settings(model: type[BaseModel], name: str, values: dict) -> BaseModel:
+    """The algorithm's settings from its keys of the `algorithm` section; a typo or a bad value
+    names the key and the valid ones."""
+    try:
+        return model.model_validate(values)
+    except ValidationError as exc:
+        shared = sorted(AlgorithmConfig.model_fields)
+        own = sorted(model.model_fields)
+        lines = []
+        for err in exc.errors():
+            key = "algorithm." + ".".join(str(p) for p in err["loc"])
+            if err["type"] == "extra_forbidden":
+                hint = difflib.get_close_matches(str(err["loc"][-1]), own + shared, n=1)
+                lines.append(f"unknown key {key!r} for algorithm {name!r}" + (f" (did you mean 'algorithm.{hint[0]}'?)"
+                             if hint else "") + f"; its keys: {', '.join(own) or 'none'}; shared: {', '.join(shared)}")
+            else:
+                lines.append(f"{key}: {err['msg']} (got {err.get('input')!r})")
+        raise ValueError("invalid config:\n  " + "\n  ".join(lines)) from None
 
 
 def _builtin() -> None:
-    from . import flow_grpo  # noqa: F401  (registers the built-in algorithms)
+    from . import diffusion_dpo, flow_grpo  # noqa: F401  (registers the built-in algorithms)
 
 
 ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm", "algorithms", _builtin)
 register_algorithm = ALGORITHMS.register
 
 
-def build_algorithm(cfg: AlgorithmConfig) -> Algorithm:
-    return ALGORITHMS.get(cfg.name)(cfg)
+def build_algorithm(cfg: AlgorithmConfig, loss_settings=None) -> Algorithm:
+    """The algorithm `cfg.name` names; `loss_settings`: a config section of the algorithm's own
+    (Diffusion-DPO's loss lives in the `dpo` section)."""
+    return ALGORITHMS.get(cfg.name)(cfg, loss_settings)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .base import Algorithm, register_algorithm
+
 TIMESTEP_SCHEMES = ("logit_normal", "uniform")
 
 
@@ -19,9 +21,9 @@ def sample_sigmas(n: int, scheme: str, generator: torch.Generator, mean: float =
                   eps: float = 1e-3) -> torch.Tensor:
     """σ ∈ (0, 1) per pair: sigmoid(N(mean, std)) (SD3's logit-normal) or uniform."""
     if scheme == "logit_normal":
-        s = torch.sigmoid(mean + std * torch.randn(n, generator=generator))
+        s = torch.sigmoid(mean + std * torch.randn(n, generator=generator, device=generator.device))
     elif scheme == "uniform":
-        s = torch.rand(n, generator=generator)
+        s = torch.rand(n, generator=generator, device=generator.device)
     else:
         raise ValueError(f"unknown timestep scheme {scheme!r}; choose one of {', '.join(TIMESTEP_SCHEMES)}")
     return s.clamp(eps, 1 - eps)
@@ -51,3 +53,38 @@ def dpo_loss(err_w: torch.Tensor, err_l: torch.Tensor, ref_err_w: torch.Tensor, 
             "ref_err_w": ref_err_w.mean(), "ref_err_l": ref_err_l.mean(),
         }
     return loss, metrics
+
+
+@register_algorithm("diffusion_dpo")
+class DiffusionDPO(Algorithm):
+    """The offline algorithm: a micro-batch is b winners then their b losers (final latents and
+    prompts, read by key from the archive); one loss term per optimizer step."""
+
+    needs = frozenset({"final_latent"})
+    offline = True
+
+    def __init__(self, cfg, loss_settings=None):
+        super().__init__(cfg, loss_settings)
+        if loss_settings is None:
+            raise ValueError("diffusion_dpo needs its loss settings (the `dpo` section): use the shapes_dpo "
+                             "experiment or dpo=best_worst")
+
+    @property
+    def needs_reference(self) -> bool:
+        return True
+
+    def losses(self, batch, policy):
+        d = self.loss_settings
+        x0 = policy.tensor(batch["final_latent"])
+        b = len(x0) // 2
+        x_w, x_l = x0[:b], x0[b:]
+        sigma = sample_sigmas(b, d.timesteps, policy.generator, d.logit_mean, d.logit_std)
+        noise = torch.randn((b, *x_w.shape[1:]), generator=policy.generator, device=policy.device)
+        xt_w, v_w = noised(x_w, noise, sigma)
+        xt_l, v_l = noised(x_l, noise, sigma)
+        x, target = torch.cat([xt_w, xt_l]), torch.cat([v_w, v_l])
+        t = torch.cat([sigma, sigma]) * policy.timestep_scale
+        with torch.no_grad():
+            ref = velocity_error(policy.reference.velocity(x, t, policy.cond), target)
+        err = velocity_error(policy.model.velocity(x.to(policy.model.dtype), t, policy.cond), target)
+        yield dpo_loss(err[:b], err[b:], ref[:b], ref[b:], d.beta)

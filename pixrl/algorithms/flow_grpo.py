@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from .advantages import GroupAdvantages, group_advantages
 from .base import Algorithm, register_algorithm
@@ -12,21 +13,54 @@ from .flow_sde import StepOut, kl_to_reference
 from .losses import ppo_clip_loss
 
 
+class FlowGRPOSettings(BaseModel):
+    """Flow-GRPO's own keys of the `algorithm` section (algorithms.md §2.5–2.7)."""
+
+    model_config = ConfigDict(extra="forbid")
+    clip_range: float = Field(1e-4, gt=0)
+    adv_clip_max: float = Field(5.0, gt=0)
+    std_eps: float = Field(1e-4, gt=0)
+    global_std: bool = True
+    filter_zero_advantage: bool = True
+    beta: float = Field(0.0, ge=0, description="KL-to-reference weight")
+
+
 @register_algorithm("flow_grpo")
 class FlowGRPO(Algorithm):
+    Settings = FlowGRPOSettings
     needs = frozenset({"latents", "next_latents", "log_probs"})
 
     @property
     def needs_reference(self) -> bool:
-        return self.cfg.beta > 0
+        return self.settings.beta > 0
 
     def advantages(self, rewards: np.ndarray, group_ids: np.ndarray) -> GroupAdvantages:
-        c = self.cfg
+        c = self.settings
         return group_advantages(rewards, group_ids, c.global_std, c.std_eps, c.adv_clip_max)
+
+    def trains_on(self, advantages: np.ndarray) -> np.ndarray:
+        """Zero-advantage samples carry no gradient (filter_zero_advantage drops them)."""
+        return (advantages != 0) | (not self.settings.filter_zero_advantage)
+
+    def terms(self, batch) -> int:
+        return len(batch["stored_steps"][0])
+
+    def losses(self, batch, policy):
+        """One PPO-clip (+KL) term per stored SDE transition of the micro-batch."""
+        adv = policy.tensor(batch["advantage"])
+        for j, k in enumerate(batch["stored_steps"][0]):
+            x, x_next = policy.tensor(batch["latents"][:, j]), policy.tensor(batch["next_latents"][:, j])
+            new = policy.step(x, x_next, int(k))
+            old = policy.tensor(batch["log_probs"][:, j])
+            ref = None
+            if self.needs_reference:
+                with torch.no_grad():
+                    ref = policy.step(x, x_next, int(k), reference=True)
+            yield self.transition_loss(new, old, adv, ref)
 
     def transition_loss(self, new: StepOut, old_log_prob: torch.Tensor, advantages: torch.Tensor,
                         reference: StepOut | None = None):
-        c = self.cfg
+        c = self.settings
         loss, metrics = ppo_clip_loss(new.log_prob, old_log_prob, advantages, c.clip_range, c.adv_clip_max)
         if c.beta > 0:
             if reference is None:

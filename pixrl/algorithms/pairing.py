@@ -59,3 +59,34 @@ def make_pairs(group_keys: list, rewards: np.ndarray, mode: str = "best_worst", 
                         found = True
         empty += not found
     return Pairs(np.array(win, dtype=np.int64), np.array(lose, dtype=np.int64), len(members), empty)
+
+
+def pair_order(categories: list[str], steps: int, per_step: int, balance: str, rng: np.random.Generator) -> list[list[int]]:
+    """Pair indices for each optimizer step. 'none': epochs of a fixed-seed permutation of all pairs.
+    'category': the categories in turn (each its own permutation, refilled when used up), so every
+    category contributes about per_step / n_categories pairs per step however many pairs it has."""
+    if balance == "none":
+        order: list[int] = []
+        out = []
+        for _ in range(steps):
+            if len(order) < per_step:
+                order += rng.permutation(len(categories)).tolist()
+            out.append(order[:per_step])
+            order = order[per_step:]
+        return out
+    by_cat: dict[str, list[int]] = {}
+    for i, c in enumerate(categories):
+        by_cat.setdefault(c, []).append(i)
+    names = sorted(by_cat)
+    queues: dict[str, list[int]] = {c: [] for c in names}
+    out, k = [], 0
+    for _ in range(steps):
+        batch = []
+        for _ in range(per_step):
+            c = names[k % len(names)]
+            k += 1
+            if not queues[c]:
+                queues[c] = [by_cat[c][int(j)] for j in rng.permutation(len(by_cat[c]))]
+            batch.append(queues[c].pop())
+        out.append(batch)
+    return out

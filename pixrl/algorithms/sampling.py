@@ -43,13 +43,18 @@ class Trajectory:
     stored_steps: list[int] = field(default_factory=list)
 
 
+def generators(seeds: list[int], device: torch.device | str = "cpu") -> list[torch.Generator]:
+    """One generator per sample on the model's device (so its noise is drawn where it is used)."""
+    return [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+
+
 def initial_noise(generators: list[torch.Generator], shape: tuple[int, ...]) -> torch.Tensor:
     """x_T per sample from its own generator (== diffusers randn_tensor with a generator list)."""
-    return torch.cat([torch.randn((1, *shape), generator=g, dtype=torch.float32) for g in generators])
+    return torch.cat([torch.randn((1, *shape), generator=g, dtype=torch.float32, device=g.device)
+                      for g in generators])
 
 
-def _step_noise(generators: list[torch.Generator], shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.cat([torch.randn((1, *shape), generator=g, dtype=torch.float32) for g in generators])
+_step_noise = initial_noise  # one ε per sample per stochastic step, drawn the same way
 
 
 def denoise_step(policy, x, k: int, sigmas, timesteps, cond, neg, recipe: SamplerRecipe,
@@ -77,12 +82,12 @@ def sample(policy, cond, neg, generators: list[torch.Generator], recipe: Sampler
             stored_lp.append(out.log_prob)
         x = out.prev_sample.float()
     b = x.shape[0]
-    empty = torch.zeros((b, 0, *shape))
+    empty = torch.zeros((b, 0, *shape), device=x.device)
     return Trajectory(
         final=x,
         latents=torch.stack(stored_x, 1) if stored_x else empty,
         next_latents=torch.stack(stored_next, 1) if stored_next else empty,
-        log_probs=torch.stack(stored_lp, 1) if stored_lp else torch.zeros((b, 0)),
+        log_probs=torch.stack(stored_lp, 1) if stored_lp else torch.zeros((b, 0), device=x.device),
         sigmas=sigmas, timesteps=timesteps, stored_steps=list(recipe.train_steps))
 
 

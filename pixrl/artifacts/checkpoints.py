@@ -1,12 +1,20 @@
 """Training checkpoints: trainable weights (adapter or full module) as safetensors, optimizer
 state, RNG states, counters and the resolved config — written to a staging directory and
 renamed into place, so a checkpoint is complete or absent. A manifest of SHA-256 checksums is
-written last; a checkpoint that does not match it is never loaded or published."""
+written last; a checkpoint that does not match it is never loaded or published.
+
+The checkpoint directory is the only copy: the registered MLflow version points at it
+(`Tracker.publish`). Retention (`retention.py`) may later reduce an old checkpoint to its weights
+(`strip_to_weights`): the optimizer and RNG state, needed only to continue training from it, are
+deleted and the manifest is rewritten to list what is left and record what was removed and why,
+so `verify_checkpoint` still passes and a consumer that needs the removed state
+(`require_full_checkpoint`, `load_optimizer_state`) fails naming it."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import shutil
 import uuid
@@ -23,10 +31,18 @@ RNG = "rng.pt"
 COUNTERS = "counters.json"
 CONFIG = "config.json"
 MANIFEST = "manifest.json"
+# what only continuing training from a checkpoint needs (resume, replay of the next iteration, a
+# fork from the next iteration's update); a weights-only checkpoint has dropped these
+TRAINING_STATE = (OPTIMIZER, RNG)
 
 
 class CorruptCheckpoint(RuntimeError):
     """A checkpoint whose files are missing or do not match their manifest."""
+
+
+class CheckpointPruned(RuntimeError):
+    """A checkpoint (or part of it: its optimizer and RNG state) that retention deleted, asked for
+    by something that needs it; the message names what is missing, why, and what needs it."""
 
 
 def _sha256(path: Path) -> str:
@@ -95,5 +111,75 @@ def load_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def load_optimizer_state(ckpt_dir: Path) -> dict:
-    verify_checkpoint(ckpt_dir)
+    require_full_checkpoint(ckpt_dir, "loading its optimizer state (continuing training from it)")
     return torch.load(Path(ckpt_dir) / OPTIMIZER, weights_only=False)
+
+
+# --- weights-only checkpoints (retention) ---------------------------------------------------------
+def weights_only_reason(ckpt_dir: Path) -> str | None:
+    """Why the checkpoint's training state was removed (the retention policy), or None if it is whole."""
+    mf = Path(ckpt_dir) / MANIFEST
+    if not mf.is_file():
+        return None
+    pruned = json.loads(mf.read_text()).get("weights_only")
+    return pruned["reason"] if pruned else None
+
+
+def require_full_checkpoint(ckpt_dir: Path, purpose: str) -> None:
+    """Raise CheckpointPruned unless `ckpt_dir` is a complete checkpoint with its optimizer and RNG
+    state (CorruptCheckpoint if it does not match its manifest). `purpose` says what needs it, e.g.
+    "replaying iteration 5's update"; the message names what is missing and the retention policy
+    that removed it. Call it before any work is done, where a stage continues training from a
+    checkpoint (replay, a fork from update, resume)."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise CheckpointPruned(
+            f"checkpoint {ckpt_dir.name} ({ckpt_dir}) does not exist: retention deleted it or it was never "
+            f"written; {purpose} needs its weights and optimizer state. Keep more checkpoints whole "
+            f"(run.retention.keep_full, or null to keep all).")
+    manifest = verify_checkpoint(ckpt_dir)
+    pruned = manifest.get("weights_only")
+    if pruned:
+        raise CheckpointPruned(
+            f"checkpoint {ckpt_dir.name}'s {' and '.join(_describe(f) for f in pruned['removed'])} "
+            f"{'was' if len(pruned['removed']) == 1 else 'were'} pruned by retention ({pruned['reason']}); "
+            f"{purpose} needs {'it' if len(pruned['removed']) == 1 else 'them'}. Only its weights are kept "
+            f"({ckpt_dir}). Keep more checkpoints whole with run.retention.keep_full (null: keep all).")
+
+
+def _describe(name: str) -> str:
+    return {OPTIMIZER: f"optimizer state ({OPTIMIZER})", RNG: f"RNG state ({RNG})"}.get(name, name)
+
+
+def strip_to_weights(ckpt_dir: Path, reason: str) -> bool:
+    """Reduce a checkpoint to what loading the policy needs (weights, counters, config, manifest):
+    the training state (TRAINING_STATE) is deleted. Returns whether anything changed.
+
+    Crash-safe and idempotent: the manifest is rewritten first (atomically), listing only the kept
+    files and recording the removed ones and `reason`; the files are deleted after. A crash in
+    between leaves a valid weights-only checkpoint with stray files, which the next call deletes."""
+    ckpt_dir = Path(ckpt_dir)
+    manifest = verify_checkpoint(ckpt_dir)
+    changed = False
+    removed = [f for f in TRAINING_STATE if f in manifest["files"]]
+    if removed:
+        prior = manifest.get("weights_only") or {"removed": []}
+        manifest = {**manifest, "files": {k: v for k, v in manifest["files"].items() if k not in removed},
+                    "weights_only": {"removed": sorted(set(prior["removed"]) | set(removed)),
+                                     "reason": prior.get("reason", reason)}}
+        tmp = ckpt_dir / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=2))
+        os.replace(tmp, ckpt_dir / MANIFEST)
+        changed = True
+    for name in manifest.get("weights_only", {}).get("removed", []):
+        f = ckpt_dir / name
+        if f.exists():
+            f.unlink()
+            changed = True
+    return changed
+
+
+def checkpoint_bytes(ckpt_dir: Path) -> int:
+    """Bytes of the files in a checkpoint directory (0 if it does not exist)."""
+    d = Path(ckpt_dir)
+    return sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) if d.is_dir() else 0

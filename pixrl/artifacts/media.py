@@ -16,3 +16,22 @@ def image_grid(images: np.ndarray, cols: int, pad: int = 2, scale: int = 1) -> n
     if scale > 1:
         grid = grid.repeat(scale, 0).repeat(scale, 1)
     return grid
+
+
+def png_bytes(image: np.ndarray) -> bytes:
+    """uint8 [H, W, 3] → PNG (lossless: the scored pixels are the stored pixels)."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def decode_png(data: bytes) -> np.ndarray:
+    import io
+
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))

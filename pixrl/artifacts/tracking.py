@@ -6,11 +6,23 @@ evaluation, compared through each evaluated version's `heldout_accuracy` tag).
 
 Everything goes through an explicit run id (MlflowClient), never the global "active run", so
 tasks running in any process log into the right run.
+
+A checkpoint is stored once. `publish` registers the checkpoint directory itself as the version's
+source (a file: URI in the checkpoint store, outside MLflow's artifact root): nothing is copied into
+`mlruns/`, and `models:/NAME/V` resolves to the checkpoint directory through MLflow's own
+download path. MLflow accepts such a source when the registry is reached directly (sqlite, a
+database URI); an MLflow *server* (http URI) refuses local sources outside the run's artifact
+directory, and there `publish` falls back to logging a copy into the run's artifacts (the old
+behaviour), with a warning and the version tag `pixrl.storage=mlflow-artifacts`.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
 import tempfile
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +31,8 @@ import numpy as np
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+
+log = logging.getLogger(__name__)
 
 ROLLOUT_ALIAS = "rollout"
 CHAMPION_ALIAS = "champion"  # best held-out evaluation so far
@@ -36,7 +50,7 @@ class PolicyRef:
 
     model_name: str
     version: int
-    source: str | None = None  # artifact URI of the checkpoint directory
+    source: str | None = None  # URI of the checkpoint directory (file:// in the checkpoint store)
     checkpoint_id: str | None = None
 
     def to_dict(self) -> dict:
@@ -44,10 +58,24 @@ class PolicyRef:
 
 
 PRUNED_TAG = "pixrl.pruned"  # set on a registered version whose weights retention deleted
+WEIGHTS_ONLY_TAG = "pixrl.weights_only"  # set on a version whose optimizer/RNG state retention deleted
+STORAGE_TAG = "pixrl.storage"  # where the version's files are: checkpoint-store | mlflow-artifacts
 
 
 class PrunedCheckpoint(RuntimeError):
-    """A registered policy version whose weights `run.keep_checkpoints` deleted."""
+    """A registered policy version whose weights retention (`run.retention`) deleted."""
+
+
+def local_path(uri: str | None) -> Path | None:
+    """The filesystem path of a file: URI or plain path; None for any other scheme."""
+    if not uri:
+        return None
+    parsed = urllib.parse.urlparse(uri)
+    if parsed.scheme == "file":
+        return Path(urllib.parse.unquote(parsed.path))
+    if parsed.scheme == "" or (len(parsed.scheme) == 1 and os.name == "nt"):
+        return Path(uri)
+    return None
 
 
 class Tracker:
@@ -137,17 +165,28 @@ class Tracker:
     # --- registry -----------------------------------------------------------------------------
     def publish(self, run_id: str, ckpt_dir: Path, iteration: int, model_name: str,
                 checkpoint_id: str, tags: dict[str, str], before_alias=None) -> PolicyRef:
-        """Log the checkpoint under checkpoints/it_NNNN, register it, then move alias `rollout`."""
-        artifact_path = f"checkpoints/it_{iteration:04d}"
-        self.client.log_artifacts(run_id, str(ckpt_dir), artifact_path)
+        """Register the checkpoint directory as a new version (its source: the directory's file URI,
+        no copy), then move alias `rollout`. The directory must stay where it is: it is the version."""
         try:
             self.client.get_registered_model(model_name)
         except MlflowException:
             self.client.create_registered_model(model_name, tags={"pixrl": "policy"})
-        source = f"{self.client.get_run(run_id).info.artifact_uri}/{artifact_path}"
-        mv = self.client.create_model_version(model_name, source=source, run_id=run_id,
-                                              tags={"checkpoint_id": checkpoint_id, "iteration": str(iteration),
-                                                    **tags})
+        vtags = {"checkpoint_id": checkpoint_id, "iteration": str(iteration), **tags}
+        source = Path(ckpt_dir).resolve().as_uri()
+        try:
+            mv = self.client.create_model_version(model_name, source=source, run_id=run_id,
+                                                  tags={**vtags, STORAGE_TAG: "checkpoint-store"})
+        except MlflowException as exc:
+            if "local path as a model version source" not in str(exc):
+                raise
+            # an MLflow server accepts local sources only inside the run's artifact directory
+            log.warning("the MLflow server at %s refuses %s as a model version source (%s); logging a copy of the "
+                        "checkpoint into the run's artifacts instead", self.uri, source, exc)
+            artifact_path = f"checkpoints/{Path(ckpt_dir).name}"
+            self.client.log_artifacts(run_id, str(ckpt_dir), artifact_path)
+            source = f"{self.client.get_run(run_id).info.artifact_uri}/{artifact_path}"
+            mv = self.client.create_model_version(model_name, source=source, run_id=run_id,
+                                                  tags={**vtags, STORAGE_TAG: "mlflow-artifacts"})
         if before_alias is not None:
             before_alias()
         self.client.set_registered_model_alias(model_name, ROLLOUT_ALIAS, mv.version)
@@ -202,21 +241,51 @@ class Tracker:
         return _ref(self.client.get_model_version(model_name, str(version)))
 
     def check_loadable(self, policy: PolicyRef) -> None:
-        """Raise PrunedCheckpoint, naming the way out, if retention deleted this version's weights."""
+        """Raise PrunedCheckpoint, naming the way out, if retention deleted this version's weights
+        (or its checkpoint directory is gone). A weights-only version is loadable."""
         if policy.version == 0:
             return
         mv = self.client.get_model_version(policy.model_name, str(policy.version))
+        where = f"models:/{policy.model_name}/{policy.version} (run {mv.run_id}, iteration {mv.tags.get('iteration')})"
         if mv.tags.get(PRUNED_TAG):
             raise PrunedCheckpoint(
-                f"models:/{policy.model_name}/{policy.version} (run {mv.run_id}, iteration {mv.tags.get('iteration')}) "
-                f"was pruned by {mv.tags[PRUNED_TAG]}: its weights are deleted. Use a kept version (the run's newest, "
-                f"an evaluated one, or an aliased one), and set run.keep_checkpoints higher (or null) to keep more.")
+                f"{where} was pruned by {mv.tags[PRUNED_TAG]}: its weights are deleted. Use a kept version (the "
+                f"run's newest, an evaluated one, or an aliased one), and set run.retention.keep_full higher (or "
+                f"null) or lower run.retention.weights_every to keep more.")
+        path = local_path(mv.source)
+        if path is not None and not path.is_dir():
+            raise PrunedCheckpoint(f"{where}: its checkpoint directory {path} does not exist (deleted or moved "
+                                   f"outside pixrl); the version cannot be loaded")
 
     def download(self, policy: PolicyRef, dst: Path) -> Path:
+        """The version's checkpoint directory, materialised under `dst` (returns the directory
+        holding the files). A checkpoint in a local store is hard-linked file by file (no bytes
+        copied; its files are never modified in place), falling back to a copy across filesystems;
+        any other source goes through MLflow's download."""
         self.check_loadable(policy)
         dst.mkdir(parents=True, exist_ok=True)
+        src = local_path(policy.source)
+        if src is not None and src.is_dir():
+            return _link_tree(src, dst / src.name)
         mlflow.set_tracking_uri(self.uri)
         return Path(mlflow.artifacts.download_artifacts(artifact_uri=policy.source, dst_path=str(dst)))
+
+
+def _link_tree(src: Path, out: Path) -> Path:
+    """Hard-link (or copy, where linking fails) every file of `src` into `out`, replacing files there;
+    the manifest last, so a checkpoint stripped meanwhile yields the manifest of what was linked."""
+    for f in sorted(src.rglob("*"), key=lambda f: (f.name == "manifest.json", str(f))):
+        if not f.is_file():
+            continue
+        target = out / f.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.exists():
+            target.unlink()
+        try:
+            os.link(f, target)
+        except OSError:
+            shutil.copy2(f, target)
+    return out
 
 
 def _ref(mv) -> PolicyRef:

@@ -41,15 +41,15 @@ class LoraConfig(_Section):
     init: str = "gaussian"
 
 
-class AlgorithmConfig(_Section):
+class AlgorithmConfig(BaseModel):
+    """What every algorithm shares (which one, the optimizer, LoRA). The algorithm's own settings
+    (Flow-GRPO's clip range, β, …) are further keys of this section, validated by that
+    algorithm's settings model (`Algorithm.Settings`) when it is built — in preflight, before
+    anything is written — so adding an algorithm never touches this schema."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
     name: str = Field("flow_grpo", description="registered algorithm (pixrl.algorithms.base)")
-    clip_range: float = Field(1e-4, gt=0)
-    adv_clip_max: float = Field(5.0, gt=0)
-    std_eps: float = Field(1e-4, gt=0)
-    global_std: bool = True
-    filter_zero_advantage: bool = True
-    beta: float = Field(0.0, ge=0, description="KL-to-reference weight")
-    train_cfg: bool = True
+    train_cfg: bool = Field(True, description="replay with the rollout's classifier-free guidance")
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = 1e-4
     adam_betas: tuple[float, float] = (0.9, 0.999)
@@ -95,8 +95,27 @@ def _default_retries() -> dict[str, TaskRetry]:
     return {s: TaskRetry(retries=3 if s in ("score", "publish") else 2) for s in STAGES}
 
 
+class RetentionConfig(_Section):
+    """Which of a run's checkpoints stay on disk (applied at each publish by
+    pixrl.artifacts.retention; a checkpoint is stored once, where its registered version points).
+    The ladder, newest first: the newest `keep_full` stay whole (resume; replay and forks of the
+    last iterations need their optimizer state); older ones of every `weights_every`-th iteration
+    (the weights after N, 2N, … updates) keep their weights only; evaluated versions
+    (`keep_evaluated`) and versions holding an alias stay whole; every other one is deleted and
+    its registered version tagged `pixrl.pruned`."""
+
+    keep_full: int | None = Field(3, ge=1, description="newest N checkpoints kept whole (weights + optimizer + "
+                                                        "RNG state); null: keep every checkpoint whole")
+    weights_every: int = Field(10, ge=0, description="an older checkpoint whose iteration+1 is a multiple of N "
+                                                     "keeps its weights (optimizer state deleted); 0: none")
+    keep_evaluated: bool = Field(True, description="versions evaluated on the held-out set (heldout_accuracy) "
+                                                   "stay whole; aliased versions always do")
+
+
 class RunConfig(_Section):
     name: str = "default"
+    engine: Literal["local"] = Field("local", description="where the compute runs (the stage layer is the same "
+                                                           "for every engine)")
     iterations: int = Field(40, ge=1)
     seed: int = 0
     workdir: str = "work"
@@ -106,11 +125,24 @@ class RunConfig(_Section):
     threads: int | None = None
     eval_every: int = Field(0, ge=0, description="held-out evaluation every N iterations (0: off); best → alias champion")
     eval_per_category: int = Field(24, ge=1, description="held-out samples per prompt category")
-    keep_checkpoints: int | None = Field(None, ge=1, description="keep a run's newest N checkpoints; older ones are "
-                                         "deleted locally and from the registry unless evaluated or aliased "
-                                         "(null: keep all, so any iteration can be replayed from its weights)")
+    retention: RetentionConfig = RetentionConfig()
+    keep_checkpoints: int | None = Field(None, ge=1, description="deprecated alias of run.retention.keep_full")
     retries: dict[str, TaskRetry] = Field(default_factory=_default_retries,
                                           description="per stage task; only transient faults are retried")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keep_checkpoints_alias(cls, data):
+        """run.keep_checkpoints=N (deprecated) means run.retention.keep_full=N; both set must agree."""
+        if not isinstance(data, dict) or data.get("keep_checkpoints") is None:
+            return data
+        keep, ret = data["keep_checkpoints"], data.get("retention")
+        ret = ret.model_dump(exclude_unset=True) if isinstance(ret, BaseModel) else dict(ret or {})
+        if ret.get("keep_full", keep) != keep:
+            raise ValueError(f"run.keep_checkpoints={keep} (deprecated alias of run.retention.keep_full) disagrees "
+                             f"with run.retention.keep_full={ret['keep_full']}; set only run.retention.keep_full "
+                             f"(and run.keep_checkpoints=null)")
+        return {**data, "retention": RetentionConfig.model_validate({**ret, "keep_full": keep})}
 
     @model_validator(mode="after")
     def _known_stages(self) -> RunConfig:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from .shapes.prompts import PromptError, parse
+from .registry import prompt_parser
 
 
 class PromptSetError(ValueError):
@@ -23,7 +23,11 @@ class PromptItem:
     meta: dict
 
 
-def load_prompt_set(path: Path) -> list[PromptItem]:
+def load_prompt_set(path: Path, dataset: str | None = None) -> list[PromptItem]:
+    """Prompts with their metadata: a parquet's `meta` column, else the dataset's registered
+    parser applied to the text (none registered: no metadata)."""
+    parse = prompt_parser(dataset) if dataset else None
+    _meta = parse or (lambda text: {})
     if not path.is_file():
         raise PromptSetError(f"prompt file {str(path)!r} does not exist; set dataset.path to a parquet or "
                              f"text file of prompts")
@@ -58,14 +62,6 @@ def select_categories(items: list[PromptItem], categories: list[str] | None) -> 
                              + "; list some of those, or set dataset.categories=null to train on every prompt")
     wanted = set(categories)
     return [it for it in items if it.meta.get("category", "") in wanted]
-
-
-def _meta(text: str) -> dict:
-    """Shapes metadata when the text is in the template language; {} otherwise."""
-    try:
-        return parse(text)
-    except PromptError:
-        return {}
 
 
 def choose_prompts(items: list[PromptItem], n: int, rng: np.random.Generator) -> list[PromptItem]:

@@ -1,25 +1,81 @@
-"""What every engine shares: the run's spec and config, its MLflow tracker, the torch thread
-count, and a policy loaded on first use (so a stage that finds its output stored loads nothing)."""
+"""The Engine protocol: compute only. An engine turns (policy version, prompts, seeds) into a
+rollout batch, latents into images, images into rewards, and stored batches into new trainable
+state. It never touches Prefect, MLflow or the stage records, and never decides whether work is
+needed: the stage layer (pixrl.stages) asks the stores, calls the engine, then records and
+commits — identically for every engine (`run.engine`: local today; Ray in its own module).
+
+Policies travel as `PolicySource` (a local checkpoint directory + its id, or the base weights),
+so an engine loads exactly the version a stage names.
+"""
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
-from ..artifacts.tracking import Tracker
-from .policy import TrainablePolicy
+import numpy as np
+
+from ..algorithms.sampling import SamplerRecipe
+from ..artifacts.batch import RolloutBatch
 
 
-class EngineBase:
-    def __init__(self, spec):
-        self.spec = spec
-        self.cfg = spec.cfg
-        self.tracker = Tracker(spec.tracking_uri)
-        self._policy: TrainablePolicy | None = None
-        if self.cfg.run.threads:
-            torch.set_num_threads(self.cfg.run.threads)
+@dataclass(frozen=True)
+class PolicySource:
+    """Where a policy version's weights are: None = the base model's."""
 
-    @property
-    def policy(self) -> TrainablePolicy:
-        if self._policy is None:
-            self._policy = TrainablePolicy(self.cfg)
-        return self._policy
+    checkpoint_dir: Path | None = None
+    checkpoint_id: str | None = None
+    with_optimizer: bool = True  # False: start these weights with fresh optimizer moments (DPO's init)
+
+
+@dataclass
+class TrainResult:
+    """The new trainable state after an update (the stage layer writes the checkpoint)."""
+
+    weights: dict
+    optimizer: dict
+    metrics: dict[str, float]  # aggregated over the update
+    history: list[dict[str, float]]  # per optimizer step: mean of its terms' metrics, grad_norm
+
+
+class Engine(Protocol):
+    def describe(self) -> dict:
+        """Family facts the stage layer records: name, semantics, latent shape, recipe extras."""
+
+    def rollout(self, policy: PolicySource, prompts: list[str], seeds: list[int],
+                recipe: SamplerRecipe) -> tuple[RolloutBatch, float]:
+        """One trajectory per (prompt, seed), in order; and the compute seconds."""
+
+    def decode(self, final_latents: np.ndarray) -> np.ndarray:
+        """uint8 images [B, H, W, 3] (video [B, F, H, W, 3])."""
+
+    def score(self, images: np.ndarray, prompts: list[str], metadata: list[dict],
+              sample_ids: list[str]) -> dict[str, np.ndarray]:
+        """{'reward': total, '<name>': component, …}; raises ScoringError (never zeroes)."""
+
+    def train(self, policy: PolicySource, batch: RolloutBatch, plan: list[list[list[int]]],
+              recipe: SamplerRecipe | None, seed: int = 0, reference: PolicySource | None = None) -> TrainResult:
+        """Optimizer steps from `policy` (weights + optimizer state) over the plan's micro-batches
+        (row positions in `batch`, grouped per optimizer step), with the configured algorithm's
+        losses. `seed` seeds the update's own randomness; `reference`: the KL/DPO reference
+        (None = the base model)."""
+
+    def mark(self, checkpoint_id: str) -> None:
+        """The engine's in-memory state now equals this (just committed) checkpoint."""
+
+    def invalidate(self) -> None:
+        """The in-memory state matches no checkpoint (an update failed or was a replay)."""
+
+    def evaluate(self, policy: PolicySource, dataset: str, split: str, per_category: int) -> dict:
+        """The dataset's registered evaluator on `policy` (held-out accuracy and per category)."""
+
+
+def build_engine(cfg) -> Engine:
+    """The engine `run.engine` names, for this process."""
+    name = cfg.run.engine
+    if name == "local":
+        from .local import LocalEngine
+
+        return LocalEngine(cfg)
+    raise ValueError(f"run.engine={name!r} is not available; engines: local")

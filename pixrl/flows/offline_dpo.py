@@ -10,14 +10,13 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.runtime import flow_run
 
+from ..algorithms.base import build_algorithm
 from ..artifacts.archive import PinnedTable, resolve_sources
-from ..artifacts.tracking import Tracker, default_tracking_uri
-from ..config.loader import flatten
 from ..config.schema import ExperimentConfig
-from ..engines.local import RunSpec
-from ..engines.offline import check_selection
+from ..run import RunSpec
+from ..stages.offline import check_selection
+from ..stages.runs import existing_run, reopen_run, start_run, tracker_for
 from ..tasks import dpo as stages
-from .online import comparison_tags, recorded_model_name, run_spec
 
 
 @task(name="open-dpo-run", persist_result=False)
@@ -26,27 +25,21 @@ def open_dpo_run(config: dict, workdir: str, resume_run_id: str | None = None) -
     cfg = ExperimentConfig.model_validate(config)
     wd = Path(workdir).resolve()
     wd.mkdir(parents=True, exist_ok=True)
-    tracker = Tracker(cfg.run.tracking_uri or default_tracking_uri(wd))
+    tracker = tracker_for(cfg, wd)
     fr_id = str(flow_run.get_id() or "")
-    existing = resume_run_id or (tracker.find_run("prefect.flow_run_id", fr_id) if fr_id else None)
+    existing = existing_run(tracker, fr_id, resume_run_id)
     if existing:
-        tracker.reopen(existing, {"prefect.last_flow_run_id": fr_id})
         pinned = json.loads(tracker.client.get_run(existing).data.tags["pixrl.dpo.sources"])
-        return run_spec(cfg, wd, existing, recorded_model_name(tracker, existing)), pinned
+        return reopen_run(cfg, wd, tracker, existing, fr_id), pinned
     tables = resolve_sources(cfg.dpo.source, tracker)
-    check_selection(tables, cfg.dpo)  # empty selections and all-tied groups fail before the run exists
+    needs = build_algorithm(cfg.algorithm, cfg.dpo).needs
+    check_selection(tables, cfg.dpo, needs)  # missing fields, empty selections, all-tied groups: before the run exists
     pinned = [t.to_dict() for t in tables]
     source_runs = sorted({r for t in tables for r in (t.run_ids or ())})
-    tags = {**comparison_tags(cfg), "pixrl.algorithm": "diffusion_dpo", "prefect.flow_run_id": fr_id,
-            "pixrl.dpo.sources": json.dumps(pinned), "pixrl.dpo.source_run_ids": ",".join(source_runs),
+    tags = {"pixrl.dpo.sources": json.dumps(pinned), "pixrl.dpo.source_run_ids": ",".join(source_runs),
             "pixrl.dpo.tables": ",".join(t.ref for t in tables),
             "pixrl.dpo.filters": json.dumps(cfg.dpo.model_dump(mode="json", exclude={"source"}))}
-    run_id = tracker.start_run(cfg.run.experiment, cfg.run.name, tags)
-    tracker.log_params(run_id, flatten(cfg))
-    tracker.log_dict(run_id, cfg.model_dump(mode="json"), "config/resolved.yaml")
-    spec = run_spec(cfg, wd, run_id)
-    tracker.set_tags(run_id, {"pixrl.model_name": spec.model_name})
-    return spec, pinned
+    return start_run(cfg, wd, tracker, fr_id, "diffusion_dpo", tags, trajectories=False), pinned
 
 
 @flow(name="pixrl-offline-dpo")
@@ -54,7 +47,7 @@ def offline_dpo(config: dict, workdir: str = "work", resume_run_id: str | None =
     """Diffusion-DPO on preference pairs mined from archived rollouts; returns where results are."""
     cfg = ExperimentConfig.model_validate(config)
     spec, pinned = open_dpo_run(cfg.model_dump(mode="json"), workdir, resume_run_id)
-    tracker = Tracker(spec.tracking_uri)
+    tracker = tracker_for(cfg, Path(spec.workdir))
     try:
         sel = stages.select(spec, pinned)
         pairs_uri = stages.pair(spec, sel)

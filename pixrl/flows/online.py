@@ -3,108 +3,40 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
 import time
 from pathlib import Path
 
 from prefect import flow, task
 from prefect.runtime import flow_run
 
-from ..artifacts.tracking import PolicyRef, Tracker, default_tracking_uri, policy_model_name
+from ..artifacts.tracking import PolicyRef
 from ..artifacts.trajectories import TrajectoryStore
-from ..config.loader import flatten
-from ..config.schema import STAGES, ExperimentConfig  # noqa: F401  (STAGES re-exported)
-from ..engines import progress
-from ..engines.lineage import seed_fork_rows
-from ..engines.local import RunSpec
-from ..engines.preflight import preflight
-from ..tasks.decode import decode
-from ..tasks.evaluate import evaluate
-from ..tasks.generate import generate
-from ..tasks.publish import publish
-from ..tasks.replay import replay
+from ..config.schema import STAGES, ExperimentConfig
+from ..datasets.registry import has_evaluator
+from ..run import RunSpec
+from ..stages import progress
+from ..stages.completion import RunStores
+from ..stages.lineage import seed_fork_rows
+from ..stages.preflight import preflight
+from ..stages.runs import existing_run, fork_tags, reopen_run, start_run, tracker_for
 from ..tasks.report import report_iteration, start_progress, update_progress
 from ..tasks.retry import with_retries
-from ..tasks.score import score
-from ..tasks.update import update
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                              cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def _file_digest(path: Path) -> str:
-    import hashlib
-
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-    except OSError:
-        return "none"
-
-
-def comparison_tags(cfg: ExperimentConfig) -> dict[str, str]:
-    """The tags every pixrl run carries, so runs line up in MLflow's comparison views."""
-    from ..engines.assets import resolve_asset
-
-    return {"pixrl.family": cfg.model.family, "pixrl.reward": ",".join(cfg.reward.weights),
-            "pixrl.run_name": cfg.run.name, "pixrl.dataset": cfg.dataset.name,
-            "pixrl.dataset_version": _file_digest(resolve_asset(cfg.dataset.path)),
-            "git.commit": _git_commit(), "dvc.lock_sha256": _file_digest(Path("dvc.lock"))}
-
-
-def recorded_model_name(tracker: Tracker, run_id: str) -> str | None:
-    """The registered model an existing run publishes to (its `pixrl.model_name` tag)."""
-    return tracker.client.get_run(run_id).data.tags.get("pixrl.model_name")
-
-
-def table_uri(cfg: ExperimentConfig, workdir: Path) -> str:
-    root = cfg.run.store_root or str((workdir / "lance").resolve())
-    return f"{root.rstrip('/')}/{cfg.run.name}/trajectories.lance"
-
-
-def run_spec(cfg: ExperimentConfig, workdir: Path, run_id: str, model_name: str | None = None) -> RunSpec:
-    """Where a run's stores are, from its config, work directory and MLflow run id. The registered
-    model is the experiment's (`<experiment>-policy`) unless the run recorded another one."""
-    wd = Path(workdir).resolve()
-    return RunSpec(config=cfg.model_dump(mode="json"), run_id=run_id, run_name=cfg.run.name, workdir=str(wd),
-                   tracking_uri=cfg.run.tracking_uri or default_tracking_uri(wd), table_uri=table_uri(cfg, wd),
-                   model_name=model_name or policy_model_name(cfg.run.experiment))
+from ..tasks.stages import decode, evaluate, generate, publish, replay, score, update
 
 
 @task(name="open-run", persist_result=False)
 def open_run(config: dict, workdir: str, resume_run_id: str | None = None, fork: dict | None = None) -> RunSpec:
-    """Create the MLflow run (params = flattened config, tags, resolved config as an artifact), or
-    reattach to it: when resuming, and when Prefect retries this same flow run."""
+    """Create the MLflow run, or reattach to it: when resuming, and when Prefect retries this
+    same flow run."""
     cfg = ExperimentConfig.model_validate(config)
     wd = Path(workdir).resolve()
     wd.mkdir(parents=True, exist_ok=True)
-    uri = cfg.run.tracking_uri or default_tracking_uri(wd)
-    tracker = Tracker(uri)
-    spec_of = lambda rid: run_spec(cfg, wd, rid)  # noqa: E731
+    tracker = tracker_for(cfg, wd)
     fr_id = str(flow_run.get_id() or "")
-    existing = resume_run_id or (tracker.find_run("prefect.flow_run_id", fr_id) if fr_id else None)
+    existing = existing_run(tracker, fr_id, resume_run_id)
     if existing:
-        tracker.reopen(existing, {"prefect.last_flow_run_id": fr_id})
-        return run_spec(cfg, wd, existing, recorded_model_name(tracker, existing))
-    tags = {**comparison_tags(cfg), "pixrl.algorithm": cfg.algorithm.name,
-            "prefect.flow_run_id": str(flow_run.get_id() or "")}
-    if fork:  # lineage: where this run branched off, and the exact Lance version it read
-        tags.update({"pixrl.fork": json.dumps(fork), "pixrl.parent_run_id": fork["parent_run_id"],
-                     "pixrl.parent_run_name": fork["parent_run_name"], "pixrl.fork_iteration": str(fork["iteration"]),
-                     "pixrl.fork_stage": fork["from_stage"], "pixrl.parent_table_uri": fork["parent_table_uri"],
-                     "pixrl.parent_table_version": str(fork["parent_table_version"]),
-                     "mlflow.parentRunId": fork["parent_run_id"]})
-    run_id = tracker.start_run(cfg.run.experiment, cfg.run.name, tags)
-    tracker.log_params(run_id, flatten(cfg))
-    tracker.log_dict(run_id, cfg.model_dump(mode="json"), "config/resolved.yaml")
-    spec = spec_of(run_id)
-    tracker.set_tags(run_id, {"pixrl.table_uri": spec.table_uri, "pixrl.model_name": spec.model_name})
-    return spec
+        return reopen_run(cfg, wd, tracker, existing, fr_id)
+    return start_run(cfg, wd, tracker, fr_id, cfg.algorithm.name, fork_tags(fork) if fork else None)
 
 
 @flow(name="pixrl-iteration")
@@ -141,20 +73,21 @@ def train(config: dict, workdir: str = "work", resume_run_id: str | None = None,
     cfg = ExperimentConfig.model_validate(config)
     preflight(cfg)
     spec = open_run(cfg.model_dump(mode="json"), workdir, resume_run_id, fork)
-    tracker = Tracker(spec.tracking_uri)
+    stores = RunStores(spec)
+    tracker = stores.tracker
     policy = PolicyRef(spec.model_name, 0).to_dict()
     start = 0
     if fork:
         seed_fork(spec, fork)
         policy, start = fork["policy"], fork["iteration"]
-    every = cfg.run.eval_every if cfg.dataset.name == "shapes" else 0
+    every = cfg.run.eval_every if has_evaluator(cfg.dataset.name) else 0
     progress_id = start_progress(spec)
     try:
         if every and start == 0:
             evaluate.with_options(task_run_name="evaluate[after=0]")(spec, 0, policy)
         for it in range(start, cfg.run.iterations):
             progress.clear(spec.run_id, it)
-            done = tracker.find_version(spec.model_name, spec.run_id, it)
+            done = stores.published(it)
             if done is not None:  # resume: the iteration is published, so every stage of it is committed
                 tracker.move_alias(done)  # a crash may have come between registration and the alias move
                 tracker.log_missing_metrics(spec.run_id, {"policy_version": done.version}, step=it)

@@ -14,12 +14,10 @@ from prefect.runtime import flow_run
 
 from ..artifacts.tracking import PolicyRef, Tracker, default_tracking_uri, policy_model_name
 from ..config.schema import ExperimentConfig
-from ..engines.preflight import preflight
-from ..tasks.decode import decode
-from ..tasks.generate import generate
+from ..stages.preflight import preflight
 from ..tasks.report import report_iteration, start_progress, update_progress
 from ..tasks.retry import with_retries
-from ..tasks.score import score
+from ..tasks.stages import decode, generate, score
 from .online import open_run
 
 

@@ -14,41 +14,33 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .base import ModelLoadError, torch_dtype
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-class ModelLoadError(RuntimeError):
-    """A model path or checkpoint that cannot be loaded; the message says how to fix it."""
+__all__ = ["SD3Conditioning", "SD3Family", "ModelLoadError", "torch_dtype"]
 
 
 @dataclass
-class Conditioning:
-    """Text conditioning for a batch: per-token embeddings and pooled embeddings."""
+class SD3Conditioning:
+    """SD3's text conditioning for a batch: per-token embeddings (CLIP ×2 [+ T5]) and pooled CLIP."""
 
     prompt_embeds: torch.Tensor  # [B, L, D]
     pooled: torch.Tensor  # [B, P]
 
-    def select(self, idx) -> "Conditioning":
-        return Conditioning(self.prompt_embeds[idx], self.pooled[idx])
+    def select(self, idx) -> "SD3Conditioning":
+        return SD3Conditioning(self.prompt_embeds[idx], self.pooled[idx])
 
-    def expand(self, n: int) -> "Conditioning":
+    def expand(self, n: int) -> "SD3Conditioning":
         """Broadcast a batch-1 conditioning (e.g. the negative prompt) to n rows."""
-        return Conditioning(self.prompt_embeds.expand(n, -1, -1), self.pooled.expand(n, -1))
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(_DTYPES)}")
-    return _DTYPES[name]
+        return SD3Conditioning(self.prompt_embeds.expand(n, -1, -1), self.pooled.expand(n, -1))
 
 
 @register_family("sd3")
 class SD3Family:
     """A loaded SD3-style model: what the shared denoise sampler and the trainer need."""
 
+    name = "sd3"
     semantics = PolicySemantics(regime=Regime.full_sequence, step=PolicyStep.denoise, action=Action.continuous)
     # flow_grpo's LoRA targets for SD3 (attention projections of both streams)
     lora_targets = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
@@ -93,13 +85,24 @@ class SD3Family:
                 module.requires_grad_(False)
         return cls(pipe, str(p), torch_dtype(dtype), max_sequence_length)
 
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    def identity(self) -> str:
+        """The text towers' identity: the checkpoint path, dtype and T5 length."""
+        return f"sd3:{self.path}:{self.dtype}:{self.max_sequence_length}"
+
+    def describe(self) -> dict:
+        return {"resolution": list(self.latent_shape()), "shift": self.scheduler.config.get("shift")}
+
     # --- conditioning -------------------------------------------------------------------------
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+    def encode_prompts(self, prompts: list[str]) -> SD3Conditioning:
         embeds, _, pooled, _ = self.pipe.encode_prompt(
             prompt=prompts, prompt_2=None, prompt_3=None, do_classifier_free_guidance=False,
             max_sequence_length=self.max_sequence_length, device=self.transformer.device)
-        return Conditioning(embeds, pooled)
+        return SD3Conditioning(embeds, pooled)
 
     # --- dynamics -----------------------------------------------------------------------------
     def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,15 +118,15 @@ class SD3Family:
             c = sched.config
             kwargs["mu"] = calculate_shift(h * w, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
                                            c.get("base_shift", 0.5), c.get("max_shift", 1.16))
-        sched.set_timesteps(steps, device="cpu", **kwargs)
+        sched.set_timesteps(steps, device=self.device, **kwargs)
         return sched.sigmas.float().clone(), sched.timesteps.float().clone()
 
     def latent_shape(self) -> tuple[int, int, int]:
         cfg = self.transformer.config
         return cfg.in_channels, cfg.sample_size, cfg.sample_size
 
-    def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: Conditioning,
-                 guidance_scale: float = 1.0, neg: Conditioning | None = None) -> torch.Tensor:
+    def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: SD3Conditioning,
+                 guidance_scale: float = 1.0, neg: SD3Conditioning | None = None) -> torch.Tensor:
         """v_θ(x, t | c); with guidance_scale > 1 the pipeline's CFG on one [neg; pos] batch."""
         b = x.shape[0]
         t = timestep.reshape(-1).to(x.device)

@@ -20,10 +20,24 @@ class ScoringError(RuntimeError):
 
 
 class Reward(ABC):
+    """Built once per engine (cheap: options only); `setup(device)` loads weights once, lazily,
+    before the first score — so a model-based scorer loads once per process, not per iteration,
+    and a run whose score stage is already committed loads nothing."""
+
     name: str = ""
     value_range: tuple[float, float] = (-np.inf, np.inf)
     higher_is_better: bool = True
     device: str = "cpu"
+    ready: bool = False
+
+    def setup(self, device: str = "cpu") -> None:
+        """Load whatever the scorer needs onto `device` (rule-based scorers need nothing)."""
+        self.device = device
+
+    def ensure_setup(self, device: str) -> None:
+        if not self.ready:
+            self.setup(device)
+            self.ready = True
 
     @abstractmethod
     def score(self, images: np.ndarray, prompts: list[str], metadata: list[dict]) -> dict[str, np.ndarray]:

@@ -12,13 +12,14 @@ from .base import Reward, ScoringError, build_reward
 
 
 class RewardSet:
-    def __init__(self, weights: dict[str, float], options: dict[str, dict] | None = None):
+    def __init__(self, weights: dict[str, float], options: dict[str, dict] | None = None, device: str = "cpu"):
         options = options or {}
         unknown = set(options) - set(weights)
         if unknown:
             raise ValueError(f"reward.options given for {sorted(unknown)} which are not in reward.weights "
                              f"({', '.join(weights)})")
         self.weights = dict(weights)
+        self.device = device
         self.rewards: dict[str, Reward] = {n: build_reward(n, **options.get(n, {})) for n in weights}
 
     def score(self, images: np.ndarray, prompts: list[str], metadata: list[dict],
@@ -29,6 +30,7 @@ class RewardSet:
         total = np.zeros(n, dtype=np.float32)
         for name, reward in self.rewards.items():
             try:
+                reward.ensure_setup(self.device)
                 scores = reward.score(images, prompts, metadata)
             except ScoringError:
                 raise

@@ -10,7 +10,10 @@ from prefect import task
 from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
                                update_progress_artifact)
 
-from ..engines.local import RunSpec, get_engine
+from ..artifacts.tracking import Tracker
+from ..artifacts.trajectories import TrajectoryStore
+from ..run import RunSpec
+from ..stages.report import reward_report
 
 
 def artifact_key(*parts: str) -> str:
@@ -19,10 +22,9 @@ def artifact_key(*parts: str) -> str:
 
 @task(name="report", persist_result=False)
 def report_iteration(spec: RunSpec, iteration: int) -> None:
-    engine = get_engine(spec)
-    create_table_artifact(engine.reward_report(iteration), key=artifact_key(spec.run_name, "rewards"),
+    create_table_artifact(reward_report(TrajectoryStore(spec.table_uri), spec.run_id, iteration), key=artifact_key(spec.run_name, "rewards"),
                           description=f"{spec.run_name} iteration {iteration}: reward per component and category")
-    grid = engine.tracker.artifact_uri(spec.run_id, f"samples/it_{iteration:04d}.png")
+    grid = Tracker(spec.tracking_uri).artifact_uri(spec.run_id, f"samples/it_{iteration:04d}.png")
     create_markdown_artifact(
         f"### {spec.run_name} · iteration {iteration}\n\nSample grid (one row per prompt, one column per group "
         f"member): `{grid}`\n\nMLflow run `{spec.run_id}` — `mlflow ui --backend-store-uri {spec.tracking_uri}`",

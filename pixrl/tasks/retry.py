@@ -4,7 +4,7 @@ condition that lets only transient faults retry (deterministic errors fail fast)
 from __future__ import annotations
 
 from ..config.schema import RunConfig
-from ..engines.faults import is_transient
+from ..stages.faults import is_transient
 
 
 def retry_transient_only(task, task_run, state) -> bool:

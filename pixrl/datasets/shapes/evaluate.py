@@ -5,9 +5,9 @@ GenEval reports it), plus the pooled sample accuracy and mean partial credit."""
 from __future__ import annotations
 
 import numpy as np
-import torch
-
-from ...algorithms.sampling import SamplerRecipe, sample
+from ...algorithms.recipe import eval_recipe
+from ...algorithms.sampling import SamplerRecipe, generators, sample
+from ..registry import register_evaluator
 from .judge import judge
 from .prompts import CATEGORIES, split_prompts
 
@@ -31,7 +31,7 @@ def generate_images(family, prompts: list[str], seeds: list[int], recipe: Sample
     for s in range(0, len(prompts), batch):
         ps = prompts[s:s + batch]
         cond = family.encode_prompts(ps)
-        gens = [torch.Generator().manual_seed(int(x)) for x in seeds[s:s + batch]]
+        gens = generators(seeds[s:s + batch], family.device)
         traj = sample(family, cond, neg.expand(len(ps)) if neg is not None else None, gens, recipe)
         imgs.append(family.decode(traj.final))
     return np.concatenate(imgs)
@@ -50,3 +50,9 @@ def evaluate(family, split: str, recipe: SamplerRecipe, per_category: int = 48) 
     return {"accuracy": float(np.mean(list(cats.values()))),
             "sample_accuracy": float(np.mean([x for v in per.values() for x in v])),
             "partial": float(np.mean(partial)), "n": len(items), "split": split, **cats}
+
+
+@register_evaluator("shapes")
+def evaluate_heldout(family, split: str, sampling, per_category: int) -> dict:
+    """The registered shapes evaluator: the shared deterministic ODE recipe of `sampling`."""
+    return evaluate(family, split, eval_recipe(sampling), per_category)

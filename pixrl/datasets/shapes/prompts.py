@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..registry import register_prompt_parser
 from .scene import COLORS, NUMBER_WORDS, RELATIONS, SHAPES
 
 CATEGORIES = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
@@ -220,3 +221,13 @@ def write_prompt_files(out_dir: Path, seed: int = 0) -> dict[str, Path]:
         paths[split] = out_dir / f"prompts_{split}.parquet"
         pq.write_table(table, paths[split])
     return paths
+
+
+@register_prompt_parser("shapes")
+def metadata(text: str) -> dict:
+    """Shapes metadata when the text is in the template language; {} otherwise (a free-form
+    prompt in a shapes prompt file is then refused by the shapes reward, naming it)."""
+    try:
+        return parse(text)
+    except PromptError:
+        return {}

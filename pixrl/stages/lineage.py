@@ -17,10 +17,10 @@ from ..artifacts.checkpoints import WEIGHTS, read_counters, verify_checkpoint
 from ..artifacts.trajectories import TableRef, TrajectoryStore
 from ..artifacts.tracking import PolicyRef
 from ..config.schema import STAGES
-from .local import LocalEngine, RunSpec
+from ..run import RunSpec
+from .completion import FILLED_BY
+from .session import online_stages
 
-# the columns each stage fills after generate (which writes every other column)
-FILLED_BY = {"decode": ("image",), "score": ("rewards", "reward"), "replay": ("advantage",)}
 FORKABLE = ("generate", "decode", "score", "replay", "update")
 
 
@@ -44,8 +44,8 @@ class ReplayReport:
 def replay_update(spec: RunSpec, iteration: int, out_dir: Path | None = None) -> ReplayReport:
     """Re-run update for `iteration` from its stored trajectories and checkpoint iteration−1 (with
     its optimizer state) and compare the weights with the recorded checkpoint `iteration`."""
-    engine = LocalEngine(spec)
-    recorded = engine._checkpoint_path(iteration)
+    stages = online_stages(spec)
+    recorded = spec.layout.checkpoint(iteration)
     if not recorded.is_dir():
         keep = spec.cfg.run.keep_checkpoints
         why = f" (run.keep_checkpoints={keep} keeps only the newest {keep})" if keep else ""
@@ -55,10 +55,10 @@ def replay_update(spec: RunSpec, iteration: int, out_dir: Path | None = None) ->
     c = read_counters(recorded)
     version_in = int(c["policy_version_in"])
     model_in = c.get("policy_model_in", spec.model_name)
-    policy = engine.tracker.version(model_in, version_in) if version_in else PolicyRef(model_in, 0)
+    policy = stages.tracker.version(model_in, version_in) if version_in else PolicyRef(model_in, 0)
     with tempfile.TemporaryDirectory(dir=spec.workdir) as tmp:
         target = Path(out_dir) if out_dir else Path(tmp) / "replayed"
-        engine.update_into(iteration, policy, target)
+        stages.update_into(iteration, policy, target)
         want, got = load_file(str(recorded / WEIGHTS)), load_file(str(target / WEIGHTS))
     differing = sorted(k for k in want if k not in got or not torch.equal(want[k], got[k]))
     max_diff = max((float((want[k] - got[k]).abs().max()) for k in differing if k in got), default=0.0)

@@ -1,9 +1,5 @@
-"""What the stores say about a run: per iteration, which stages are complete and their refs.
-
-The stores are the source of truth (DESIGN §2): a stage is complete when its output is
-committed — rows in Lance (generate), a filled column (decode, score, replay), a checkpoint
-with a valid manifest (update), a registered model version tagged with the iteration (publish).
-"""
+"""What the stores say about a run (`pixrl status`): per iteration, which stages are complete
+and their refs, by the completion table of stages/completion.py, read in one scan per store."""
 
 from __future__ import annotations
 
@@ -12,9 +8,11 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 
-from .checkpoints import CorruptCheckpoint, verify_checkpoint
-from .tracking import Tracker
-from .trajectories import TrajectoryStore
+from ..artifacts.checkpoints import CorruptCheckpoint, verify_checkpoint
+from ..artifacts.tracking import Tracker
+from ..artifacts.trajectories import TrajectoryStore
+from ..run import RunLayout
+from .completion import FILLED_BY, columns_complete
 
 
 @dataclass
@@ -35,16 +33,16 @@ def run_status(workdir: Path, run_name: str, tracking_uri: str) -> tuple[str | N
         versions[int(mv.tags.get("iteration", -1))] = f"v{mv.version}"
     its: dict[int, IterationStatus] = {}
     if store.exists():
-        t = store.dataset().to_table(columns=["iteration", "image", "reward", "advantage"],
-                                     filter=f"run_id = '{run_id}'")
+        cols = sorted({c for cs in FILLED_BY.values() for c in cs})
+        t = store.dataset().to_table(columns=["iteration", *cols], filter=f"run_id = '{run_id}'")
         for it in sorted(set(t["iteration"].to_pylist())):
             rows = t.filter(pc.equal(t["iteration"], it))
             st = IterationStatus(it)
             st.stages["generate"] = f"{rows.num_rows} rows"
-            for stage, col in (("decode", "image"), ("score", "reward"), ("replay", "advantage")):
-                st.stages[stage] = "done" if rows[col].null_count == 0 else None
+            for stage in FILLED_BY:
+                st.stages[stage] = "done" if columns_complete(rows, stage) else None
             its[it] = st
-    ck_root = Path(workdir) / "checkpoints" / run_name / run_id
+    ck_root = RunLayout(Path(workdir), run_name, run_id).checkpoints
     for d in sorted(ck_root.glob("it_*")) if ck_root.exists() else []:
         it = int(d.name.split("_")[1])
         st = its.setdefault(it, IterationStatus(it))

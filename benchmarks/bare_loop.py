@@ -1,0 +1,114 @@
+"""The bare loop: the default recipe's iteration as plain torch — same model, prompts, sampler
+recipe, batch geometry, reward, advantages, loss and optimizer — with no Prefect, Lance, MLflow,
+checkpoints or records. `online_loop.py` runs it beside the pipeline and reports the ratio of
+median iteration wall times, i.e. what the stage layer and the stores cost.
+
+    .venv/bin/python benchmarks/bare_loop.py --iterations 5 [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from pixrl.algorithms.advantages import group_advantages
+from pixrl.algorithms.base import build_algorithm
+from pixrl.algorithms.losses import ppo_clip_loss
+from pixrl.algorithms.recipe import rollout_recipe
+from pixrl.algorithms.sampling import generators, replay_step, sample
+from pixrl.config.loader import load_config
+from pixrl.datasets.prompts import choose_prompts, load_prompt_set, select_categories
+from pixrl.engines.assets import resolve_asset, resolve_model_path
+from pixrl.models.registry import get_family
+from pixrl.rewards.compose import RewardSet
+from pixrl.stages.plan import seed_of
+
+
+class BareLoop:
+    """Flow-GRPO on the configured family, everything in memory."""
+
+    def __init__(self, cfg):
+        if cfg.algorithm.optimizer_steps_per_iteration != 1 or cfg.sampling.guidance_scale > 1:
+            raise SystemExit("the bare loop mirrors one optimizer step per iteration without CFG (the default recipe)")
+        self.cfg = cfg
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        m = cfg.model
+        self.fam = get_family(m.family).load(resolve_model_path(m.path), dtype=m.dtype, device=m.device,
+                                             max_sequence_length=m.max_sequence_length)
+        module = self.fam.trainable_module().requires_grad_(True)
+        a = cfg.algorithm
+        self.params = list(module.parameters())
+        self.opt = torch.optim.AdamW(self.params, lr=a.lr, betas=a.adam_betas, eps=a.adam_eps,
+                                     weight_decay=a.weight_decay)
+        d = cfg.dataset
+        self.items = select_categories(load_prompt_set(resolve_asset(d.path), d.name), d.categories)
+        self.reward = RewardSet(cfg.reward.weights, cfg.reward.options)
+        self.grpo = build_algorithm(cfg.algorithm).settings  # Flow-GRPO's clip range, advantage settings
+
+    def _encode(self, prompts: list[str]):
+        uniq = sorted(set(prompts))
+        with torch.no_grad():
+            cond = self.fam.encode_prompts(uniq)
+        return cond.select([uniq.index(p) for p in prompts])
+
+    def iteration(self, it: int) -> float:
+        cfg, s, a, fam = self.cfg, self.cfg.sampling, self.grpo, self.fam
+        t0 = time.perf_counter()
+        rng = np.random.default_rng(seed_of(cfg.run.seed, it, 0))
+        chosen = choose_prompts(self.items, s.prompts_per_iteration, rng)
+        recipe = rollout_recipe(s, rng)
+        rows = [(slot, g, p) for slot, p in enumerate(chosen) for g in range(s.group_size)]
+        prompts = [p.prompt for _, _, p in rows]
+        cond = self._encode(prompts)
+        fam.trainable_module().eval()
+        trajs = []
+        for i in range(0, len(rows), s.micro_batch):
+            seeds = [seed_of(cfg.run.seed, it, 1, slot, g) for slot, g, _ in rows[i:i + s.micro_batch]]
+            trajs.append(sample(fam, cond.select(list(range(i, i + len(seeds)))), None,
+                                generators(seeds, fam.device), recipe))
+        images = np.concatenate([fam.decode(t.final) for t in trajs])
+        scores = self.reward.score(images, prompts, [p.meta for _, _, p in rows], [str(i) for i in range(len(rows))])
+        adv = group_advantages(scores["reward"], np.array([slot for slot, _, _ in rows]), a.global_std, a.std_eps,
+                               a.adv_clip_max).advantages
+        fam.trainable_module().train()
+        self.opt.zero_grad(set_to_none=True)
+        keep = [i for i in range(len(rows)) if adv[i] != 0 or not a.filter_zero_advantage]
+        steps = list(recipe.train_steps)
+        micro = [keep[i:i + s.micro_batch] for i in range(0, len(keep), s.micro_batch)]
+        for mb in micro:
+            t_of = lambda name: torch.cat([getattr(trajs[i // s.micro_batch], name)[i % s.micro_batch:i % s.micro_batch + 1]  # noqa: E731
+                                           for i in mb])
+            lat, nxt, old = t_of("latents"), t_of("next_latents"), t_of("log_probs")
+            for j, k in enumerate(steps):
+                out = replay_step(fam, lat[:, j], nxt[:, j], k, trajs[0].sigmas, trajs[0].timesteps,
+                                  cond.select(mb), None, recipe)
+                loss, _ = ppo_clip_loss(out.log_prob, old[:, j], torch.from_numpy(adv[mb]), a.clip_range,
+                                        a.adv_clip_max)
+                (loss / (len(micro) * len(steps))).backward()
+        torch.nn.utils.clip_grad_norm_(self.params, cfg.algorithm.max_grad_norm)
+        self.opt.step()
+        return time.perf_counter() - t0
+
+
+def run_bare(overrides: list[str], iterations: int) -> list[float]:
+    loop = BareLoop(load_config(None, overrides))
+    return [loop.iteration(it) for it in range(iterations)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iterations", type=int, default=5)
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    walls = run_bare(a.overrides, a.iterations)
+    print(f"bare loop: median {statistics.median(walls[1:] or walls):.2f} s/iteration over {len(walls)} "
+          f"({', '.join(f'{w:.2f}' for w in walls)})")
+
+
+if __name__ == "__main__":
+    main()

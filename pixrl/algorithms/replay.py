@@ -1,0 +1,39 @@
+"""What an algorithm's loss sees of the policy: the shared replay step on stored transitions,
+with the iteration's conditioning, schedule and sampler recipe bound, for the trained model and
+(when the algorithm asks) the reference. Same step function, dtype and micro-batch geometry as
+the rollout, so the ratio before any update is exactly 1."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .flow_sde import StepOut
+from .sampling import SamplerRecipe, replay_step
+
+
+@dataclass
+class ReplayPolicy:
+    model: object  # a velocity model on its device (the family, trained weights)
+    reference: object | None  # the reference's velocity model, when the algorithm needs it
+    cond: object  # the micro-batch's conditioning, one row per batch row
+    neg: object | None
+    sigmas: torch.Tensor | None  # the rollout's schedule (online algorithms)
+    timesteps: torch.Tensor | None
+    recipe: SamplerRecipe | None
+    device: torch.device
+    generator: torch.Generator | None = None  # the update's own randomness (e.g. DPO's σ and ε)
+    timestep_scale: float = 1000.0  # model timestep = σ · scale (diffusers' num_train_timesteps)
+
+    def tensor(self, values: np.ndarray) -> torch.Tensor:
+        """A stored array (host) as a tensor on the model's device."""
+        return torch.from_numpy(np.array(values, dtype=values.dtype, order="C")).to(self.device)
+
+    def step(self, x: torch.Tensor, x_next: torch.Tensor, k: int, reference: bool = False) -> StepOut:
+        """log π(x_next | x) at step k under the trained model (or the reference)."""
+        model = self.reference if reference else self.model
+        if model is None:
+            raise ValueError("the reference step was asked for, but the algorithm declared no reference")
+        return replay_step(model, x, x_next, k, self.sigmas, self.timesteps, self.cond, self.neg, self.recipe)

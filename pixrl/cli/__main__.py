@@ -1,0 +1,5 @@
+import sys
+
+from . import app
+
+sys.exit(app())

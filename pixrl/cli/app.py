@@ -1,0 +1,94 @@
+"""The Typer app and what every command shares: the console, failing with a message, a work
+directory's tracker, a checked config, running the training flow with its progress view."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from ..config.environment import apply_defaults
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="RL post-training for visual generative models (Prefect + Lance + MLflow).")
+console = Console(stderr=True)
+
+apply_defaults()
+
+
+def _workdir_tracker(workdir: str):
+    """The MLflow tracker of an existing work directory, or a clear error."""
+    from ..artifacts.tracking import Tracker, default_tracking_uri
+
+    if not (Path(workdir) / "mlflow.db").is_file():
+        _fail(f"no pixrl work directory at {workdir!r} (no mlflow.db); pass --workdir")
+    return Tracker(default_tracking_uri(Path(workdir)))
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    console.print(f"[bold red]error:[/] {msg}")
+    raise typer.Exit(code)
+
+
+def _checked_config(config: Optional[str], overrides: list[str], iterations: Optional[int], workdir: Optional[str],
+                    run: Optional[str], seed: Optional[int]):
+    """The experiment config from a preset/YAML, key=value overrides and the common options,
+    validated and preflighted (paths, assets, rewards) before anything is written."""
+    from ..config.loader import ConfigError, load_config
+    from ..stages.preflight import PreflightError, preflight
+
+    for key, val in (("run.iterations", iterations), ("run.workdir", workdir), ("run.name", run), ("run.seed", seed)):
+        if val is not None:
+            overrides.append(f"{key}={val}")
+    try:
+        cfg = load_config(config, overrides)
+        preflight(cfg)
+    except (ConfigError, PreflightError) as exc:
+        _fail(str(exc))
+    return cfg
+
+
+def _export(out: dict, export: Optional[str]) -> None:
+    if export:
+        from ..artifacts.export import export_run
+        from ..artifacts.tracking import Tracker
+
+        export_run(Tracker(out["tracking_uri"]), out["run_id"], Path(export))
+        console.print(f"  exported     {export}/ref.json, metrics.json")
+
+
+def _run_training(cfg, workdir: str, resume_run_id: Optional[str], fork: Optional[dict] = None,
+                  export: Optional[str] = None) -> None:
+    if cfg.run.threads:
+        import torch
+
+        torch.set_num_threads(cfg.run.threads)
+    from ..flows.online import train as train_flow
+    from ..progress_view import StageProgress
+
+    verb = "resume" if resume_run_id else "train"
+    console.print(f"[bold]pixrl {verb}[/] {cfg.run.name}: {cfg.model.family} · {cfg.algorithm.name} · "
+                  f"reward {', '.join(cfg.reward.weights)} · {cfg.run.iterations} iterations · workdir {workdir}")
+    with StageProgress(console, cfg.run.iterations) as view:
+        try:
+            out = train_flow(cfg.model_dump(mode="json"), workdir, resume_run_id, fork)
+        except Exception as exc:  # the flow already marked the MLflow run FAILED
+            view.stop()
+            _fail(f"{type(exc).__name__}: {exc}", code=1)
+    wd = Path(out["workdir"])
+    console.print("\n[bold green]done.[/] Results:")
+    console.print(f"  MLflow run   {out['run_id']}  (UI: mlflow ui --backend-store-uri {out['tracking_uri']})")
+    console.print(f"  Lance table  {out['table_uri']}")
+    console.print(f"  policy       models:/{out['model_name']}/{out['policy']['version']} (alias rollout = the "
+                  f"experiment's latest; champion = its best held-out)")
+    console.print(f"  Prefect      flow run {out['flow_run_id']}  (UI: prefect server start)")
+    console.print(f"  checkpoints  {wd / 'checkpoints' / cfg.run.name}")
+    _export(out, export)
+    print(json.dumps({k: out[k] for k in ("run_id", "table_uri", "model_name", "flow_run_id")}))
+
+
+def main() -> None:  # pragma: no cover
+    app()

@@ -1,0 +1,221 @@
+"""Commands around the runs: pretrain the miniature, evaluate, generate, prompt sets, status,
+the Prefect deployments, run comparison."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from .app import _fail, _workdir_tracker, app, console
+
+
+@app.command()
+def pretrain(
+    out: str = typer.Option("pixrl/assets/mini_shapes", help="output directory (diffusers layout)"),
+    seed: int = typer.Option(0),
+    vae_steps: int = typer.Option(600),
+    denoiser_steps: int = typer.Option(2000),
+    threads: int = typer.Option(1, help="torch threads (results are reproducible per seed and thread count)"),
+    layers: Optional[int] = typer.Option(None, help="transformer blocks (default: MiniSpec's)"),
+    text_hidden: Optional[int] = typer.Option(None, help="width of each text encoder (default: MiniSpec's)"),
+    text_layers: Optional[int] = typer.Option(None, help="layers of each text encoder (default: MiniSpec's)"),
+    text_steps: int = typer.Option(0, help="CLIP-pretrain the text encoders this many steps first, then freeze them"),
+    relation_twins: float = typer.Option(0.0, help="fraction of each denoiser batch made of relation-flipped twin "
+                                                   "pairs (same scene, shapes' places exchanged, flipped caption)"),
+    log: Optional[str] = typer.Option(None, help="JSONL log file (default <out>.log.jsonl)"),
+) -> None:
+    """Pretrain the shapes-world miniature (VAE, text encoders, transformer) on CPU."""
+    from ..models.mini.build import MiniSpec
+    from ..models.mini.pretrain import PretrainConfig, pretrain as run_pretrain
+
+    cfg = PretrainConfig(seed=seed, vae_steps=vae_steps, denoiser_steps=denoiser_steps, threads=threads,
+                         text_steps=text_steps, relation_twins=relation_twins)
+    sizes = {"num_layers": layers, "text_hidden": text_hidden, "text_layers": text_layers}
+    spec = MiniSpec(**{k: v for k, v in sizes.items() if v is not None})
+    log_path = Path(log or f"{out}.log.jsonl")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("a") as fh:
+        def emit(rec: dict) -> None:
+            fh.write(json.dumps(rec) + "\n")
+            fh.flush()
+            console.print(rec)
+
+        run_pretrain(Path(out), cfg, spec=spec, log=emit)
+
+
+def _policy(checkpoint: Optional[str], run: Optional[str], workdir: str, steps: Optional[int]):
+    from ..algorithms.recipe import eval_recipe
+    from ..config.loader import ConfigError
+    from ..engines.inference import PolicyNotFound, load_policy
+    from ..models.sd3 import ModelLoadError
+
+    try:
+        policy, cfg = load_policy(checkpoint, run, workdir)
+    except (PolicyNotFound, ModelLoadError, ConfigError, FileNotFoundError) as exc:
+        _fail(str(exc))
+    s = cfg.sampling.model_copy(update={"eval_steps": steps} if steps else {})
+    return policy, eval_recipe(s)
+
+
+@app.command("eval")
+def eval_cmd(
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="diffusers dir or pixrl checkpoint dir"),
+    run: Optional[str] = typer.Option(None, "--run", help="evaluate RUN's newest published version from --workdir"),
+    split: str = typer.Option("heldout", "--split", help="heldout | train"),
+    per_category: int = typer.Option(48, "--per-category", help="samples per category"),
+    steps: Optional[int] = typer.Option(None, "--steps", help="ODE steps (default sampling.eval_steps)"),
+    as_json: bool = typer.Option(False, "--json", help="last stdout line is a JSON object"),
+    workdir: str = typer.Option("work", "--workdir"),
+    out: Optional[str] = typer.Option(None, "--out", help="also write the JSON result to this file"),
+) -> None:
+    """Judge accuracy of a policy on the shapes world, overall and per category."""
+    if split not in ("heldout", "train"):
+        _fail(f"--split must be 'heldout' or 'train', got {split!r}")
+    from rich.table import Table
+
+    from ..datasets.shapes.evaluate import evaluate
+
+    policy, recipe = _policy(checkpoint, run, workdir, steps)
+    res = evaluate(policy.family, split, recipe, per_category)
+    table = Table(title=f"shapes eval · {split} · {res['n']} samples · {recipe.steps} ODE steps, cfg {recipe.guidance_scale}")
+    table.add_column("category")
+    table.add_column("accuracy", justify="right")
+    for k, v in res.items():
+        if isinstance(v, float):
+            table.add_row(k, f"{v:.3f}")
+    console.print(table)
+    if as_json:
+        print(json.dumps(res))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(res, indent=2) + "\n")
+
+
+@app.command()
+def prompts(
+    out: str = typer.Option(..., "--out", help="directory for prompts_train.parquet and prompts_heldout.parquet"),
+    seed: int = typer.Option(0, "--seed", help="split seed (0 = the shipped split)"),
+) -> None:
+    """Write the shapes-world prompt sets (GenEval's six categories) with a held-out split of
+    compositions that never occur in train."""
+    from ..datasets.shapes.prompts import write_prompt_files
+
+    for split, path in write_prompt_files(Path(out), seed).items():
+        console.print(f"{split}: {path}")
+
+
+@app.command()
+def generate(
+    prompt: Optional[list[str]] = typer.Option(None, "--prompt", help="prompt text (repeatable)"),
+    prompts: Optional[str] = typer.Option(None, "--prompts", help="file with one prompt per line"),
+    out: str = typer.Option(..., "--out", help="output directory"),
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint"),
+    run: Optional[str] = typer.Option(None, "--run"),
+    samples: int = typer.Option(1, "--samples", help="images per prompt"),
+    seed: int = typer.Option(0, "--seed"),
+    steps: Optional[int] = typer.Option(None, "--steps"),
+    workdir: str = typer.Option("work", "--workdir"),
+) -> None:
+    """Write one PNG per prompt and sample (prompt in a sidecar JSON), with the eval sampler."""
+    texts = list(prompt or [])
+    if prompts:
+        p = Path(prompts)
+        if not p.is_file():
+            _fail(f"--prompts file {prompts!r} does not exist")
+        texts += [ln.strip() for ln in p.read_text().splitlines() if ln.strip()]
+    if not texts:
+        _fail("no prompts: pass --prompt TEXT (repeatable) or --prompts FILE")
+    from PIL import Image
+
+    from ..datasets.shapes.evaluate import generate_images
+
+    policy, recipe = _policy(checkpoint, run, workdir, steps)
+    pairs = [(t, seed * 1000 + i * samples + k) for i, t in enumerate(texts) for k in range(samples)]
+    imgs = generate_images(policy.family, [t for t, _ in pairs], [s for _, s in pairs], recipe)
+    od = Path(out)
+    od.mkdir(parents=True, exist_ok=True)
+    for n, ((text, s), img) in enumerate(zip(pairs, imgs)):
+        stem = od / f"{n // samples:04d}_{n % samples:02d}"
+        Image.fromarray(img).save(stem.with_suffix(".png"))
+        stem.with_suffix(".json").write_text(json.dumps({"prompt": text, "seed": s, "steps": recipe.steps,
+                                                         "guidance_scale": recipe.guidance_scale}))
+    console.print(f"wrote {len(pairs)} images to {od}")
+
+
+@app.command()
+def status(
+    run: str = typer.Argument(..., help="run name"),
+    workdir: str = typer.Option("work", "--workdir"),
+) -> None:
+    """Per iteration, which stages are complete (read from the stores) and their references."""
+    from rich.table import Table
+
+    from ..stages.status import run_status
+    from ..config.schema import STAGES
+
+    run_id, its = run_status(Path(workdir), run, _workdir_tracker(workdir).uri)
+    if run_id is None:
+        _fail(f"no run named {run!r} in {workdir}")
+    table = Table(title=f"run {run} · MLflow {run_id}")
+    table.add_column("iteration", justify="right")
+    for s in STAGES:
+        table.add_column(s)
+    for st in its:
+        table.add_row(str(st.iteration), *[("[green]" + v + "[/]") if (v := st.stages.get(s)) else "[red]—[/]"
+                                           for s in STAGES])
+    Console().print(table)
+
+
+@app.command()
+def serve(
+    workdir: str = typer.Option("work", "--workdir", help="default workdir in the UI forms"),
+) -> None:
+    """Serve the training, DPO and evaluation deployments from this process (no work pool needed):
+    start `prefect server start` first, then trigger runs from the UI at http://127.0.0.1:4200."""
+    from prefect import serve as prefect_serve
+
+    from ..flows.deployments import (DPOParameters, EvalParameters, TrainParameters, evaluation,
+                                    offline_dpo_training, online_training)
+
+    dpo_defaults = DPOParameters.model_construct(sources=["default"], workdir=workdir).model_dump()
+    eval_defaults = EvalParameters.model_construct(run_name="default", workdir=workdir).model_dump()
+    prefect_serve(
+        online_training.to_deployment(name="online", parameters={"params": TrainParameters(workdir=workdir).model_dump()},
+                                      tags=["pixrl", "online"], description="Online RL on the configured preset"),
+        offline_dpo_training.to_deployment(name="dpo", parameters={"params": dpo_defaults}, tags=["pixrl", "offline"],
+                                           description="Diffusion-DPO from archived rollouts"),
+        evaluation.to_deployment(name="evaluate", parameters={"params": eval_defaults}, tags=["pixrl", "eval"],
+                                 description="Held-out evaluation of a published policy"),
+    )
+
+
+@app.command()
+def runs(
+    workdir: str = typer.Option("work", "--workdir"),
+    experiment: Optional[str] = typer.Option(None, "--experiment", help="only this MLflow experiment"),
+    as_json: bool = typer.Option(False, "--json", help="last stdout line is a JSON list"),
+) -> None:
+    """Compare runs: final/best train reward, held-out accuracy, images/s, duration, status."""
+    from dataclasses import asdict
+
+    from rich.table import Table
+
+    from ..artifacts.comparison import list_runs
+
+    rows = list_runs(_workdir_tracker(workdir), experiment)
+    fmt = lambda v, spec=".3f": "—" if v is None else format(v, spec)  # noqa: E731
+    table = Table(title=f"pixrl runs · {workdir}")
+    for col in ("run", "algorithm", "status", "its", "reward final", "reward best", "held-out", "held-out best",
+                "img/s", "duration", "commit"):
+        table.add_column(col, justify="left" if col in ("run", "algorithm", "status", "commit") else "right")
+    for r in rows:
+        table.add_row(r.name, r.algorithm, r.status, fmt(r.iterations, "d"), fmt(r.final_reward), fmt(r.best_reward),
+                      fmt(r.heldout), fmt(r.best_heldout), fmt(r.images_per_s, ".1f"),
+                      "—" if r.duration_s is None else f"{r.duration_s / 60:.1f} min", r.git_commit)
+    Console().print(table)
+    if as_json:
+        print(json.dumps([asdict(r) for r in rows]))

@@ -1,0 +1,38 @@
+"""What each dataset plugs in, by dataset name (`dataset.name`):
+
+- an evaluator `evaluate(family, split, sampling, per_category) -> dict` with at least `accuracy`
+  (the headline number) and `n`; a dataset without one cannot be evaluated (run.eval_every is
+  ignored for it);
+- optionally a prompt-metadata parser `parse(text) -> dict` for prompt files that carry no
+  metadata column (the shapes world reads objects, counts and relations from its template text).
+
+Generic modules (the prompt loader, the stage layer, engines) look these up here and never
+import a dataset's world.
+"""
+
+from __future__ import annotations
+
+from ..config.registry import Registry
+
+
+def _builtin() -> None:
+    from .shapes import evaluate, prompts  # noqa: F401  (registers "shapes")
+
+
+EVALUATORS: Registry = Registry("evaluator", "evaluators", _builtin)
+register_evaluator = EVALUATORS.register
+PROMPT_PARSERS: Registry = Registry("prompt parser", "prompt parsers", _builtin)
+register_prompt_parser = PROMPT_PARSERS.register
+
+
+def get_evaluator(dataset: str):
+    return EVALUATORS.get(dataset)
+
+
+def has_evaluator(dataset: str) -> bool:
+    return dataset in EVALUATORS.names()
+
+
+def prompt_parser(dataset: str):
+    """The dataset's metadata parser, or None when it has none (prompts then carry `{}`)."""
+    return PROMPT_PARSERS.get(dataset) if dataset in PROMPT_PARSERS.names() else None

@@ -1,0 +1,93 @@
+"""The Family protocol: what every model family provides to samplers, the trainer and the
+stores, whatever its regime. Samplers and algorithms dispatch on `semantics`, never on names.
+
+Device rule: everything a family creates — conditioning, schedules, noise generators,
+latents — lives on the model's device (`family.device`). Only the store boundary (the engine
+turning a rollout into a batch for Lance) moves tensors to host. Log-prob math runs in float32
+whatever the compute dtype (`model.dtype`): the step kernels upcast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from .taxonomy import PolicySemantics
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+class ModelLoadError(RuntimeError):
+    """A model path or checkpoint that cannot be loaded; the message says how to fix it."""
+
+
+@runtime_checkable
+class Conditioning(Protocol):
+    """A family-owned batch of prompt conditioning (SD3: embeddings + pooled; FLUX: T5 + CLIP
+    pooled + ids; a token family: input ids). Rows can be picked and broadcast."""
+
+    def select(self, idx) -> "Conditioning": ...
+
+    def expand(self, n: int) -> "Conditioning": ...
+
+
+class Family(Protocol):
+    """A loaded model of one family (the common part of every regime)."""
+
+    name: str
+    semantics: PolicySemantics
+    lora_targets: list[str]
+    dtype: torch.dtype
+
+    @classmethod
+    def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", **options) -> "Family": ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def encode_prompts(self, prompts: list[str]) -> Conditioning: ...
+
+    def decode(self, latents: torch.Tensor) -> np.ndarray:
+        """uint8 images [B, H, W, 3] (or video [B, F, H, W, 3])."""
+
+    def trainable_module(self) -> torch.nn.Module: ...
+
+    def identity(self) -> str:
+        """What makes two loaded models' prompt encodings equal (cache key of the encoder)."""
+
+
+class DenoiseFamily(Family, Protocol):
+    """The step interface of denoise families (flow matching): a velocity model and its schedule."""
+
+    def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sigmas [T+1] ending at 0, timesteps [T]) on the model's device."""
+
+    def latent_shape(self) -> tuple[int, ...]: ...
+
+    def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: Conditioning,
+                 guidance_scale: float = 1.0, neg: Conditioning | None = None) -> torch.Tensor: ...
+
+    def describe(self) -> dict:
+        """Settings recorded in every trajectory row's recipe (resolution, scheduler shift, …)."""
+
+
+class TokenFamily(Family, Protocol):
+    """The step interface of token-autoregressive families (declared for Janus-Pro; no family
+    implements it yet): next-token logits with classifier-free guidance applied on the logits."""
+
+    def prompt_inputs(self, prompts: list[str]) -> Conditioning: ...
+
+    def logits(self, tokens: torch.Tensor, cond: Conditioning, cache=None,
+               guidance_scale: float = 1.0) -> tuple[torch.Tensor, object]:
+        """(logits [B, V] for the next image token, the updated KV cache)."""
+
+    def image_token_count(self) -> int: ...

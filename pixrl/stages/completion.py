@@ -1,0 +1,118 @@
+"""The one table of what marks each stage of an iteration complete, and the checks built on it.
+
+The stores are the source of truth (DESIGN §2): a stage is complete when its output is
+committed. Resume (the stage layer's skip checks and the flow's fast-forward), `pixrl status`
+and lineage (forks) all read this table — nowhere else decides it.
+
+| stage    | complete when                                                        |
+|----------|----------------------------------------------------------------------|
+| generate | the iteration's rows are in the trajectory table                     |
+| decode   | every row of the iteration has `image`                               |
+| score    | every row has `rewards` and `reward`                                 |
+| replay   | every row has `advantage`                                            |
+| update   | the iteration's checkpoint directory exists (its manifest is checked |
+|          | when it is used: a mismatch is CorruptCheckpoint, never a skip)      |
+| publish  | a registered version of the run is tagged with the iteration         |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..artifacts.checkpoints import CheckpointRef, read_counters, verify_checkpoint
+from ..artifacts.tracking import PolicyRef, Tracker
+from ..artifacts.trajectories import TableRef, TrajectoryStore
+from ..config.schema import STAGES
+from ..run import RunLayout, RunSpec
+
+
+@dataclass(frozen=True)
+class Mark:
+    """What a stage's committed output is: `rows` appended, `columns` filled, a `checkpoint`
+    directory renamed into place, or a registered model `version`."""
+
+    kind: str
+    columns: tuple[str, ...] = ()
+
+
+MARKS: dict[str, Mark] = {
+    "generate": Mark("rows"),
+    "decode": Mark("columns", ("image",)),
+    "score": Mark("columns", ("rewards", "reward")),
+    "replay": Mark("columns", ("advantage",)),
+    "update": Mark("checkpoint"),
+    "publish": Mark("version"),
+}
+assert tuple(MARKS) == STAGES
+
+#: the trajectory columns each stage fills after generate (which writes every other column)
+FILLED_BY: dict[str, tuple[str, ...]] = {s: m.columns for s, m in MARKS.items() if m.kind == "columns"}
+
+
+def columns_complete(rows, stage: str) -> bool:
+    """On an Arrow table of one iteration's rows: are the stage's columns filled everywhere?"""
+    return rows.num_rows > 0 and all(rows[c].null_count == 0 for c in FILLED_BY[stage])
+
+
+class RunStores:
+    """The three stores of one run — trajectory table, checkpoints, MLflow — and what they hold."""
+
+    def __init__(self, spec: RunSpec, tracker: Tracker | None = None):
+        self.spec = spec
+        self.layout: RunLayout = spec.layout
+        self.table = TrajectoryStore(spec.table_uri)
+        self.tracker = tracker or Tracker(spec.tracking_uri)
+
+    def latest(self) -> TableRef:
+        return TableRef(self.table.uri, self.table.latest_version())
+
+    def complete(self, stage: str, iteration: int) -> bool:
+        mark = MARKS[stage]
+        if mark.kind == "rows":
+            return self.table.count(self.spec.run_id, iteration) > 0
+        if mark.kind == "columns":
+            n = self.table.count(self.spec.run_id, iteration)
+            where = " AND ".join(f"{c} IS NOT NULL" for c in mark.columns)
+            return n > 0 and self.table.count(self.spec.run_id, iteration, where=where) == n
+        if mark.kind == "checkpoint":
+            return self.layout.checkpoint(iteration).exists()
+        return self.published(iteration) is not None
+
+    def published(self, iteration: int) -> PolicyRef | None:
+        return self.tracker.find_version(self.spec.model_name, self.spec.run_id, iteration)
+
+    def checkpoint(self, iteration: int) -> CheckpointRef:
+        """The committed checkpoint of `iteration`, verified (CorruptCheckpoint on a mismatch)."""
+        d = self.layout.checkpoint(iteration)
+        verify_checkpoint(d)
+        return CheckpointRef(str(d), read_counters(d)["checkpoint_id"], iteration)
+
+    # --- policy versions as local checkpoint directories --------------------------------------
+    def policy_dir(self, policy: PolicyRef) -> Path | None:
+        """A local directory holding `policy`'s weights (None = base weights): this run's own
+        checkpoint when it wrote the version, else a download cached under the work directory."""
+        if policy.version == 0:
+            return None
+        own = self._own_checkpoint(policy)
+        if own is not None:  # this run wrote it: no second copy from the registry
+            return own
+        target = self.layout.policy_cache(policy.model_name, policy.version)
+        if not (target / "counters.json").is_file():
+            local = self.tracker.download(policy, target.parent / (target.name + ".dl"))
+            if not target.exists():
+                local.rename(target)
+        return target
+
+    def _own_checkpoint(self, policy: PolicyRef) -> Path | None:
+        if policy.model_name != self.spec.model_name or not policy.checkpoint_id:
+            return None
+        if not (policy.source or "").rpartition("/")[2].startswith("it_"):
+            return None
+        d = self.layout.checkpoint(int(policy.source.rpartition("/it_")[2]))  # logged under checkpoints/it_NNNN
+        try:
+            if d.is_dir() and read_counters(d)["checkpoint_id"] == policy.checkpoint_id:
+                return d
+        except (OSError, ValueError, KeyError):
+            pass
+        return None

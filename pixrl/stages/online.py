@@ -1,0 +1,262 @@
+"""The online stage layer: what each stage of an RL iteration *means*, for every engine.
+
+Every stage: ask the stores whether its output for (run, iteration) is committed (the table in
+stages/completion.py) and return it if so; otherwise call the engine for the compute, validate,
+write its record, commit once (a Lance version, a renamed checkpoint, a registered version) and
+log its metrics. Engines compute; this layer decides, records and commits.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from ..algorithms.base import build_algorithm
+from ..algorithms.recipe import rollout_recipe
+from ..algorithms.sampling import SamplerRecipe
+from ..artifacts.batch import RolloutBatch
+from ..artifacts.checkpoints import CheckpointRef, save_checkpoint
+from ..artifacts.media import decode_png, image_grid, png_bytes
+from ..artifacts.retention import prune_checkpoints
+from ..artifacts.tracking import PolicyRef
+from ..artifacts.trajectories import TableRef, meta_json, rewards_column
+from ..datasets.prompts import choose_prompts, load_prompt_set, select_categories
+from ..engines.assets import resolve_asset
+from ..engines.base import Engine, PolicySource
+from ..run import RunSpec
+from .chaos import fault_point
+from .completion import RunStores
+from .plan import BatchPlan, make_plan, seed_of
+from .publish import evaluate_policy, publish_checkpoint
+from .records import StageRecords, timed_stage
+
+
+class OnlineStages:
+    def __init__(self, spec: RunSpec, engine: Engine):
+        self.spec, self.cfg, self.engine = spec, spec.cfg, engine
+        self.stores = RunStores(spec)
+        self.tracker, self.table = self.stores.tracker, self.stores.table
+        self.records = StageRecords(spec.layout)
+        self.algorithm = build_algorithm(self.cfg.algorithm)
+
+    @cached_property
+    def prompt_items(self):
+        d = self.cfg.dataset
+        return select_categories(load_prompt_set(resolve_asset(d.path), d.name), d.categories)
+
+    def source(self, policy: PolicyRef) -> PolicySource:
+        return PolicySource(self.stores.policy_dir(policy), policy.checkpoint_id)
+
+    def _read(self, ref: TableRef, iteration: int, columns: list[str]):
+        return self.table.read(ref, self.spec.run_id, iteration, columns)
+
+    def _timed(self, name: str, iteration: int, compute):
+        """Run `compute() -> (result, metrics | None)` as stage `name`, logging its metrics."""
+        with timed_stage(self.tracker, self.spec.run_id, name, iteration,
+                         lambda: self.recorded_metrics(name, iteration)) as st:
+            result, metrics = compute()
+            st.record(metrics)
+        return result
+
+    # --- generate -----------------------------------------------------------------------------
+    def generate(self, iteration: int, policy: PolicyRef) -> TableRef:
+        return self._timed("generate", iteration, lambda: self._generate(iteration, policy))
+
+    def _generate(self, iteration: int, policy: PolicyRef):
+        if self.stores.complete("generate", iteration):
+            return self.stores.latest(), None
+        cfg, s = self.cfg, self.cfg.sampling
+        rng = np.random.default_rng(seed_of(cfg.run.seed, iteration, 0))
+        prompts = choose_prompts(self.prompt_items, s.prompts_per_iteration, rng)
+        recipe = rollout_recipe(s, rng)
+        rows = [(slot, g, p) for slot, p in enumerate(prompts) for g in range(s.group_size)]
+        seeds = [seed_of(cfg.run.seed, iteration, 1, slot, g) for slot, g, _ in rows]
+        batch, seconds = self.engine.rollout(self.source(policy), [p.prompt for _, _, p in rows], seeds, recipe)
+        info = self.engine.describe()
+        n, sem = len(rows), info["semantics"]
+        recipe_json = json.dumps({**recipe.to_dict(), "resolution": list(info["latent_shape"]), "dtype": cfg.model.dtype,
+                                  "engine": cfg.run.engine, "torch": info["torch"], "micro_batch": s.micro_batch,
+                                  "shift": info.get("shift")})
+        batch = batch.with_columns(
+            run_id=[self.spec.run_id] * n, iteration=[iteration] * n,
+            sample_id=[f"{iteration:05d}-{slot:03d}-{g:02d}" for slot, g, _ in rows],
+            prompt_id=[p.prompt_id for _, _, p in rows], prompt=[p.prompt for _, _, p in rows],
+            prompt_meta=[meta_json(p.meta) for _, _, p in rows], group_id=[slot for slot, _, _ in rows],
+            sample_index=[g for _, g, _ in rows], seed=seeds, policy_version=[policy.version] * n,
+            family=[info["family"]] * n, regime=[sem.regime.value] * n, step_kind=[sem.step.value] * n,
+            recipe=[recipe_json] * n)
+        dims = {"S": len(recipe.train_steps), "T": recipe.steps, "T1": recipe.steps + 1,
+                "latent": tuple(info["latent_shape"])}
+        table = batch.to_arrow(dims)
+        metrics = self.records.before_commit("generate", iteration,
+                                             {"images_per_s": n / seconds, "generate_compute_s": seconds})
+        ref = self.table.append(table)
+        self.table.tag(f"{self.spec.run_name}-it{iteration}-generate", ref.version)
+        return ref, metrics
+
+    # --- decode -------------------------------------------------------------------------------
+    def decode(self, iteration: int, ref: TableRef) -> TableRef:
+        return self._timed("decode", iteration, lambda: self._decode(iteration, ref))
+
+    def _decode(self, iteration: int, ref: TableRef):
+        if self.stores.complete("decode", iteration):
+            return self.stores.latest(), None
+        t = self._read(ref, iteration, ["run_id", "iteration", "sample_id", "final_latent"])
+        batch = RolloutBatch.from_arrow(t.select(["final_latent"]))
+        t0 = time.perf_counter()
+        imgs = self.engine.decode(batch["final_latent"])
+        pngs = [png_bytes(im) for im in imgs]
+        seconds = time.perf_counter() - t0
+        g = self.cfg.sampling.group_size
+        grid = image_grid(imgs[: min(8, len(imgs) // g) * g], cols=g, scale=4)
+        self.tracker.log_image(self.spec.run_id, grid, key="samples", step=iteration)
+        self.tracker.log_image_file(self.spec.run_id, grid, f"samples/it_{iteration:04d}.png")
+        upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"],
+                        "image": pa.array(pngs, pa.binary())})
+        metrics = self.records.before_commit("decode", iteration, {"decode_compute_s": seconds})
+        return self.table.merge(upd), metrics
+
+    # --- score --------------------------------------------------------------------------------
+    def score(self, iteration: int, ref: TableRef) -> TableRef:
+        return self._timed("score", iteration, lambda: self._score(iteration, ref))
+
+    def _score(self, iteration: int, ref: TableRef):
+        if self.stores.complete("score", iteration):
+            return self.stores.latest(), None
+        t = self._read(ref, iteration, ["run_id", "iteration", "sample_id", "prompt", "prompt_meta", "image"])
+        missing = [sid for sid, im in zip(t["sample_id"].to_pylist(), t["image"].to_pylist()) if im is None]
+        if missing:
+            raise RuntimeError(f"samples {missing[:3]} have no decoded image; run decode for iteration {iteration} first")
+        imgs = np.stack([decode_png(b) for b in t["image"].to_pylist()])
+        t0 = time.perf_counter()
+        scores = self.engine.score(imgs, t["prompt"].to_pylist(), [json.loads(m) for m in t["prompt_meta"].to_pylist()],
+                                   t["sample_id"].to_pylist())
+        seconds = time.perf_counter() - t0
+        upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"],
+                        "rewards": rewards_column(scores, t.num_rows), "reward": pa.array(scores["reward"], pa.float32())})
+        metrics = {"score_compute_s": seconds}
+        for k, v in scores.items():
+            metrics[f"reward/{k}/mean"] = float(np.mean(v))
+            metrics[f"reward/{k}/std"] = float(np.std(v))
+        self.records.before_commit("score", iteration, metrics)
+        return self.table.merge(upd), metrics
+
+    # --- replay -------------------------------------------------------------------------------
+    def replay(self, iteration: int, ref: TableRef) -> tuple[TableRef, BatchPlan]:
+        return self._timed("replay", iteration, lambda: self._replay(iteration, ref))
+
+    def _plan(self, sample_ids: list[str], advantages: np.ndarray) -> BatchPlan:
+        return make_plan(sample_ids, self.algorithm.trains_on(advantages), self.cfg.sampling.micro_batch,
+                         self.cfg.algorithm.optimizer_steps_per_iteration)
+
+    def _replay(self, iteration: int, ref: TableRef):
+        if self.stores.complete("replay", iteration):
+            t = self._read(self.stores.latest(), iteration, ["sample_id", "advantage"])
+            return (self.stores.latest(), self._plan(t["sample_id"].to_pylist(), t["advantage"].to_numpy())), None
+        t = self._read(ref, iteration, ["run_id", "iteration", "sample_id", "group_id", "reward"])
+        rewards = t["reward"].to_numpy(zero_copy_only=False)
+        if np.any(np.isnan(rewards)) or t["reward"].null_count:
+            raise RuntimeError(f"iteration {iteration} has unscored samples; run score first")
+        adv = self.algorithm.advantages(rewards, t["group_id"].to_numpy())
+        upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"],
+                        "advantage": pa.array(adv.advantages, pa.float32())})
+        plan = self._plan(t["sample_id"].to_pylist(), adv.advantages)
+        metrics = {"zero_std_ratio": adv.zero_std_ratio, "advantage/mean": float(adv.advantages.mean()),
+                   "advantage/std": float(adv.advantages.std()), "advantage/abs_max": float(np.abs(adv.advantages).max()),
+                   "samples_trained": float(sum(len(mb) for step in plan.steps for mb in step))}
+        self.records.before_commit("replay", iteration, metrics)
+        return (self.table.merge(upd), plan), metrics
+
+    # --- update -------------------------------------------------------------------------------
+    def update(self, iteration: int, ref: TableRef, plan: BatchPlan, policy: PolicyRef) -> CheckpointRef:
+        return self._timed("update", iteration, lambda: self._update(iteration, ref, plan, policy))
+
+    def _update(self, iteration: int, ref: TableRef, plan: BatchPlan, policy: PolicyRef):
+        if self.stores.complete("update", iteration):  # a checksum mismatch raises CorruptCheckpoint
+            return self.stores.checkpoint(iteration), None
+        return self.train_into(iteration, ref, plan, policy, self.spec.layout.checkpoint(iteration), record=True)
+
+    def train_into(self, iteration: int, ref: TableRef, plan: BatchPlan, policy: PolicyRef, out_dir: Path,
+                   record: bool) -> tuple[CheckpointRef, dict]:
+        """The update of `iteration` from its stored rows into `out_dir` (the run's checkpoint, or
+        a replay's scratch directory when record=False: nothing of the run's is written then)."""
+        a = self.cfg.algorithm
+        cols = ["sample_id", "prompt", *sorted(self.algorithm.needs), "advantage", "timesteps", "sigmas",
+                "stored_steps", "recipe"]
+        batch = RolloutBatch.from_arrow(self._read(ref, iteration, cols))
+        row = {sid: i for i, sid in enumerate(batch["sample_id"])}
+        rows = [[[row[sid] for sid in mb] for mb in step] for step in plan.steps]
+        rec = json.loads(batch["recipe"][0])
+        recipe = SamplerRecipe(rec["steps"], rec["noise_level"], rec["sde_type"],
+                               rec["guidance_scale"] if a.train_cfg else 1.0,
+                               tuple(rec["sde_steps"]) if rec["sde_steps"] is not None else None,
+                               tuple(rec["train_steps"]))
+        result = self.engine.train(self.source(policy), batch, rows, recipe)
+        if record:
+            self.records.before_commit("update", iteration, result.metrics)
+        counters = {"iteration": iteration, "optimizer_steps": len(plan.steps), "policy_version_in": policy.version,
+                    "policy_model_in": policy.model_name}
+        ck = save_checkpoint(out_dir, result.weights, result.optimizer, counters, self.spec.config)
+        self.engine.mark(ck.checkpoint_id)
+        return ck, result.metrics
+
+    def update_into(self, iteration: int, policy: PolicyRef, out_dir: Path) -> CheckpointRef:
+        """Recompute iteration's update from its stored trajectories and advantages into out_dir,
+        leaving the run's own checkpoint and records alone (replay / audit)."""
+        latest = self.stores.latest()
+        t = self._read(latest, iteration, ["sample_id", "advantage"])
+        if t.num_rows == 0 or t["advantage"].null_count:
+            raise RuntimeError(f"iteration {iteration} of run {self.spec.run_name!r} has no complete replay stage "
+                               f"in {self.table.uri}; nothing to recompute")
+        plan = self._plan(t["sample_id"].to_pylist(), t["advantage"].to_numpy())
+        try:
+            ck, _ = self.train_into(iteration, latest, plan, policy, out_dir, record=False)
+        finally:
+            self.engine.invalidate()  # the in-memory weights are the replay's, not the run's
+        return ck
+
+    # --- publish ------------------------------------------------------------------------------
+    def publish(self, iteration: int, ckpt: CheckpointRef) -> PolicyRef:
+        return self._timed("publish", iteration, lambda: self._publish(iteration, ckpt))
+
+    def _publish(self, iteration: int, ckpt: CheckpointRef):
+        ref, new = publish_checkpoint(self.stores, iteration, ckpt, {},
+                                      before_alias=lambda: fault_point("publish", iteration))
+        if not new:
+            return ref, None
+        metrics = {"policy_version": ref.version}
+        keep = self.cfg.run.keep_checkpoints
+        if keep:
+            pruned = prune_checkpoints(self.tracker, self.spec.model_name, self.spec.run_id,
+                                       self.spec.layout.checkpoints, keep)
+            metrics["checkpoints_pruned"] = float(len(pruned))
+        return ref, metrics
+
+    # --- evaluate (every run.eval_every iterations) -------------------------------------------
+    def evaluate(self, after: int, policy: PolicyRef) -> dict:
+        """Held-out accuracy of `policy` (the weights after `after` iterations) with the dataset's
+        evaluator; tags the version with it and moves the experiment's alias `champion` to it when
+        it beats the experiment's best so far. Done before: the record. Logged at step `after`."""
+        metrics = self.records.read("evaluate", after)
+        if metrics is None:
+            res, champion = evaluate_policy(self.engine, self.stores, self.source(policy), policy,
+                                            self.cfg.run.eval_per_category)
+            metrics = {f"heldout/{k}": v for k, v in res.items() if isinstance(v, float)}
+            if champion:
+                metrics["heldout/champion_version"] = float(policy.version)
+            self.records.write("evaluate", after, metrics)
+        self.tracker.log_missing_metrics(self.spec.run_id, metrics, step=after)  # a rerun logs nothing twice
+        return metrics
+
+    # --- records ------------------------------------------------------------------------------
+    def recorded_metrics(self, stage: str, iteration: int) -> dict | None:
+        """Metrics of a committed stage, for logging them if the process died before it could."""
+        if stage == "publish":
+            done = self.stores.published(iteration)
+            return {"policy_version": done.version} if done else None
+        return self.records.read(stage, iteration)

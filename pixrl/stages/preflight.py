@@ -1,0 +1,43 @@
+"""Checks a config against the world before anything is written: model path, family, the
+algorithm's needs against what the family's rollouts store, prompt set, rewards. Every failure
+is a PreflightError that names the problem and the fix."""
+
+from __future__ import annotations
+
+from ..algorithms.base import build_algorithm
+from ..artifacts.batch import rollout_fields
+from ..config.schema import ExperimentConfig
+from ..datasets.prompts import load_prompt_set, select_categories
+from ..models.registry import get_family
+from ..rewards.compose import RewardSet
+from ..engines.assets import resolve_asset, resolve_model_path
+
+
+class PreflightError(RuntimeError):
+    pass
+
+
+def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
+    """`online`: the config trains in the online loop (else: offline from archived rollouts)."""
+    try:
+        family = get_family(cfg.model.family)
+        algo = build_algorithm(cfg.algorithm, cfg.dpo)
+        if online and algo.offline:
+            raise ValueError(f"algorithm {algo.name!r} trains from archived rollouts, not in the online loop; "
+                             f"run it with `pixrl dpo --from RUN`, or choose an online algorithm")
+        if online:
+            lacking = sorted(set(algo.needs) - rollout_fields(family.semantics))
+            if lacking:
+                raise ValueError(f"algorithm {algo.name!r} needs trajectory field(s) {lacking}, which "
+                                 f"{cfg.model.family!r} rollouts ({family.semantics.step.value} steps) do not store")
+        path = resolve_model_path(cfg.model.path)
+        if not (path / "model_index.json").is_file():
+            raise FileNotFoundError(
+                f"model.path {cfg.model.path!r} ({path}) is not a diffusers model directory (no model_index.json); "
+                f"point model.path at a local checkout in the diffusers layout")
+        select_categories(load_prompt_set(resolve_asset(cfg.dataset.path), cfg.dataset.name),
+                          cfg.dataset.categories)
+        RewardSet(cfg.reward.weights, cfg.reward.options)
+    except (KeyError, ValueError, FileNotFoundError) as exc:
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+        raise PreflightError(msg) from None

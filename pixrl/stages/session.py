@@ -1,0 +1,27 @@
+"""One stage layer (and so one engine with its loaded model) per run per process: tasks of the
+same run share it, and a new run replaces it so memory stays bounded."""
+
+from __future__ import annotations
+
+from ..engines.base import build_engine
+from ..run import RunSpec
+from .offline import OfflineStages
+from .online import OnlineStages
+
+_CURRENT: dict[tuple[str, type], object] = {}
+
+
+def _stages(spec: RunSpec, kind: type):
+    key = (spec.run_id, kind)
+    if key not in _CURRENT:
+        _CURRENT.clear()  # one run's model at a time
+        _CURRENT[key] = kind(spec, build_engine(spec.cfg))
+    return _CURRENT[key]
+
+
+def online_stages(spec: RunSpec) -> OnlineStages:
+    return _stages(spec, OnlineStages)
+
+
+def offline_stages(spec: RunSpec) -> OfflineStages:
+    return _stages(spec, OfflineStages)

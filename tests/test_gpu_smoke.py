@@ -1,0 +1,25 @@
+"""benchmarks/gpu_smoke.py — the check a machine with a GPU runs — takes the same path on CPU
+with a tiny model: one iteration of the real flow, every stage timed, a version published."""
+
+import importlib.util
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+
+def _load_script():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_smoke.py"
+    spec = importlib.util.spec_from_file_location("gpu_smoke", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_smoke"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_smoke_runs_one_real_iteration_on_cpu(tmp_path, prefect_harness):
+    smoke = _load_script()
+    args = Namespace(tiny=True, device="cpu", dtype="float32", resolution=512, steps=4, group_size=4, prompts=2,
+                     micro_batch=4, workdir=str(tmp_path))
+    res = smoke.run(args)
+    assert set(res["stage_s"]) == set(smoke.STAGES) and all(s > 0 for s in res["stage_s"].values())
+    assert res["images_per_s"] > 0 and res["policy_version"] == 1 and res["samples"] == 8
