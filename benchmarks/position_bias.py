@@ -18,7 +18,7 @@ from pixrl.algorithms.recipe import eval_recipe
 from pixrl.datasets.shapes.evaluate import generate_images
 from pixrl.datasets.shapes.judge import locate
 from pixrl.datasets.shapes.prompts import split_prompts
-from pixrl.engines.inference import load_policy
+from pixrl.stages.inference import load_policy
 
 
 def measure(family, recipe, prompts: list[dict], samples: int) -> list[dict]:

@@ -37,9 +37,17 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pixrl.artifacts.store_maintenance import maintain_store  # noqa: E402
-from pixrl.artifacts.trajectories import (  # noqa: E402
-    KEY, StoreError, TableRef, TrajectoryStore, fixed_list, rewards_column, tensor_column, trajectory_schema)
+from pixrl.artifacts.store_maintenance import maintain_store
+from pixrl.artifacts.trajectories import (
+    KEY,
+    StoreError,
+    TableRef,
+    TrajectoryStore,
+    fixed_list,
+    rewards_column,
+    tensor_column,
+    trajectory_schema,
+)
 
 RUN = "0123456789abcdef0123456789abcdef"  # an MLflow-like run id
 OPS = ("generate.count", "generate.append", "generate.tag",

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from conftest import tiny_overrides
 from pixrl.artifacts.tracking import Tracker
 from pixrl.cli import app
-from pixrl.engines.inference import PolicyNotFound, run_policy_ref
+from pixrl.stages.inference import PolicyNotFound, run_policy_ref
 
 
 def test_runs_lists_and_compares_two_runs(tiny_checkpoint, tmp_path, prefect_harness):

@@ -13,7 +13,14 @@ import pytest
 
 from pixrl.artifacts.store_maintenance import INDEX_NAME, maintain_store, pin_version
 from pixrl.artifacts.trajectories import (
-    StoreError, TableRef, TrajectoryStore, rewards_column, tensor_column, tensor_from, trajectory_schema)
+    StoreError,
+    TableRef,
+    TrajectoryStore,
+    rewards_column,
+    tensor_column,
+    tensor_from,
+    trajectory_schema,
+)
 
 S, LATENT, T, N = 2, (2, 4, 4), 4, 6
 SCHEMA = trajectory_schema(S, LATENT, T)

@@ -6,18 +6,18 @@ atomic commit; a stage validates everything before it writes, so a failure leave
 version. The schema is documented in docs/trajectories.md and readable with plain
 lance/pyarrow or duckdb.
 
-How a stage stays independent of the table's history (issue 14; figures and the choice in
-`store_maintenance`, which also holds the compaction/cleanup policy):
-- a column write attaches a new data file holding only the written columns to the fragment
-  that holds the iteration's rows (Lance `update_columns` + an `Update` commit in
-  `rewrite_columns` mode). The latents are written once, by generate, and never copied again:
-  `merge_insert` rewrote whole rows (4 copies of the payload per iteration) and joined the
-  update against every row of the table.
-- a read, count or column write first locates the iteration's rows by their row addresses
-  with a filter on (run_id, iteration), which the BITMAP index on `iteration` answers without
-  scanning the table (fragments appended since the index was last brought up to date are
-  scanned: `store_maintenance.maintain_store` does that after each iteration), then reads only
-  the fragments that hold them.
+How a stage stays (nearly) independent of the table's history (issue 14; the measurements,
+the choice and the compaction/cleanup policy are in `store_maintenance`):
+- a column write (`merge`) attaches a new data file holding only the written columns to the
+  fragment that holds the iteration's rows (Lance `LanceFragment.update_columns`, committed as
+  one `Update` in `rewrite_columns` mode). The latents are written once, by generate, and never
+  copied: `merge_insert` rewrote whole rows (4 copies of the payload per iteration, 3.8× the
+  payload on disk) and joined the update against every row of the table.
+- reads and counts filter on (run_id, iteration); the BITMAP index on `iteration` that
+  `store_maintenance.maintain_store` keeps up to date answers the filter, and only fragments
+  appended since its last update are scanned. Without it every stage scanned the whole table.
+- one `lance.Session` per store caches manifests and index pages across its opens (a version
+  never changes once written).
 """
 
 from __future__ import annotations

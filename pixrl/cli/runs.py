@@ -144,11 +144,11 @@ def replay(
         _fail(str(exc))
     if not 0 <= iteration < cfg.run.iterations:
         _fail(f"--iteration {iteration} is outside the new run's 0..{cfg.run.iterations - 1}; raise --iterations")
-    fork = _fork_point(tracker, parent, iteration, from_stage)
+    fork = _fork_point(tracker, parent, iteration, from_stage, into)
     _run_training(cfg, workdir, None, fork)
 
 
-def _fork_point(tracker, parent, iteration: int, from_stage: str) -> dict:
+def _fork_point(tracker, parent, iteration: int, from_stage: str, into: str) -> dict:
     """Lineage of a fork: the parent, the pinned Lance version, and the policy that iteration's
     rollouts came from (the parent's version published by iteration−1, or its own fork policy)."""
     from ..artifacts.tracking import PolicyRef
@@ -181,6 +181,10 @@ def _fork_point(tracker, parent, iteration: int, from_stage: str) -> dict:
         fork_rows(TrajectoryStore(parent.table_uri), parent.run_id, version, iteration, from_stage)
     except LineageError as exc:
         _fail(str(exc))
+    if version is not None:  # the fork reads this version later: keep it through the parent's cleanups
+        from ..artifacts.store_maintenance import pin_version
+
+        pin_version(TrajectoryStore(parent.table_uri), version, f"fork-{into}")
     return {"parent_run_id": parent.run_id, "parent_run_name": parent.run_name, "iteration": iteration,
             "from_stage": from_stage, "parent_table_uri": parent.table_uri, "parent_table_version": version,
             "policy": policy}

@@ -50,7 +50,7 @@ def pretrain(
 def _policy(checkpoint: Optional[str], run: Optional[str], workdir: str, steps: Optional[int]):
     from ..algorithms.recipe import eval_recipe
     from ..config.loader import ConfigError
-    from ..engines.inference import PolicyNotFound, load_policy
+    from ..stages.inference import PolicyNotFound, load_policy
     from ..models.sd3 import ModelLoadError
 
     try:

@@ -77,7 +77,7 @@ def evaluation(params: EvalParameters) -> dict:
 
     from pixrl.artifacts.tracking import Tracker, default_tracking_uri
     from pixrl.datasets.registry import get_evaluator
-    from pixrl.engines.inference import load_policy_version
+    from pixrl.stages.inference import load_policy_version
 
     tracker = Tracker(default_tracking_uri(Path(params.workdir)))
     policy, cfg, ref = load_policy_version(tracker, params.run_name, params.alias, params.workdir)

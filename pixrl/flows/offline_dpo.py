@@ -12,6 +12,8 @@ from prefect.runtime import flow_run
 
 from ..algorithms.base import build_algorithm
 from ..artifacts.archive import PinnedTable, resolve_sources
+from ..artifacts.store_maintenance import pin_version
+from ..artifacts.trajectories import TrajectoryStore
 from ..config.schema import ExperimentConfig
 from ..run import RunSpec
 from ..stages.offline import check_selection
@@ -34,6 +36,8 @@ def open_dpo_run(config: dict, workdir: str, resume_run_id: str | None = None) -
     tables = resolve_sources(cfg.dpo.source, tracker)
     needs = build_algorithm(cfg.algorithm, cfg.dpo).needs
     check_selection(tables, cfg.dpo, needs)  # missing fields, empty selections, all-tied groups: before the run exists
+    for t in tables:  # the versions read stay readable through the source runs' store cleanups
+        pin_version(TrajectoryStore(t.uri), t.version, f"dpo-{cfg.run.name}-v{t.version}")
     pinned = [t.to_dict() for t in tables]
     source_runs = sorted({r for t in tables for r in (t.run_ids or ())})
     tags = {"pixrl.dpo.sources": json.dumps(pinned), "pixrl.dpo.source_run_ids": ",".join(source_runs),

@@ -23,6 +23,7 @@ from ..artifacts.batch import RolloutBatch
 from ..artifacts.checkpoints import CheckpointRef, save_checkpoint
 from ..artifacts.media import decode_png, image_grid, png_bytes
 from ..artifacts.retention import prune_checkpoints
+from ..artifacts.store_maintenance import maintain_store
 from ..artifacts.tracking import PolicyRef
 from ..artifacts.trajectories import TableRef, meta_json, rewards_column
 from ..datasets.prompts import choose_prompts, load_prompt_set, select_categories
@@ -71,6 +72,8 @@ class OnlineStages:
         if self.stores.complete("generate", iteration):
             return self.stores.latest(), None
         cfg, s = self.cfg, self.cfg.sampling
+        if self.table.exists():  # index new fragments, drop stale versions: stage cost stays flat
+            maintain_store(self.table, iteration)
         rng = np.random.default_rng(seed_of(cfg.run.seed, iteration, 0))
         prompts = choose_prompts(self.prompt_items, s.prompts_per_iteration, rng)
         recipe = rollout_recipe(s, rng)

@@ -12,8 +12,10 @@ _CURRENT: dict[tuple[str, type], object] = {}
 
 
 def _stages(spec: RunSpec, kind: type):
+    """The cached stage layer of this run, unless the spec changed (e.g. a replay under another
+    config of the same run: it must not reuse the run's engine and its settings)."""
     key = (spec.run_id, kind)
-    if key not in _CURRENT:
+    if key not in _CURRENT or _CURRENT[key].spec != spec:
         _CURRENT.clear()  # one run's model at a time
         _CURRENT[key] = kind(spec, build_engine(spec.cfg))
     return _CURRENT[key]

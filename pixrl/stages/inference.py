@@ -10,7 +10,7 @@ from ..artifacts.checkpoints import CONFIG, WEIGHTS
 from ..artifacts.tracking import CHAMPION_ALIAS, ROLLOUT_ALIAS, PolicyRef, Tracker, default_tracking_uri
 from ..config.loader import load_config
 from ..config.schema import ExperimentConfig
-from .policy import TrainablePolicy
+from ..engines.policy import TrainablePolicy
 
 
 class PolicyNotFound(FileNotFoundError):
