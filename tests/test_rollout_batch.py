@@ -30,10 +30,26 @@ def _batch(n: int, seed: int = 0) -> RolloutBatch:
     })
 
 
+FIRST_WAVE = [  # the layout every existing table (and fork, and DPO source) was written with
+    ("run_id", pa.string()), ("iteration", pa.int32()), ("sample_id", pa.string()), ("prompt_id", pa.string()),
+    ("prompt", pa.string()), ("prompt_meta", pa.string()), ("group_id", pa.int32()), ("sample_index", pa.int32()),
+    ("seed", pa.int64()), ("policy_version", pa.int32()), ("family", pa.string()), ("regime", pa.string()),
+    ("step_kind", pa.string()), ("recipe", pa.string()), ("timesteps", pa.list_(pa.float32(), 4)),
+    ("sigmas", pa.list_(pa.float32(), 5)), ("stored_steps", pa.list_(pa.int32(), 2)),
+    ("latents", pa.fixed_shape_tensor(pa.float32(), [2, 4, 3, 3])),
+    ("next_latents", pa.fixed_shape_tensor(pa.float32(), [2, 4, 3, 3])), ("log_probs", pa.list_(pa.float32(), 2)),
+    ("final_latent", pa.fixed_shape_tensor(pa.float32(), [4, 3, 3])), ("image", pa.binary()),
+    ("rewards", pa.list_(pa.struct([pa.field("name", pa.string()), pa.field("value", pa.float32())]))),
+    ("reward", pa.float32()), ("advantage", pa.float32())]
+
+
 def test_spec_reproduces_the_first_wave_table_layout():
     """Without optional fields the schema is exactly the one existing tables (and forks, DPO
-    sources) were written with."""
-    assert schema(DIMS) == trajectory_schema(2, (4, 3, 3), 4)
+    sources) were written with; the store's trajectory_schema is the same spec."""
+    got = schema(DIMS)
+    assert [(f.name, f.type) for f in got] == FIRST_WAVE
+    assert [f.name for f in got if not f.nullable] == ["run_id", "iteration", "sample_id"]
+    assert trajectory_schema(2, (4, 3, 3), 4) == got
     with_opt = schema(DIMS | {"N": 7}, optional=["tokens", "means"])
     assert with_opt.field("tokens").type == pa.list_(pa.int32(), 7)
     assert with_opt.field("means").type == pa.fixed_shape_tensor(pa.float32(), [2, 4, 3, 3])

@@ -30,40 +30,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .batch import REWARD_ITEM, schema
+
 KEY = ["run_id", "iteration", "sample_id"]
-REWARD_ITEM = pa.struct([pa.field("name", pa.string()), pa.field("value", pa.float32())])
-
-
-def trajectory_schema(stored_steps: int, latent_shape: tuple[int, int, int], total_steps: int) -> pa.Schema:
-    c, h, w = latent_shape
-    s = stored_steps
-    return pa.schema([
-        pa.field("run_id", pa.string(), nullable=False),
-        pa.field("iteration", pa.int32(), nullable=False),
-        pa.field("sample_id", pa.string(), nullable=False),
-        pa.field("prompt_id", pa.string()),
-        pa.field("prompt", pa.string()),
-        pa.field("prompt_meta", pa.string()),  # JSON
-        pa.field("group_id", pa.int32()),
-        pa.field("sample_index", pa.int32()),
-        pa.field("seed", pa.int64()),
-        pa.field("policy_version", pa.int32()),
-        pa.field("family", pa.string()),
-        pa.field("regime", pa.string()),
-        pa.field("step_kind", pa.string()),
-        pa.field("recipe", pa.string()),  # JSON: sampler, steps, noise level, window, cfg, dtype, engine
-        pa.field("timesteps", pa.list_(pa.float32(), total_steps)),
-        pa.field("sigmas", pa.list_(pa.float32(), total_steps + 1)),
-        pa.field("stored_steps", pa.list_(pa.int32(), s)),
-        pa.field("latents", pa.fixed_shape_tensor(pa.float32(), [s, c, h, w])),
-        pa.field("next_latents", pa.fixed_shape_tensor(pa.float32(), [s, c, h, w])),
-        pa.field("log_probs", pa.list_(pa.float32(), s)),
-        pa.field("final_latent", pa.fixed_shape_tensor(pa.float32(), [c, h, w])),
-        pa.field("image", pa.binary()),  # PNG, filled by decode
-        pa.field("rewards", pa.list_(REWARD_ITEM)),  # per component, filled by score
-        pa.field("reward", pa.float32()),  # weighted total, filled by score
-        pa.field("advantage", pa.float32()),  # filled by replay
-    ])
+def trajectory_schema(stored_steps: int, latent_shape: tuple[int, ...], total_steps: int,
+                      optional: tuple[str, ...] = ()) -> pa.Schema:
+    """The table's schema for a run's dimensions, from the one field spec (artifacts/batch.py)."""
+    return schema({"S": stored_steps, "T": total_steps, "T1": total_steps + 1, "latent": tuple(latent_shape)},
+                  optional)
 
 
 @dataclass(frozen=True)
