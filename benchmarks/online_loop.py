@@ -6,6 +6,18 @@ iteration (checkpoints + MLflow artifacts; the trajectory table against its rows
 
     .venv/bin/python benchmarks/online_loop.py --iterations 21 [key=value ...]
     .venv/bin/python benchmarks/online_loop.py --existing WORKDIR RUN_NAME   # figures of a finished run
+    .venv/bin/python benchmarks/online_loop.py --history 300 [--iterations-measured 20] [key=value ...]
+
+`--history N` measures the loop late in a long run (issue 14: ≤ 1.10 × the bare loop at
+iteration 300) without running N iterations: `pixrl train --iterations N+K` runs iteration 0 for
+real and fails at iteration 1 before its first commit (PIXRL_FAULT=generate@1:raise); the stores
+are checked to hold nothing of iteration 1; `synthetic_history.py` writes iterations 1..N-1 into
+the run's trajectory table, checkpoint store and registry the way the pipeline does (from
+iteration 0's rows and checkpoint); `pixrl resume` then fast-forwards the N published iterations
+and runs iterations N..N+K-1 for real. Reported: pre-fill and fast-forward seconds, the median
+`time/iteration_s` over iterations N+1..N+K-1 (iteration N loads the model and is left out),
+the bare loop's median over K iterations (K+1 run, the first left out), their ratio, the bytes
+kept, and checks that the resume started at iteration N (MLflow steps, Lance rows, registry).
 
 Prints a markdown table for the README. Not a test: timings depend on the machine.
 """
@@ -33,8 +45,14 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--existing", nargs=2, metavar=("WORKDIR", "RUN"), help="report a finished run instead")
     ap.add_argument("--no-bare", action="store_true", help="skip the bare-loop comparison")
+    ap.add_argument("--history", type=int, default=0, metavar="N",
+                    help="measure at iteration N of a synthetic history (iterations 1..N-1 pre-filled); 0: off")
+    ap.add_argument("--iterations-measured", type=int, default=20, metavar="K",
+                    help="with --history: iterations run for real after the history (N..N+K-1)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
+    if a.history:
+        return run_history(a)
     total = float("nan")
     if a.existing:
         wd = Path(a.existing[0])
@@ -79,6 +97,187 @@ def main() -> None:
         print(f"\nbare loop (plain torch, same work): median {statistics.median(bare):.2f} s/iteration; "
               f"pipeline / bare = **{statistics.median(it) / statistics.median(bare):.3f}** "
               f"(iterations {skip}–{a.iterations - 1})")
+
+
+RUN = "bench"
+FAULT = "generate@1:raise"
+
+
+def run_history(a) -> None:
+    """--history N: iteration 0 for real, iterations 1..N-1 pre-filled, N..N+K-1 for real after a
+    resume (see the module docstring)."""
+    from synthetic_history import committed, open_stores, prefill, summary
+
+    n, k = a.history, a.iterations_measured
+    if a.existing or n < 1 or k < 1:
+        sys.exit("--history N (N ≥ 1) takes --iterations-measured K (K ≥ 1) and no --existing")
+    wd = Path(a.workdir or tempfile.mkdtemp(prefix="pixrl-bench-history-"))
+    if (wd / "mlflow.db").exists():
+        sys.exit(f"{wd} already holds a pixrl work directory; --history needs a new one")
+    env = {k_: v for k_, v in os.environ.items() if k_ != "PIXRL_FAULT"}
+    started = time.perf_counter()
+
+    # 1. iteration 0 for real; iteration 1 fails before its first commit
+    cmd = [sys.executable, "-m", "pixrl.cli", "train", "--iterations", str(n + k), "--run", RUN, "--workdir", str(wd),
+           "run.eval_every=0", *a.overrides]
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**env, "PIXRL_FAULT": FAULT}, check=False)
+    first_s = time.perf_counter() - t0
+    if out.returncode == 0 or "injected fault in generate (iteration 1)" not in " ".join(out.stderr.split()):
+        sys.exit(f"expected `pixrl train` to fail with the injected fault at iteration 1 (rc {out.returncode}):\n"
+                 f"{out.stderr[-3000:]}")
+    stores = open_stores(wd, RUN)
+    run_id = stores.spec.run_id
+    checks: list[tuple[bool, str]] = []
+    it0, it1 = committed(stores, 0), committed(stores, 1)
+    checks.append((it0["rows"] > 0 and all(it0[s] for s in ("decode", "score", "replay")) and it0["checkpoint"]
+                   and it0["version"] is not None, f"iteration 0 complete after the first attempt: {it0}"))
+    checks.append((it1["rows"] == 0 and not it1["checkpoint"] and not it1["staging"] and it1["version"] is None
+                   and not it1["metrics"],
+                   (f"iteration 1's failed attempt committed nothing (its generate record, written before the "
+                    f"fault point, is what a retry replaces): {it1}")))
+    versions0 = stores.table.latest_version()
+    print(f"workdir {wd}; run {RUN} ({run_id}); `pixrl train` with PIXRL_FAULT={FAULT}: {first_s:.0f} s "
+          f"(start-up, iteration 0, failure at 1); table at version {versions0}")
+
+    # 2. iterations 1..N-1 pre-filled
+    t0 = time.perf_counter()
+    times = prefill(stores, n) if n > 1 else {"total": []}
+    prefill_s = time.perf_counter() - t0
+    if times["total"]:
+        print(f"\npre-filled iterations 1–{n - 1} in {prefill_s:.0f} s "
+              f"({prefill_s / (n - 1):.3f} s per iteration)\n\n{summary(times)}")
+    queries = sorted({round(i * (n - 1) / 9) for i in range(10)})  # the fast-forward's registry query
+    q_s = []
+    for it in queries:
+        t0 = time.perf_counter()
+        ok = stores.published(it) is not None
+        q_s.append(time.perf_counter() - t0)
+        checks.append((ok, f"iteration {it} published before the resume"))
+    ds = stores.table.dataset()
+    print(f"\nbefore the resume: table version {ds.version}, {len(ds.versions())} versions kept, "
+          f"{len(ds.tags.list())} tags, {len(ds.get_fragments())} fragments; "
+          f"{len(stores.tracker.run_versions(stores.spec.model_name, run_id))} registered versions; "
+          f"registry query `published(it)`: median {statistics.median(q_s) * 1e3:.1f} ms over iterations {queries}")
+
+    # 3. resume: fast-forward 0..N-1, iterations N..N+K-1 for real
+    t_resume = time.time()
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "pixrl.cli", "resume", RUN, "--workdir", str(wd)],
+                         capture_output=True, text=True, env=env, check=False)
+    resume_s = time.perf_counter() - t0
+    if out.returncode:
+        sys.exit(f"`pixrl resume {RUN}` failed:\n{out.stderr[-3000:]}")
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    checks.append((info["run_id"] == run_id, f"resume continued MLflow run {run_id}"))
+    c = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
+
+    def hist(key: str) -> dict[int, object]:
+        return {m.step: m for m in c.get_metric_history(run_id, key)}
+
+    walls = hist("time/iteration_s")
+    pv = hist("policy_version")
+    ff = sorted(s for s in pv if 1 <= s < n)  # logged by the fast-forward (the pre-fill logs nothing)
+    start_n = (walls[n].timestamp / 1e3 - walls[n].value) if n in walls else float("nan")
+    per_ff = ((pv[ff[-1]].timestamp - pv[ff[0]].timestamp) / 1e3 / (len(ff) - 1)) if len(ff) > 1 else float("nan")
+    print(f"\n`pixrl resume`: {resume_s:.0f} s; from its start to iteration {n}'s start {start_n - t_resume:.1f} s "
+          f"(process start-up, run reopening, fast-forward over {n} published iterations); fast-forward "
+          f"{per_ff:.3f} s per iteration (policy_version timestamps, iterations {ff[0] if ff else '–'}–"
+          f"{ff[-1] if ff else '–'})")
+
+    # 4. figures of iterations N+1..N+K-1
+    skip = 1 if k > 1 else 0  # iteration N loads the model
+    steps = list(range(n + skip, n + k))
+    stage = {s: hist(f"time/{s}_s") for s in STAGES}
+    ov, ips = hist("orchestration_overhead"), hist("images_per_s")
+
+    def med(h: dict) -> float:
+        return statistics.median(h[s].value for s in steps if s in h)
+
+    print(f"\niterations {_ranges(steps)} after a history of {n} (iteration {n} "
+          f"{'left out: it loads the model' if skip else 'included'})\n\n| stage | median s/iteration |\n|---|---|")
+    for s in STAGES:
+        print(f"| {s} | {med(stage[s]):.2f} |")
+    it_med = med(walls)
+    print(f"| **iteration (wall)** | {it_med:.2f} |")
+    print(f"\norchestration overhead (median): {100 * med(ov):.1f}% ; generate throughput: {med(ips):.1f} images/s ; "
+          f"iteration {n} (with model load): {walls[n].value:.2f} s")
+    print_storage(wd, run_id, n + k)
+    if not a.no_bare:
+        from bare_loop import run_bare
+
+        bare = run_bare(["run.eval_every=0", *a.overrides], k + 1)[1:]
+        print(f"\nbare loop (plain torch, same work): median {statistics.median(bare):.2f} s/iteration over {len(bare)} "
+              f"(of {k + 1}, the first left out); pipeline at iterations {_ranges(steps)} / bare = "
+              f"**{it_med / statistics.median(bare):.3f}**")
+
+    # 5. the resume started at iteration N and the stores hold N+K iterations
+    checks += check_history(c, stores, n, k)
+    print("\nchecks:")
+    for ok, what in checks:
+        print(f"- {'ok  ' if ok else 'FAIL'} {what}")
+    print(f"\nbenchmark wall: {time.perf_counter() - started:.0f} s")
+    if not all(ok for ok, _ in checks):
+        sys.exit(1)
+
+
+def check_history(c: MlflowClient, stores, n: int, k: int) -> list[tuple[bool, str]]:
+    """After the resume: MLflow steps, Lance rows per iteration, registry versions, checkpoints."""
+    import pyarrow.compute as pc
+
+    run_id, total = stores.spec.run_id, n + k
+    out = []
+    for key in ("time/iteration_s", "time/generate_s", "time/update_s"):
+        steps = sorted(m.step for m in c.get_metric_history(run_id, key))
+        out.append((steps == [0, *range(n, total)], f"{key} logged at steps 0 and {n}–{total - 1} only: {_ranges(steps)}"))
+    pv = sorted(m.step for m in c.get_metric_history(run_id, "policy_version"))
+    out.append((pv == list(range(total)), f"policy_version at every step 0–{total - 1}: {_ranges(pv)}"))
+    t = stores.table.dataset().to_table(columns=["iteration", "policy_version", "image", "reward", "advantage"],
+                                        filter=f"run_id = '{run_id}'")
+    counts = {r["values"]: r["counts"] for r in pc.value_counts(t["iteration"]).to_pylist()}
+    per = set(counts.values())
+    out.append((sorted(counts) == list(range(total)) and len(per) == 1,
+                f"Lance rows for iterations 0–{total - 1}, {per} per iteration: {_ranges(sorted(counts))}"))
+    out.append((all(t[col].null_count == 0 for col in ("image", "reward", "advantage")),
+                "every row has image, reward and advantage"))
+    tags = set(stores.table.dataset().tags.list())
+    out.append((all(f"{RUN}-it{i}-generate" in tags for i in range(total)), f"{len(tags)} tags <run>-it<N>-generate"))
+    mvs = stores.tracker.run_versions(stores.spec.model_name, run_id)
+    by_it = {}
+    for mv in mvs:
+        by_it.setdefault(int(mv.tags["iteration"]), []).append(int(mv.version))
+    out.append((sorted(by_it) == list(range(total)) and all(len(v) == 1 for v in by_it.values()),
+                f"{len(mvs)} registered versions, one per iteration 0–{total - 1}"))
+    version = {i: v[0] for i, v in by_it.items()}
+    out.append((all(version[i] < version[i + 1] for i in range(total - 1) if i in version and i + 1 in version),
+                "versions increase with the iteration"))
+    alias = stores.tracker.client.get_registered_model(stores.spec.model_name).aliases.get("rollout")
+    out.append((str(alias) == str(version.get(total - 1)), f"alias rollout → version {alias} (iteration {total - 1})"))
+    pol = {}
+    for it_, p in zip(t["iteration"].to_pylist(), t["policy_version"].to_pylist()):
+        pol.setdefault(it_, set()).add(p)
+    bad = [i for i in range(1, total) if pol.get(i) != {version.get(i - 1)}]
+    out.append((not bad, f"rows of iteration i rolled out with iteration i-1's version (i = 1–{total - 1})"
+                         + (f"; not at {bad[:5]}" if bad else "")))
+    ck = stores.layout.checkpoints
+    dirs = sorted(p.name for p in ck.iterdir())
+    out.append((dirs == [f"it_{i:04d}" for i in range(total)], f"checkpoints it_0000–it_{total - 1:04d}, nothing else"))
+    recs = sorted(p.name for p in stores.layout.records.iterdir())
+    out.append((set(recs) >= {f"it_{i:04d}" for i in range(n, total)},
+                f"stage records for iterations {n}–{total - 1} (and {sorted(set(recs) - {f'it_{i:04d}' for i in range(n, total)})})"))
+    return out
+
+
+def _ranges(xs: list[int]) -> str:
+    """[0, 30, 31, 32] → '0, 30–32'."""
+    parts, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        parts.append(str(xs[i]) if i == j else f"{xs[i]}–{xs[j]}")
+        i = j + 1
+    return ", ".join(parts) or "none"
 
 
 def _bytes(path: Path) -> int:

@@ -191,6 +191,14 @@ def test_replay_of_a_pruned_input_names_what_is_missing(tmp_path):
     with pytest.raises(CheckpointPruned, match=r"checkpoint it_0012 .*does not exist"):
         require_full_checkpoint(root / "it_0012", "replaying iteration 13's update")
     require_full_checkpoint(root / "it_0023", "replaying iteration 24's update")  # within keep_full: whole
+    # the same from the registry alone, before a fork or replay does any work
+    with pytest.raises(PrunedCheckpoint, match=r"checkpoint it_0009's optimizer state \(optimizer.pt\) and RNG "
+                                               r"state \(rng.pt\) were pruned by retention \(keep_full=3, "
+                                               r"weights_every=10\); a fork at iteration 10 needs them"):
+        tracker.check_trainable(tracker.find_version(MODEL, run_id, 9), "a fork at iteration 10")
+    with pytest.raises(CheckpointPruned, match=r"was pruned by retention"):  # one except clause catches both
+        tracker.check_trainable(tracker.find_version(MODEL, run_id, 12), "a fork at iteration 13")
+    tracker.check_trainable(tracker.find_version(MODEL, run_id, 23), "a fork at iteration 24")
 
 
 def test_versions_registered_with_a_copy_in_mlruns_are_pruned_in_both_places(tmp_path):
@@ -242,7 +250,7 @@ def test_keep_checkpoints_prunes_old_iterations_but_not_evaluated_or_aliased_one
                                    "--workdir", str(tmp_path)])
     assert res.exit_code == 2 and "cannot fork at iteration 1" in res.output and "pruned" in res.output
     res = CliRunner().invoke(app, ["replay", "kept", "--iteration", "2", "--workdir", str(tmp_path)])
-    assert res.exit_code == 2 and "keep_checkpoints=1" in res.output
+    assert res.exit_code == 2 and "retention (keep_full=1" in res.output
     res = CliRunner().invoke(app, ["eval", "--run", "kept", "--workdir", str(tmp_path), "--json",
                                    "--per-category", "1", "--steps", "2"])
     assert res.exit_code == 0, res.output  # the run's newest version still loads from the registry

@@ -29,13 +29,16 @@ same action applies to both copies.
 
 from __future__ import annotations
 
+import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config.schema import RetentionConfig
-from .checkpoints import checkpoint_bytes, read_counters, strip_to_weights
+from .checkpoints import CorruptCheckpoint, checkpoint_bytes, read_counters, strip_to_weights
 from .tracking import HELDOUT_TAG, PRUNED_TAG, WEIGHTS_ONLY_TAG, Tracker, local_path
+
+log = logging.getLogger(__name__)
 
 FULL, WEIGHTS_ONLY, PRUNED = "full", "weights_only", "pruned"
 
@@ -132,7 +135,12 @@ def apply_retention(tracker: Tracker, model_name: str, run_id: str, policy: Rete
             for d in dirs:
                 if d.is_dir():
                     before = checkpoint_bytes(d)
-                    if strip_to_weights(d, reason):
+                    try:
+                        changed = strip_to_weights(d, reason)
+                    except CorruptCheckpoint as exc:  # left as found (it will not load); publishing goes on
+                        log.warning("retention leaves %s alone: %s", d, exc)
+                        continue
+                    if changed:
                         res.bytes_freed += before - checkpoint_bytes(d)
                         if it not in res.weights_only:
                             res.weights_only.append(it)

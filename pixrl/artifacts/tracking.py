@@ -32,6 +32,8 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from .checkpoints import OPTIMIZER, RNG, CheckpointPruned
+
 log = logging.getLogger(__name__)
 
 ROLLOUT_ALIAS = "rollout"
@@ -62,8 +64,10 @@ WEIGHTS_ONLY_TAG = "pixrl.weights_only"  # set on a version whose optimizer/RNG 
 STORAGE_TAG = "pixrl.storage"  # where the version's files are: checkpoint-store | mlflow-artifacts
 
 
-class PrunedCheckpoint(RuntimeError):
-    """A registered policy version whose weights retention (`run.retention`) deleted."""
+class PrunedCheckpoint(CheckpointPruned):
+    """A registered policy version whose weights (or, for `check_trainable`, optimizer state)
+    retention (`run.retention`) deleted. `except CheckpointPruned` catches this and the
+    checkpoint-level error of `checkpoints.require_full_checkpoint` alike."""
 
 
 def local_path(uri: str | None) -> Path | None:
@@ -256,6 +260,21 @@ class Tracker:
         if path is not None and not path.is_dir():
             raise PrunedCheckpoint(f"{where}: its checkpoint directory {path} does not exist (deleted or moved "
                                    f"outside pixrl); the version cannot be loaded")
+
+    def check_trainable(self, policy: PolicyRef, purpose: str) -> None:
+        """Raise PrunedCheckpoint unless training can continue from `policy`: its weights and its
+        optimizer state are kept (a weights-only version cannot be). A registry-only check, for
+        before any work starts (a fork, a replay); `purpose` names what needs it."""
+        self.check_loadable(policy)
+        if policy.version == 0:
+            return
+        mv = self.client.get_model_version(policy.model_name, str(policy.version))
+        if mv.tags.get(WEIGHTS_ONLY_TAG):
+            raise PrunedCheckpoint(
+                f"checkpoint it_{int(mv.tags.get('iteration', -1)):04d}'s optimizer state ({OPTIMIZER}) and RNG "
+                f"state ({RNG}) were pruned by retention ({mv.tags[WEIGHTS_ONLY_TAG]}); {purpose} needs them. "
+                f"models:/{policy.model_name}/{policy.version} (run {mv.run_id}) keeps its weights only. Keep more "
+                f"checkpoints whole with run.retention.keep_full (null: keep all).")
 
     def download(self, policy: PolicyRef, dst: Path) -> Path:
         """The version's checkpoint directory, materialised under `dst` (returns the directory

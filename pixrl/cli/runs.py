@@ -172,7 +172,7 @@ def _fork_point(tracker, parent, iteration: int, from_stage: str, into: str) -> 
         from ..artifacts.tracking import PrunedCheckpoint
 
         try:
-            tracker.check_loadable(ref)
+            tracker.check_trainable(ref, f"a fork at iteration {iteration}")
         except PrunedCheckpoint as exc:
             _fail(f"cannot fork at iteration {iteration}: {exc}")
         policy = ref.to_dict()

@@ -13,7 +13,8 @@ import pyarrow as pa
 import torch
 from safetensors.torch import load_file
 
-from ..artifacts.checkpoints import WEIGHTS, read_counters, verify_checkpoint
+from ..artifacts.checkpoints import WEIGHTS, CheckpointPruned, read_counters, require_full_checkpoint, verify_checkpoint
+from ..artifacts.retention import describe
 from ..artifacts.trajectories import TableRef, TrajectoryStore
 from ..artifacts.tracking import PolicyRef
 from ..config.schema import STAGES
@@ -47,15 +48,19 @@ def replay_update(spec: RunSpec, iteration: int, out_dir: Path | None = None) ->
     stages = online_stages(spec)
     recorded = spec.layout.checkpoint(iteration)
     if not recorded.is_dir():
-        keep = spec.cfg.run.keep_checkpoints
-        why = f" (run.keep_checkpoints={keep} keeps only the newest {keep})" if keep else ""
-        raise LineageError(f"run {spec.run_name!r} has no checkpoint for iteration {iteration} ({recorded}){why}; "
+        raise LineageError(f"run {spec.run_name!r} has no checkpoint for iteration {iteration} ({recorded}): "
+                           f"retention ({describe(spec.cfg.run.retention)}) deleted it or the update never ran; "
                            f"`pixrl status {spec.run_name}` lists the complete iterations")
     verify_checkpoint(recorded)
     c = read_counters(recorded)
     version_in = int(c["policy_version_in"])
     model_in = c.get("policy_model_in", spec.model_name)
     policy = stages.tracker.version(model_in, version_in) if version_in else PolicyRef(model_in, 0)
+    if version_in:  # the update starts from iteration−1's weights *and* optimizer state
+        try:
+            require_full_checkpoint(stages.stores.policy_dir(policy), f"replaying iteration {iteration}'s update")
+        except CheckpointPruned as exc:
+            raise LineageError(str(exc)) from None
     with tempfile.TemporaryDirectory(dir=spec.workdir) as tmp:
         target = Path(out_dir) if out_dir else Path(tmp) / "replayed"
         stages.update_into(iteration, policy, target)

@@ -188,11 +188,15 @@ class OfflineStages:
         plan = [[[*idx, *(n + i for i in idx)]] for idx in order]  # one micro-batch: winners, then their losers
         ref = None if d.reference == "base" else self._source(d.reference)
         result = self.engine.train(self._source(d.init), batch, plan, None, seed=self.cfg.run.seed, reference=ref)
-        for step, rec in enumerate(result.history):
-            self._log({f"dpo/{k}": v for k, v in rec.items()}, step)
         counters = {"iteration": 0, "optimizer_steps": d.steps, "pairs": n, "policy_version_in": 0,
                     "policy_model_in": d.init}
-        ck = save_checkpoint(self.final_dir, result.weights, result.optimizer, counters, self.spec.config)
+        try:
+            for step, rec in enumerate(result.history):
+                self._log({f"dpo/{k}": v for k, v in rec.items()}, step)
+            ck = save_checkpoint(self.final_dir, result.weights, result.optimizer, counters, self.spec.config)
+        except BaseException:
+            self.engine.invalidate()  # the engine holds trained weights that no checkpoint has
+            raise
         self.engine.mark(ck.checkpoint_id)
         first, last = result.history[0], result.history[-1]
         self._log({"update_compute_s": result.metrics["update_compute_s"], "dpo/loss_first": first["loss"],

@@ -22,7 +22,7 @@ from ..algorithms.sampling import SamplerRecipe
 from ..artifacts.batch import RolloutBatch
 from ..artifacts.checkpoints import CheckpointRef, save_checkpoint
 from ..artifacts.media import decode_png, image_grid, png_bytes
-from ..artifacts.retention import prune_checkpoints
+from ..artifacts.retention import apply_retention
 from ..artifacts.store_maintenance import maintain_store
 from ..artifacts.tracking import PolicyRef
 from ..artifacts.trajectories import TableRef, meta_json, rewards_column
@@ -200,11 +200,15 @@ class OnlineStages:
                                tuple(rec["sde_steps"]) if rec["sde_steps"] is not None else None,
                                tuple(rec["train_steps"]))
         result = self.engine.train(self.source(policy), batch, rows, recipe)
-        if record:
-            self.records.before_commit("update", iteration, result.metrics)
         counters = {"iteration": iteration, "optimizer_steps": len(plan.steps), "policy_version_in": policy.version,
                     "policy_model_in": policy.model_name}
-        ck = save_checkpoint(out_dir, result.weights, result.optimizer, counters, self.spec.config)
+        try:
+            if record:
+                self.records.before_commit("update", iteration, result.metrics)
+            ck = save_checkpoint(out_dir, result.weights, result.optimizer, counters, self.spec.config)
+        except BaseException:
+            self.engine.invalidate()  # the engine holds stepped weights that no checkpoint has
+            raise
         self.engine.mark(ck.checkpoint_id)
         return ck, result.metrics
 
@@ -232,13 +236,9 @@ class OnlineStages:
                                       before_alias=lambda: fault_point("publish", iteration))
         if not new:
             return ref, None
-        metrics = {"policy_version": ref.version}
-        keep = self.cfg.run.keep_checkpoints
-        if keep:
-            pruned = prune_checkpoints(self.tracker, self.spec.model_name, self.spec.run_id,
-                                       self.spec.layout.checkpoints, keep)
-            metrics["checkpoints_pruned"] = float(len(pruned))
-        return ref, metrics
+        res = apply_retention(self.tracker, self.spec.model_name, self.spec.run_id, self.cfg.run.retention,
+                              self.spec.layout.checkpoints)
+        return ref, {"policy_version": ref.version, **res.metrics()}
 
     # --- evaluate (every run.eval_every iterations) -------------------------------------------
     def evaluate(self, after: int, policy: PolicyRef) -> dict:
