@@ -261,7 +261,11 @@ def check_history(c: MlflowClient, stores, n: int, k: int) -> list[tuple[bool, s
                          + (f"; not at {bad[:5]}" if bad else "")))
     ck = stores.layout.checkpoints
     dirs = sorted(p.name for p in ck.iterdir())
-    out.append((dirs == [f"it_{i:04d}" for i in range(total)], f"checkpoints it_0000–it_{total - 1:04d}, nothing else"))
+    keep = stores.spec.cfg.run.retention.keep_full or total  # older ones are retention's to prune
+    newest = [f"it_{i:04d}" for i in range(max(0, total - keep), total)]
+    stray = [d for d in dirs if not d.startswith("it_") or int(d[3:]) >= total]
+    out.append((set(newest) <= set(dirs) and not stray,
+                f"checkpoints: the newest {len(newest)} (retention keep_full) present, no staging or stray directory"))
     recs = sorted(p.name for p in stores.layout.records.iterdir())
     out.append((set(recs) >= {f"it_{i:04d}" for i in range(n, total)},
                 f"stage records for iterations {n}–{total - 1} (and {sorted(set(recs) - {f'it_{i:04d}' for i in range(n, total)})})"))

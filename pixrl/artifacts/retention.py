@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config.schema import RetentionConfig
-from .checkpoints import CorruptCheckpoint, checkpoint_bytes, read_counters, strip_to_weights
+from .checkpoints import TRAINING_STATE, CorruptCheckpoint, checkpoint_bytes, read_counters, strip_to_weights
 from .tracking import HELDOUT_TAG, PRUNED_TAG, WEIGHTS_ONLY_TAG, Tracker, local_path
 
 log = logging.getLogger(__name__)
@@ -133,6 +133,8 @@ def apply_retention(tracker: Tracker, model_name: str, run_id: str, policy: Rete
             if not mv.tags.get(WEIGHTS_ONLY_TAG):
                 tracker.client.set_model_version_tag(model_name, mv.version, WEIGHTS_ONLY_TAG, reason)
             for d in dirs:
+                if mv.tags.get(WEIGHTS_ONLY_TAG) and not any((d / f).exists() for f in TRAINING_STATE):
+                    continue  # reduced by an earlier pass: no re-verification at every publish
                 if d.is_dir():
                     before = checkpoint_bytes(d)
                     try:
