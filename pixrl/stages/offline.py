@@ -22,7 +22,7 @@ import pyarrow as pa
 from ..algorithms.pairing import make_pairs, pair_order
 from ..artifacts.archive import PinnedTable, component_value, select_rows
 from ..artifacts.batch import RolloutBatch, missing_fields
-from ..artifacts.checkpoints import CheckpointRef, save_checkpoint
+from ..artifacts.checkpoints import CheckpointRef, read_counters, save_checkpoint, verify_checkpoint
 from ..artifacts.trajectories import TrajectoryStore, tensor_from
 from ..artifacts.tracking import PolicyRef
 from ..engines.base import Engine, PolicySource
@@ -174,9 +174,7 @@ class OfflineStages:
                             with_optimizer=False)
 
     def update(self) -> CheckpointRef:
-        if self.final_dir.exists():
-            from ..artifacts.checkpoints import read_counters, verify_checkpoint
-
+        if self.final_dir.exists():  # renamed into place = complete; a checksum mismatch raises CorruptCheckpoint
             verify_checkpoint(self.final_dir)
             return CheckpointRef(str(self.final_dir), read_counters(self.final_dir)["checkpoint_id"], 0)
         d = self.d
