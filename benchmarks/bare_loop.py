@@ -49,6 +49,7 @@ class BareLoop:
         self.items = select_categories(load_prompt_set(resolve_asset(d.path), d.name), d.categories)
         self.reward = RewardSet(cfg.reward.weights, cfg.reward.options)
         self.grpo = build_algorithm(cfg.algorithm).settings  # Flow-GRPO's clip range, advantage settings
+        self.phases: dict[str, list[float]] = {}  # seconds per phase per iteration, for the comparison
 
     def _encode(self, prompts: list[str]):
         uniq = sorted(set(prompts))
@@ -66,15 +67,19 @@ class BareLoop:
         prompts = [p.prompt for _, _, p in rows]
         cond = self._encode(prompts)
         fam.trainable_module().eval()
+        t_gen = time.perf_counter()
         trajs = []
         for i in range(0, len(rows), s.micro_batch):
             seeds = [seed_of(cfg.run.seed, it, 1, slot, g) for slot, g, _ in rows[i:i + s.micro_batch]]
             trajs.append(sample(fam, cond.select(list(range(i, i + len(seeds)))), None,
                                 generators(seeds, fam.device), recipe))
+        t_dec = time.perf_counter()
         images = np.concatenate([fam.decode(t.final) for t in trajs])
+        t_score = time.perf_counter()
         scores = self.reward.score(images, prompts, [p.meta for _, _, p in rows], [str(i) for i in range(len(rows))])
         adv = group_advantages(scores["reward"], np.array([slot for slot, _, _ in rows]), a.global_std, a.std_eps,
                                a.adv_clip_max).advantages
+        t_upd = time.perf_counter()
         fam.trainable_module().train()
         self.opt.zero_grad(set_to_none=True)
         keep = [i for i in range(len(rows)) if adv[i] != 0 or not a.filter_zero_advantage]
@@ -92,7 +97,11 @@ class BareLoop:
                 (loss / (len(micro) * len(steps))).backward()
         torch.nn.utils.clip_grad_norm_(self.params, cfg.algorithm.max_grad_norm)
         self.opt.step()
-        return time.perf_counter() - t0
+        t_end = time.perf_counter()
+        for name, a_, b_ in (("generate", t_gen, t_dec), ("decode", t_dec, t_score), ("score", t_score, t_upd),
+                             ("update", t_upd, t_end)):
+            self.phases.setdefault(name, []).append(b_ - a_)
+        return t_end - t0
 
 
 def run_bare(overrides: list[str], iterations: int) -> list[float]:

@@ -14,7 +14,8 @@ class StageProgress:
         self.console = console
         self.last_stage = last_stage
         self.progress = Progress(TextColumn("[bold blue]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[stage]}"), TimeElapsedColumn(), console=console)
+                                 TextColumn("{task.fields[stage]}"), TimeElapsedColumn(), console=console,
+                                 refresh_per_second=2)  # a redraw wakes a thread: keep it rare beside the compute
         self.task = self.progress.add_task("iterations", total=iterations, stage="")
         self._line: dict[str, str] = {}
         self._rewards: list[float] = []

@@ -74,16 +74,12 @@ def flaky_reward():
 
 
 def _task_runs(flow_run_id: str) -> dict[str, int]:
-    """{task run name: run_count} over the train flow's iteration subflows."""
+    """{task run name: run_count} over the train flow run's tasks."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId, TaskRunFilter
-    from prefect.client.schemas.filters import TaskRunFilterFlowRunId
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
 
     with get_client(sync_client=True) as client:
-        subs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
-        tasks = client.read_task_runs(task_run_filter=TaskRunFilter(
-            flow_run_id=TaskRunFilterFlowRunId(any_=[s.id for s in subs])))
+        tasks = client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[flow_run_id])))
         return {t.name: t.run_count for t in tasks}
 
 

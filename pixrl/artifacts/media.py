@@ -18,14 +18,15 @@ def image_grid(images: np.ndarray, cols: int, pad: int = 2, scale: int = 1) -> n
     return grid
 
 
-def png_bytes(image: np.ndarray) -> bytes:
-    """uint8 [H, W, 3] → PNG (lossless: the scored pixels are the stored pixels)."""
+def png_bytes(image: np.ndarray, compress_level: int = 6) -> bytes:
+    """uint8 [H, W, 3] → PNG (lossless: the scored pixels are the stored pixels). Level 1 encodes
+    an upscaled sample grid 4× faster than the default 6 for 25% more bytes."""
     import io
 
     from PIL import Image
 
     buf = io.BytesIO()
-    Image.fromarray(image).save(buf, format="PNG")
+    Image.fromarray(image).save(buf, format="PNG", compress_level=compress_level)
     return buf.getvalue()
 
 

@@ -152,9 +152,12 @@ class Tracker:
     def log_image(self, run_id: str, image: np.ndarray, key: str, step: int) -> None:
         self.client.log_image(run_id, image, key=key, step=step)
 
-    def log_image_file(self, run_id: str, image: np.ndarray, artifact_file: str) -> None:
-        """The image at a fixed artifact path (what Prefect artifacts and docs link to)."""
-        self.client.log_image(run_id, image, artifact_file=artifact_file)
+    def log_png_file(self, run_id: str, png: bytes, artifact_file: str) -> None:
+        """Encoded PNG bytes at a fixed artifact path (what Prefect artifacts and docs link to)."""
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / Path(artifact_file).name
+            path.write_bytes(png)
+            self.client.log_artifact(run_id, str(path), str(Path(artifact_file).parent) or None)
 
     def artifact_uri(self, run_id: str, path: str = "") -> str:
         base = self.client.get_run(run_id).info.artifact_uri

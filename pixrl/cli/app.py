@@ -60,12 +60,24 @@ def _export(out: dict, export: Optional[str]) -> None:
         console.print(f"  exported     {export}/ref.json, metrics.json")
 
 
-def _run_training(cfg, workdir: str, resume_run_id: Optional[str], fork: Optional[dict] = None,
-                  export: Optional[str] = None) -> None:
+def _prepare_process(cfg) -> None:
+    """Before a flow runs: the configured compute threads, and the local Prefect API server
+    started at a lower CPU priority (flows/api_server.py) unless one is configured."""
     if cfg.run.threads:
         import torch
 
         torch.set_num_threads(cfg.run.threads)
+    from ..flows.api_server import start_local_api
+
+    try:
+        start_local_api()
+    except ValueError as exc:
+        _fail(str(exc))
+
+
+def _run_training(cfg, workdir: str, resume_run_id: Optional[str], fork: Optional[dict] = None,
+                  export: Optional[str] = None) -> None:
+    _prepare_process(cfg)
     from ..flows.online import train as train_flow
     from ..progress_view import StageProgress
 

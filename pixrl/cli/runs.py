@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from .app import _checked_config, _export, _fail, _run_training, _workdir_tracker, app, console
+from .app import _checked_config, _export, _fail, _prepare_process, _run_training, _workdir_tracker, app, console
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -45,10 +45,7 @@ def rollouts(
     from ..flows.rollouts import RolloutsError, rollouts as rollouts_flow
 
     cfg = _checked_config(config, list(ctx.args), iterations, workdir, run, seed)
-    if cfg.run.threads:
-        import torch
-
-        torch.set_num_threads(cfg.run.threads)
+    _prepare_process(cfg)
     s = cfg.sampling
     console.print(f"[bold]pixrl rollouts[/] {cfg.run.name}: policy version {policy_version} · {cfg.run.iterations} × "
                   f"{s.prompts_per_iteration} prompts × {s.group_size} samples · workdir {cfg.run.workdir}")
@@ -230,6 +227,7 @@ def dpo(
     progress_log.setLevel(logging.INFO)
     progress_log.addHandler(RichHandler(console=console, show_path=False))
 
+    _prepare_process(cfg)
     console.print(f"[bold]pixrl dpo[/] {cfg.run.name}: {cfg.dpo.steps} steps · {cfg.dpo.pairing} pairs from "
                   f"{', '.join(sources)} · workdir {workdir}")
     try:

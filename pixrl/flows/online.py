@@ -1,5 +1,12 @@
-"""The online RL loop: `train` runs N iterations; each is one `rl_iteration` flow of six tasks
-(generate → decode → score → replay → update → publish) that pass references, never tensors."""
+"""The online RL loop: `train` runs N iterations; each is six tasks of the train flow run
+(generate → decode → score → replay → update → publish, named `<stage>[it=N]`) that pass
+references, never tensors. No task tags: a tagged task asks the API for concurrency slots
+(≈2 s per task against the local server here).
+
+Iterations are not subflows: on this machine a sync subflow costs 1.2–1.3 s of Prefect
+bookkeeping (its tracking task, flow-run creation, state proposals and the heartbeat thread's
+join) against ≈17 ms per task — 9% of a miniature iteration, which the pipeline/bare target of
+issue 14 (≤ 1.05) cannot carry. benchmarks/prefect_overhead.py measures both."""
 
 from __future__ import annotations
 
@@ -39,13 +46,12 @@ def open_run(config: dict, workdir: str, resume_run_id: str | None = None, fork:
     return start_run(cfg, wd, tracker, fr_id, cfg.algorithm.name, fork_tags(fork) if fork else None)
 
 
-@flow(name="pixrl-iteration")
 def rl_iteration(spec: RunSpec, iteration: int, policy: dict) -> dict:
-    """One RL iteration; returns the newly published policy reference. Each task retries
-    transient faults as configured in run.retries; anything else fails the iteration at once."""
+    """One RL iteration as six tasks of the calling flow run; returns the newly published policy
+    reference. Each task retries transient faults as configured in run.retries; anything else
+    fails the iteration at once."""
     run = spec.cfg.run
-    label = f"[it={iteration}]"
-    t = {f.name: with_retries(f, run).with_options(task_run_name=f"{f.name}{label}")
+    t = {f.name: with_retries(f, run).with_options(task_run_name=f"{f.name}[it={iteration}]")
          for f in (generate, decode, score, replay, update, publish)}
     table = t["generate"](spec, iteration, policy)
     table = t["decode"](spec, iteration, table)
@@ -94,17 +100,18 @@ def train(config: dict, workdir: str = "work", resume_run_id: str | None = None,
                 for stage in STAGES:
                     progress.skipped(it, stage)
                 policy = done.to_dict()
+                update_progress(progress_id, it + 1, cfg.run.iterations)
             else:
                 t0 = time.perf_counter()
                 policy = rl_iteration(spec, it, policy)
-                wall = time.perf_counter() - t0  # includes the subflow's own Prefect bookkeeping
+                report_iteration.with_options(task_run_name=f"report[it={it}]")(spec, it)
+                update_progress(progress_id, it + 1, cfg.run.iterations)
+                wall = time.perf_counter() - t0  # the whole iteration, Prefect and reporting included
                 stage_s = progress.stage_seconds(spec.run_id, it)
                 if stage_s:  # an iteration found complete in the stores logs nothing again
                     tracker.log_metrics(spec.run_id, {"time/iteration_s": wall,
                                                       "orchestration_overhead": 1.0 - sum(stage_s.values()) / wall},
                                         step=it)
-                report_iteration.with_options(task_run_name=f"report[it={it}]")(spec, it)
-            update_progress(progress_id, it + 1, cfg.run.iterations)
             if every and ((it + 1) % every == 0 or it + 1 == cfg.run.iterations):
                 evaluate.with_options(task_run_name=f"evaluate[after={it + 1}]")(spec, it + 1, policy)
     except BaseException:

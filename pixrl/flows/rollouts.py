@@ -25,9 +25,9 @@ class RolloutsError(ValueError):
     """A policy to archive that the registry does not have."""
 
 
-@flow(name="pixrl-rollout-iteration")
 def rollout_iteration(spec, iteration: int, policy: dict) -> dict:
-    """One batch of groups from `policy`, decoded and scored; returns the table reference."""
+    """One batch of groups from `policy`, decoded and scored, as three tasks of the calling flow
+    run (no subflow per iteration: see flows/online.py); returns the table reference."""
     run = spec.cfg.run
     t = {f.name: with_retries(f, run).with_options(task_run_name=f"{f.name}[it={iteration}]")
          for f in (generate, decode, score)}

@@ -116,9 +116,9 @@ class OnlineStages:
         pngs = [png_bytes(im) for im in imgs]
         seconds = time.perf_counter() - t0
         g = self.cfg.sampling.group_size
-        grid = image_grid(imgs[: min(8, len(imgs) // g) * g], cols=g, scale=4)
-        self.tracker.log_image(self.spec.run_id, grid, key="samples", step=iteration)
-        self.tracker.log_image_file(self.spec.run_id, grid, f"samples/it_{iteration:04d}.png")
+        grid = image_grid(imgs[: min(8, len(imgs) // g) * g], cols=g, scale=max(1, 64 // imgs.shape[1]))
+        self.tracker.log_image(self.spec.run_id, grid, key="samples", step=iteration)  # MLflow's per-step viewer
+        self.tracker.log_png_file(self.spec.run_id, png_bytes(grid, compress_level=1), f"samples/it_{iteration:04d}.png")
         upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"],
                         "image": pa.array(pngs, pa.binary())})
         metrics = self.records.before_commit("decode", iteration, {"decode_compute_s": seconds})
