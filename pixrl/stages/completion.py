@@ -18,6 +18,7 @@ and lineage (forks) all read this table — nowhere else decides it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from ..artifacts.checkpoints import CheckpointRef, read_counters, verify_checkpoint
@@ -63,6 +64,11 @@ class RunStores:
         self.layout: RunLayout = spec.layout
         self.table = TrajectoryStore(spec.table_uri)
         self.tracker = tracker or Tracker(spec.tracking_uri)
+
+    @cached_property
+    def run_artifact_uri(self) -> str:
+        """The MLflow run's artifact root (fixed for the run's life: asked once)."""
+        return self.tracker.artifact_uri(self.spec.run_id)
 
     def latest(self) -> TableRef:
         return TableRef(self.table.uri, self.table.latest_version())

@@ -10,10 +10,9 @@ from prefect import task
 from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
                                update_progress_artifact)
 
-from ..artifacts.tracking import Tracker
-from ..artifacts.trajectories import TrajectoryStore
 from ..run import RunSpec
 from ..stages.report import reward_report
+from ..stages.session import online_stages
 
 
 def artifact_key(*parts: str) -> str:
@@ -22,9 +21,10 @@ def artifact_key(*parts: str) -> str:
 
 @task(name="report", persist_result=False)
 def report_iteration(spec: RunSpec, iteration: int) -> None:
-    create_table_artifact(reward_report(TrajectoryStore(spec.table_uri), spec.run_id, iteration), key=artifact_key(spec.run_name, "rewards"),
+    stores = online_stages(spec).stores  # the run's open stores: no new table handle or MLflow client per iteration
+    create_table_artifact(reward_report(stores.table, spec.run_id, iteration), key=artifact_key(spec.run_name, "rewards"),
                           description=f"{spec.run_name} iteration {iteration}: reward per component and category")
-    grid = Tracker(spec.tracking_uri).artifact_uri(spec.run_id, f"samples/it_{iteration:04d}.png")
+    grid = f"{stores.run_artifact_uri}/samples/it_{iteration:04d}.png"
     create_markdown_artifact(
         f"### {spec.run_name} · iteration {iteration}\n\nSample grid (one row per prompt, one column per group "
         f"member): `{grid}`\n\nMLflow run `{spec.run_id}` — `mlflow ui --backend-store-uri {spec.tracking_uri}`",
