@@ -31,7 +31,8 @@ from pixrl.stages.plan import seed_of
 class BareLoop:
     """Flow-GRPO on the configured family, everything in memory."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, init_weights: dict | None = None):
+        """`init_weights`: trainable weights to start from (a checkpoint's), instead of the base."""
         if cfg.algorithm.optimizer_steps_per_iteration != 1 or cfg.sampling.guidance_scale > 1:
             raise SystemExit("the bare loop mirrors one optimizer step per iteration without CFG (the default recipe)")
         self.cfg = cfg
@@ -41,6 +42,12 @@ class BareLoop:
         self.fam = get_family(m.family).load(resolve_model_path(m.path), dtype=m.dtype, device=m.device,
                                              max_sequence_length=m.max_sequence_length)
         module = self.fam.trainable_module().requires_grad_(True)
+        if init_weights is not None:
+            missing, unexpected = module.load_state_dict(init_weights, strict=False)
+            params = {n for n, _ in module.named_parameters()}
+            if unexpected or params & set(missing):
+                raise SystemExit(f"the checkpoint does not match the trainable module: unexpected {unexpected[:3]}, "
+                                 f"missing {sorted(params & set(missing))[:3]}")
         a = cfg.algorithm
         self.params = list(module.parameters())
         self.opt = torch.optim.AdamW(self.params, lr=a.lr, betas=a.adam_betas, eps=a.adam_eps,
@@ -104,17 +111,26 @@ class BareLoop:
         return t_end - t0
 
 
-def run_bare(overrides: list[str], iterations: int) -> list[float]:
-    loop = BareLoop(load_config(None, overrides))
-    return [loop.iteration(it) for it in range(iterations)]
+def run_bare(overrides: list[str], iterations: int, start: int = 0, init_checkpoint=None) -> list[float]:
+    """Wall seconds of iterations start..start+iterations-1 (their prompts and seeds), from the
+    base weights or from `init_checkpoint`'s (the weights the pipeline's iteration `start` used)."""
+    init = None
+    if init_checkpoint is not None:
+        from pixrl.artifacts.checkpoints import load_weights
+
+        init = load_weights(init_checkpoint)
+    loop = BareLoop(load_config(None, overrides), init)
+    return [loop.iteration(it) for it in range(start, start + iterations)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iterations", type=int, default=5)
+    ap.add_argument("--start", type=int, default=0, help="first iteration (its prompts and seeds)")
+    ap.add_argument("--init-checkpoint", default=None, help="start from this checkpoint's trainable weights")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
-    walls = run_bare(a.overrides, a.iterations)
+    walls = run_bare(a.overrides, a.iterations, a.start, a.init_checkpoint)
     print(f"bare loop: median {statistics.median(walls[1:] or walls):.2f} s/iteration over {len(walls)} "
           f"({', '.join(f'{w:.2f}' for w in walls)})")
 

@@ -206,10 +206,13 @@ def run_history(a) -> None:
     if not a.no_bare:
         from bare_loop import run_bare
 
-        bare = run_bare(["run.eval_every=0", *a.overrides], k + 1)[1:]
-        print(f"\nbare loop (plain torch, same work): median {statistics.median(bare):.2f} s/iteration over {len(bare)} "
-              f"(of {k + 1}, the first left out); pipeline at iterations {_ranges(steps)} / bare = "
-              f"**{it_med / statistics.median(bare):.3f}**")
+        init = stores.layout.checkpoint(n - 1)  # the weights the pipeline's iteration n rolled out with
+        init = init if (init / "trainable.safetensors").is_file() else None
+        bare = run_bare(["run.eval_every=0", *a.overrides], k, start=n, init_checkpoint=init)[skip:]
+        print(f"\nbare loop (plain torch, same work: iterations {_ranges(list(range(n, n + k)))}, their prompts and "
+              f"seeds, from {'the weights of iteration ' + str(n - 1) if init else 'the base weights'}; the first "
+              f"left out): median {statistics.median(bare):.2f} s/iteration; pipeline at iterations "
+              f"{_ranges(steps)} / bare = **{it_med / statistics.median(bare):.3f}**")
 
     # 5. the resume started at iteration N and the stores hold N+K iterations
     checks += check_history(c, stores, n, k)

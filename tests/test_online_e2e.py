@@ -134,6 +134,12 @@ def test_periodic_heldout_evaluation_and_champion_alias(tiny_checkpoint, tmp_pat
     run_id = json.loads(res.stdout.strip().splitlines()[-1])["run_id"]
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     acc = {m.step: m.value for m in client.get_metric_history(run_id, "heldout/accuracy")}
+    out = " ".join(res.output.split())  # the terminal shows each evaluation and a before → best → last summary
+    for after in (0, 1, 2):
+        assert f"held-out after {after} iterations: accuracy {acc[after]:.3f}" in out, res.output
+    assert f"held-out (after iterations 0 → best" in out and "→ last 2)" in out
+    assert f"accuracy {acc[0]:.3f} → {max(acc.values()):.3f} → {acc[2]:.3f}" in out
+    assert "|g|=" in out and "ratio∈[" in out  # the update shows quantities that move, not only GRPO's ~0 loss
     assert sorted(acc) == [0, 1, 2] and all(0.0 <= v <= 1.0 for v in acc.values())
     for cat in ("counting", "position", "color_attr"):
         assert len(client.get_metric_history(run_id, f"heldout/{cat}")) == 3

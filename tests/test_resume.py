@@ -130,3 +130,85 @@ def test_sigkill_from_outside_at_an_arbitrary_moment(tiny_checkpoint, tmp_path):
     final = lambda w, rid: load_file(str(w / "checkpoints" / "A" / rid / "it_0002" / "trainable.safetensors"))
     want, got = final(ref, ref_id), final(wd, run_id)
     assert all(got[k].equal(want[k]) for k in want), "resumed weights differ from the uninterrupted run"
+
+
+# --- interrupts from outside: SIGTERM stops cleanly, SIGKILL leaves no child behind -----------------
+
+def _children(pid: int) -> list[int]:
+    """Live (non-zombie) processes whose parent is `pid`, from /proc."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[1]) == pid and stat[0] != "Z":
+                out.append(int(d))
+    return out
+
+
+def _alive(pids: list[int]) -> list[int]:
+    live = []
+    for p in pids:
+        try:
+            if open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+                live.append(p)
+        except OSError:
+            pass
+    return live
+
+
+def _own_server_process(args, tmp_path, env_extra):
+    """`pixrl ...` with no configured Prefect API: it starts (and must stop) its own server."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", ENV)}
+    env.update({"PREFECT_HOME": str(tmp_path / "prefect-home"), **env_extra})
+    return subprocess.Popen([sys.executable, "-c", "from pixrl.cli import app; app()", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _wait_for(path_glob, wd, p, timeout=300):
+    deadline = time.time() + timeout
+    while not list(wd.glob(path_glob)):
+        assert p.poll() is None and time.time() < deadline, p.communicate()[0][-3000:] if p.poll() is not None else "timeout"
+        time.sleep(0.1)
+
+
+def test_sigterm_during_update_stops_cleanly_and_resumes_bit_identical(tiny_checkpoint, tmp_path, uninterrupted):
+    wd = tmp_path / "wd"
+    p = _own_server_process(train_args(tiny_checkpoint, wd, "T"), tmp_path, {ENV: "update@1:stall"})
+    _wait_for("records/T/*/it_0001/update.json", wd, p)  # the update computed, stalled before its commit
+    kids = _children(p.pid)
+    assert kids, "the run started no Prefect API server"
+    t0 = time.time()
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=30)
+    assert time.time() - t0 < 10 and p.returncode == 130, out[-3000:]
+    assert "pixrl resume T" in out and "Traceback" not in out
+    assert "INFO mlflow" not in out and "alembic" not in out  # no third-party INFO amid the progress lines
+    deadline = time.time() + 10
+    while _alive(kids) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _alive(kids), f"children still alive after SIGTERM: {_alive(kids)}"
+    client = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("pixrl").experiment_id])
+    assert run.info.status == "KILLED"
+    assert not list((wd / "checkpoints" / "T" / run.info.run_id).glob("it_0001*")), "the interrupted update committed"
+    assert (wd / "locks" / "T.lock").read_text() == "", "the run's lock was not released"
+    run_id = _resume_process(wd, "T")
+    assert run_id == run.info.run_id
+    check_resumed_run(wd, "T", run_id, uninterrupted)
+
+
+def test_sigkill_of_the_run_leaves_no_child_alive(tiny_checkpoint, tmp_path):
+    wd = tmp_path / "wd"
+    p = _own_server_process(train_args(tiny_checkpoint, wd, "K2"), tmp_path, {ENV: "decode@0:stall"})
+    _wait_for("records/K2/*/it_0000/decode.json", wd, p)
+    kids = _children(p.pid)
+    assert kids, "the run started no Prefect API server"
+    os.kill(p.pid, signal.SIGKILL)  # the main process only, as the OOM killer would
+    p.communicate(timeout=30)
+    deadline = time.time() + 10
+    while _alive(kids) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _alive(kids), f"children outlived the killed run: {_alive(kids)}"

@@ -4,6 +4,7 @@ directory's tracker, a checked config, running the training flow with its progre
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -60,9 +61,34 @@ def _export(out: dict, export: Optional[str]) -> None:
         console.print(f"  exported     {export}/ref.json, metrics.json")
 
 
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM stops a run as Ctrl-C does: the running stage is abandoned before its commit, the
+    MLflow run ends KILLED, the Prefect flow run Crashed, the run's lock is released and the API
+    server stopped at exit. A second SIGTERM kills at once."""
+    import signal
+
+    def _handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _handler)
+
+
+@contextmanager
+def _interruptible(run: str, workdir: str, resume: bool = True):
+    """Turn an interrupt of a flow into one message (with the command that continues) and exit 130."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        hint = f" Continue with: pixrl resume {run} --workdir {workdir}" if resume else ""
+        console.print(f"\n[bold yellow]interrupted.[/] Run {run!r} stopped; every committed stage is kept.{hint}")
+        raise typer.Exit(130) from None
+
+
 def _prepare_process(cfg) -> None:
-    """Before a flow runs: the configured compute threads, and the local Prefect API server
-    started at a lower CPU priority (flows/api_server.py) unless one is configured."""
+    """Before a flow runs: SIGTERM handling, the configured compute threads, and the local Prefect
+    API server started at a lower CPU priority (flows/api_server.py) unless one is configured."""
+    _interrupt_on_sigterm()
     if cfg.run.threads:
         import torch
 
@@ -78,15 +104,19 @@ def _prepare_process(cfg) -> None:
 def _run_training(cfg, workdir: str, resume_run_id: Optional[str], fork: Optional[dict] = None,
                   export: Optional[str] = None) -> None:
     _prepare_process(cfg)
+    from ..artifacts.run_lock import RunLocked
     from ..flows.online import train as train_flow
     from ..progress_view import StageProgress
 
     verb = "resume" if resume_run_id else "train"
     console.print(f"[bold]pixrl {verb}[/] {cfg.run.name}: {cfg.model.family} · {cfg.algorithm.name} · "
                   f"reward {', '.join(cfg.reward.weights)} · {cfg.run.iterations} iterations · workdir {workdir}")
-    with StageProgress(console, cfg.run.iterations) as view:
+    with _interruptible(cfg.run.name, workdir), StageProgress(console, cfg.run.iterations) as view:
         try:
             out = train_flow(cfg.model_dump(mode="json"), workdir, resume_run_id, fork)
+        except RunLocked as exc:
+            view.stop()
+            _fail(str(exc), code=1)
         except Exception as exc:  # the flow already marked the MLflow run FAILED
             view.stop()
             _fail(f"{type(exc).__name__}: {exc}", code=1)

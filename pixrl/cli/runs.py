@@ -8,7 +8,8 @@ from typing import Optional
 
 import typer
 
-from .app import _checked_config, _export, _fail, _prepare_process, _run_training, _workdir_tracker, app, console
+from .app import (_checked_config, _export, _fail, _interruptible, _prepare_process, _run_training, _workdir_tracker,
+                  app, console)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -42,6 +43,7 @@ def rollouts(
 ) -> None:
     """Archive scored rollouts of one policy without training (generate → decode → score), for
     offline training: `pixrl dpo --from RUN` mines them like an RL run's archive."""
+    from ..artifacts.run_lock import RunLocked
     from ..flows.rollouts import RolloutsError, rollouts as rollouts_flow
 
     cfg = _checked_config(config, list(ctx.args), iterations, workdir, run, seed)
@@ -51,10 +53,11 @@ def rollouts(
                   f"{s.prompts_per_iteration} prompts × {s.group_size} samples · workdir {cfg.run.workdir}")
     from ..progress_view import StageProgress
 
-    with StageProgress(console, cfg.run.iterations, last_stage="score") as view:
+    with _interruptible(cfg.run.name, cfg.run.workdir, resume=False), \
+            StageProgress(console, cfg.run.iterations, last_stage="score") as view:
         try:
             out = rollouts_flow(cfg.model_dump(mode="json"), cfg.run.workdir, policy_version)
-        except RolloutsError as exc:
+        except (RolloutsError, RunLocked) as exc:
             view.stop()
             _fail(str(exc))
         except Exception as exc:  # the flow already marked the MLflow run FAILED
@@ -220,6 +223,7 @@ def dpo(
     from rich.logging import RichHandler
 
     from ..artifacts.archive import ArchiveError
+    from ..artifacts.run_lock import RunLocked
     from ..stages.offline import OfflineError
     from ..flows.offline_dpo import offline_dpo
 
@@ -230,12 +234,15 @@ def dpo(
     _prepare_process(cfg)
     console.print(f"[bold]pixrl dpo[/] {cfg.run.name}: {cfg.dpo.steps} steps · {cfg.dpo.pairing} pairs from "
                   f"{', '.join(sources)} · workdir {workdir}")
-    try:
-        out = offline_dpo(cfg.model_dump(mode="json"), workdir)
-    except (ArchiveError, OfflineError) as exc:
-        _fail(str(exc))
-    except Exception as exc:  # the flow already marked the MLflow run FAILED
-        _fail(f"{type(exc).__name__}: {exc}", code=1)
+    with _interruptible(cfg.run.name, workdir, resume=False):
+        try:
+            out = offline_dpo(cfg.model_dump(mode="json"), workdir)
+        except (ArchiveError, OfflineError) as exc:
+            _fail(str(exc))
+        except RunLocked as exc:
+            _fail(str(exc), code=1)
+        except Exception as exc:  # the flow already marked the MLflow run FAILED
+            _fail(f"{type(exc).__name__}: {exc}", code=1)
     console.print(f"[bold green]done.[/] held-out accuracy {out['heldout_before']:.3f} → {out['heldout_after']:.3f}")
     console.print(f"  MLflow run  {out['run_id']}   policy models:/{out['model_name']}/{out['policy']['version']}")
     console.print(f"  sources     {', '.join(out['sources'])}   pairs {out['pairs_uri']}")

@@ -13,6 +13,7 @@ DEFAULTS = {
     "HF_HUB_OFFLINE": "1",  # nothing is ever downloaded from a hub at run time
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+    "MLFLOW_LOGGING_LEVEL": "WARNING",  # no "Creating initial MLflow database tables" amid the progress lines
 }
 
 

@@ -12,12 +12,20 @@ are not slowed; only its background work yields to the compute.
 `PIXRL_API_SERVER_NICE` sets the increment (default 19; 0 leaves the priority alone). Nothing
 happens when an API URL is configured (a `prefect server`, a worker, the test harness) or when
 the ephemeral server is disabled.
+
+The server is also watched (`_server_watchdog.py`, Linux): Prefect stops it at a normal exit,
+but after SIGKILL of the run nothing did, and it lived on re-parented to init. The watchdog stops
+it within seconds of its owner's death.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +50,27 @@ def start_local_api() -> str | None:
         except (OSError, AttributeError) as exc:  # not permitted, or not a POSIX system: run as is
             log.warning("could not lower the priority of the Prefect API server (pid %s): %s",
                         server.server_process.pid, exc)
+    if server.server_process is not None:
+        _watch(server.server_process.pid)
     return server.api_url
+
+
+_watchdogs: dict[int, subprocess.Popen] = {}
+
+
+def _watch(server_pid: int) -> None:
+    """A watchdog process per server: it stops the server once this process is gone."""
+    if server_pid in _watchdogs or not sys.platform.startswith("linux"):
+        return
+    dog = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_server_watchdog.py")), str(os.getpid()),
+                            str(server_pid)], stdin=subprocess.DEVNULL, start_new_session=True)
+    _watchdogs[server_pid] = dog
+
+    def _stop() -> None:  # runs before Prefect's own atexit stop of the server (LIFO)
+        dog.terminate()
+        dog.wait()
+
+    atexit.register(_stop)
 
 
 def _nice_increment() -> int:

@@ -12,7 +12,9 @@ from prefect.runtime import flow_run
 
 from ..algorithms.base import build_algorithm
 from ..artifacts.archive import PinnedTable, resolve_sources
+from ..artifacts.run_lock import RunLock
 from ..artifacts.store_maintenance import pin_version
+from ..artifacts.tracking import end_status
 from ..artifacts.trajectories import TrajectoryStore
 from ..config.schema import ExperimentConfig
 from ..run import RunSpec
@@ -50,6 +52,11 @@ def open_dpo_run(config: dict, workdir: str, resume_run_id: str | None = None) -
 def offline_dpo(config: dict, workdir: str = "work", resume_run_id: str | None = None) -> dict:
     """Diffusion-DPO on preference pairs mined from archived rollouts; returns where results are."""
     cfg = ExperimentConfig.model_validate(config)
+    with RunLock(workdir, cfg.run.name):
+        return _offline_dpo(cfg, workdir, resume_run_id)
+
+
+def _offline_dpo(cfg: ExperimentConfig, workdir: str, resume_run_id: str | None) -> dict:
     spec, pinned = open_dpo_run(cfg.model_dump(mode="json"), workdir, resume_run_id)
     tracker = tracker_for(cfg, Path(spec.workdir))
     try:
@@ -58,8 +65,8 @@ def offline_dpo(config: dict, workdir: str = "work", resume_run_id: str | None =
         ckpt = stages.update(spec, pairs_uri)
         policy = stages.publish(spec, ckpt)
         ev = stages.evaluate(spec, ckpt, policy)
-    except BaseException:
-        tracker.end_run(spec.run_id, "FAILED")
+    except BaseException as exc:
+        tracker.end_run(spec.run_id, end_status(exc))
         raise
     n_pairs = int(tracker.client.get_run(spec.run_id).data.metrics.get("pairs", 0))
     tracker.set_tags(spec.run_id, {"pixrl.dpo.pairs": str(n_pairs)})

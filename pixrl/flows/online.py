@@ -16,7 +16,8 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.runtime import flow_run
 
-from ..artifacts.tracking import PolicyRef
+from ..artifacts.run_lock import RunLock
+from ..artifacts.tracking import PolicyRef, end_status
 from ..artifacts.trajectories import TrajectoryStore
 from ..config.schema import STAGES, ExperimentConfig
 from ..datasets.registry import has_evaluator
@@ -75,9 +76,16 @@ def train(config: dict, workdir: str = "work", resume_run_id: str | None = None,
     Every stage first asks the stores whether its output for (run, iteration) is committed and
     skips if so; resuming a run (or Prefect retrying this flow run) therefore redoes only the
     failed stage and what follows, with the same MLflow run. A fork (`pixrl replay --into`)
-    starts at fork.iteration from the parent's policy, reusing the parent's earlier stages."""
+    starts at fork.iteration from the parent's policy, reusing the parent's earlier stages.
+    One process at a time writes a run (artifacts/run_lock.py); an interrupt (SIGINT/SIGTERM)
+    ends the MLflow run KILLED, any other failure FAILED."""
     cfg = ExperimentConfig.model_validate(config)
     preflight(cfg)
+    with RunLock(workdir, cfg.run.name):  # before anything of the run is written
+        return _train(cfg, workdir, resume_run_id, fork)
+
+
+def _train(cfg: ExperimentConfig, workdir: str, resume_run_id: str | None, fork: dict | None) -> dict:
     spec = open_run(cfg.model_dump(mode="json"), workdir, resume_run_id, fork)
     stores = RunStores(spec)
     tracker = stores.tracker
@@ -114,8 +122,8 @@ def train(config: dict, workdir: str = "work", resume_run_id: str | None = None,
                                         step=it)
             if every and ((it + 1) % every == 0 or it + 1 == cfg.run.iterations):
                 evaluate.with_options(task_run_name=f"evaluate[after={it + 1}]")(spec, it + 1, policy)
-    except BaseException:
-        tracker.end_run(spec.run_id, "FAILED")
+    except BaseException as exc:
+        tracker.end_run(spec.run_id, end_status(exc))
         raise
     tracker.end_run(spec.run_id)
     return {"run_id": spec.run_id, "tracking_uri": spec.tracking_uri, "table_uri": spec.table_uri,

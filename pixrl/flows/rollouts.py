@@ -12,7 +12,8 @@ from mlflow.exceptions import MlflowException
 from prefect import flow
 from prefect.runtime import flow_run
 
-from ..artifacts.tracking import PolicyRef, Tracker, default_tracking_uri, policy_model_name
+from ..artifacts.run_lock import RunLock
+from ..artifacts.tracking import PolicyRef, Tracker, default_tracking_uri, end_status, policy_model_name
 from ..config.schema import ExperimentConfig
 from ..stages.preflight import preflight
 from ..tasks.report import report_iteration, start_progress, update_progress
@@ -57,6 +58,11 @@ def rollouts(config: dict, workdir: str = "work", policy_version: int = 0,
     cfg = ExperimentConfig.model_validate(config)
     preflight(cfg)
     policy = _policy(cfg, workdir, policy_version)  # before the run exists: a bad version writes nothing
+    with RunLock(workdir, cfg.run.name):
+        return _rollouts(cfg, workdir, policy, resume_run_id)
+
+
+def _rollouts(cfg: ExperimentConfig, workdir: str, policy: PolicyRef, resume_run_id: str | None) -> dict:
     spec = open_run(cfg.model_dump(mode="json"), workdir, resume_run_id)
     tracker = Tracker(spec.tracking_uri)
     tracker.set_tags(spec.run_id, {"pixrl.mode": "rollouts", "pixrl.policy_version": str(policy.version)})
@@ -66,8 +72,8 @@ def rollouts(config: dict, workdir: str = "work", policy_version: int = 0,
             rollout_iteration(spec, it, policy.to_dict())
             report_iteration.with_options(task_run_name=f"report[it={it}]")(spec, it)
             update_progress(progress_id, it + 1, cfg.run.iterations)
-    except BaseException:
-        tracker.end_run(spec.run_id, "FAILED")
+    except BaseException as exc:
+        tracker.end_run(spec.run_id, end_status(exc))
         raise
     tracker.end_run(spec.run_id)
     return {"run_id": spec.run_id, "tracking_uri": spec.tracking_uri, "table_uri": spec.table_uri,

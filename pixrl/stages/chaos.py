@@ -3,19 +3,23 @@ fail at its most delicate point — after its work, before its single commit (pu
 the version is registered, before the alias moves).
 
 kind: `raise` (a deterministic error), `transient` (a TransientError, once per process, so a
-task retry gets past it) or `sigkill` (the process dies without cleanup, as under the OOM
-killer or a lost node). Several faults can be given, comma-separated. Unset, it costs nothing.
+task retry gets past it), `sigkill` (the process dies without cleanup, as under the OOM killer
+or a lost node) or `stall` (the stage waits there for up to 10 minutes: a drill sends a signal
+from outside at that moment). Several faults can be given, comma-separated. Unset, it costs
+nothing.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 from .faults import TransientError
 
 ENV = "PIXRL_FAULT"
-KINDS = ("raise", "transient", "sigkill")
+KINDS = ("raise", "transient", "sigkill", "stall")
+STALL_S = 600
 _fired: set[str] = set()
 
 
@@ -46,6 +50,9 @@ def fault_point(stage: str, iteration: int) -> None:
             continue
         if kind == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "stall":
+            time.sleep(STALL_S)
+            continue
         key = f"{stage}@{iteration}:{kind}"
         if kind == "transient":
             if key in _fired:

@@ -30,6 +30,7 @@ from ..datasets.prompts import choose_prompts, load_prompt_set, select_categorie
 from ..engines.assets import resolve_asset
 from ..engines.base import Engine, PolicySource
 from ..run import RunSpec
+from . import progress
 from .chaos import fault_point
 from .completion import RunStores
 from .plan import BatchPlan, make_plan, seed_of
@@ -254,6 +255,7 @@ class OnlineStages:
                 metrics["heldout/champion_version"] = float(policy.version)
             self.records.write("evaluate", after, metrics)
         self.tracker.log_missing_metrics(self.spec.run_id, metrics, step=after)  # a rerun logs nothing twice
+        progress.evaluated(after, metrics)
         return metrics
 
     # --- records ------------------------------------------------------------------------------

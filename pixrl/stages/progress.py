@@ -13,6 +13,8 @@ class Reporter(Protocol):
 
     def stage_skipped(self, iteration: int, stage: str) -> None: ...
 
+    def evaluated(self, after: int, metrics: dict) -> None: ...
+
 
 _reporters: list[Reporter] = []
 _timings: dict[tuple[str, int], dict[str, float]] = {}
@@ -37,6 +39,13 @@ def finished(run_id: str, iteration: int, stage: str, seconds: float, metrics: d
 def skipped(iteration: int, stage: str) -> None:
     for r in list(_reporters):
         r.stage_skipped(iteration, stage)
+
+
+def evaluated(after: int, metrics: dict) -> None:
+    """A held-out evaluation of the policy after `after` iterations (metrics `heldout/...`)."""
+    for r in list(_reporters):
+        if hasattr(r, "evaluated"):
+            r.evaluated(after, metrics)
 
 
 def clear(run_id: str, iteration: int) -> None:
