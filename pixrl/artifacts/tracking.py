@@ -83,17 +83,25 @@ def local_path(uri: str | None) -> Path | None:
 
 
 def end_status(exc: BaseException) -> str:
-    """The MLflow status a run ends with when `exc` stops it: KILLED for an interrupt (SIGINT, or
-    SIGTERM turned into one by the CLI), FAILED otherwise."""
-    return "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
+    """The MLflow status a run ends with when `exc` stops it: KILLED for an interrupt (SIGINT,
+    SIGTERM — as the CLI's KeyboardInterrupt or Prefect's TerminationSignal — anywhere in the
+    exception's chain), FAILED otherwise."""
+    seen, e = set(), exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, (KeyboardInterrupt, SystemExit)) or type(e).__name__ == "TerminationSignal":
+            return "KILLED"
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return "FAILED"
 
 
 _READY_STORES: set[str] = set()
 
 
-def _init_store_once(client: MlflowClient, uri: str) -> None:
+def _init_store_once(uri: str) -> None:
     """Create/migrate a local SQLite store under a file lock, once per process: two processes
-    creating the same fresh store at once raced in MLflow's migrations (`duplicate column`)."""
+    creating the same fresh store at once raced in MLflow's migrations (`duplicate column`).
+    The client is made inside the lock: opening a store is what migrates it."""
     if uri in _READY_STORES or not uri.startswith("sqlite:///"):
         return
     import fcntl
@@ -102,7 +110,8 @@ def _init_store_once(client: MlflowClient, uri: str) -> None:
     db.parent.mkdir(parents=True, exist_ok=True)
     with open(db.with_name(db.name + ".init-lock"), "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes, or when the process dies
-        client.search_experiments(max_results=1)  # opens the stores: creates and migrates them if needed
+        client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+        client.search_experiments(max_results=1)
         client.search_registered_models(max_results=1)
     _READY_STORES.add(uri)
 
@@ -110,8 +119,8 @@ def _init_store_once(client: MlflowClient, uri: str) -> None:
 class Tracker:
     def __init__(self, tracking_uri: str):
         self.uri = tracking_uri
+        _init_store_once(tracking_uri)
         self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-        _init_store_once(self.client, tracking_uri)
 
     def artifact_root(self) -> str | None:
         """<dir of the sqlite file>/mlruns for a local sqlite store, so artifacts (checkpoints!) live
