@@ -212,3 +212,19 @@ def test_sigkill_of_the_run_leaves_no_child_alive(tiny_checkpoint, tmp_path):
     while _alive(kids) and time.time() < deadline:
         time.sleep(0.2)
     assert not _alive(kids), f"children outlived the killed run: {_alive(kids)}"
+
+
+def test_an_interrupt_anywhere_in_the_exception_chain_ends_the_run_killed():
+    from prefect.exceptions import TerminationSignal
+
+    from pixrl.flows.interrupts import end_status
+
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as k:
+            raise RuntimeError("a task crashed") from k
+    except RuntimeError as wrapped:
+        assert end_status(wrapped) == "KILLED"
+    assert end_status(TerminationSignal(signal.SIGTERM)) == "KILLED"
+    assert end_status(ValueError("bad config")) == "FAILED"

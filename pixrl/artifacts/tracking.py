@@ -82,19 +82,6 @@ def local_path(uri: str | None) -> Path | None:
     return None
 
 
-def end_status(exc: BaseException) -> str:
-    """The MLflow status a run ends with when `exc` stops it: KILLED for an interrupt (SIGINT,
-    SIGTERM — as the CLI's KeyboardInterrupt or Prefect's TerminationSignal — anywhere in the
-    exception's chain), FAILED otherwise."""
-    seen, e = set(), exc
-    while e is not None and id(e) not in seen:
-        if isinstance(e, (KeyboardInterrupt, SystemExit)) or type(e).__name__ == "TerminationSignal":
-            return "KILLED"
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return "FAILED"
-
-
 _READY_STORES: set[str] = set()
 
 

@@ -14,13 +14,13 @@ from ..algorithms.base import build_algorithm
 from ..artifacts.archive import PinnedTable, resolve_sources
 from ..artifacts.run_lock import RunLock
 from ..artifacts.store_maintenance import pin_version
-from ..artifacts.tracking import end_status
 from ..artifacts.trajectories import TrajectoryStore
 from ..config.schema import ExperimentConfig
 from ..run import RunSpec
 from ..stages.offline import check_selection
 from ..stages.runs import existing_run, reopen_run, start_run, tracker_for
 from ..tasks import dpo as stages
+from .interrupts import end_status
 
 
 @task(name="open-dpo-run", persist_result=False)

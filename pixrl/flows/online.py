@@ -17,7 +17,7 @@ from prefect import flow, task
 from prefect.runtime import flow_run
 
 from ..artifacts.run_lock import RunLock
-from ..artifacts.tracking import PolicyRef, end_status
+from ..artifacts.tracking import PolicyRef
 from ..artifacts.trajectories import TrajectoryStore
 from ..config.schema import STAGES, ExperimentConfig
 from ..datasets.registry import has_evaluator
@@ -30,6 +30,7 @@ from ..stages.runs import existing_run, fork_tags, reopen_run, start_run, tracke
 from ..tasks.report import report_iteration, start_progress, update_progress
 from ..tasks.retry import with_retries
 from ..tasks.stages import decode, evaluate, generate, publish, replay, score, update
+from .interrupts import end_status
 
 
 @task(name="open-run", persist_result=False)

@@ -13,12 +13,13 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from ..artifacts.run_lock import RunLock
-from ..artifacts.tracking import PolicyRef, Tracker, default_tracking_uri, end_status, policy_model_name
+from ..artifacts.tracking import PolicyRef, Tracker, default_tracking_uri, policy_model_name
 from ..config.schema import ExperimentConfig
 from ..stages.preflight import preflight
 from ..tasks.report import report_iteration, start_progress, update_progress
 from ..tasks.retry import with_retries
 from ..tasks.stages import decode, generate, score
+from .interrupts import end_status
 from .online import open_run
 
 
