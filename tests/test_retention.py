@@ -19,8 +19,8 @@ from conftest import tiny_overrides
 from pixrl.artifacts import retention
 from pixrl.artifacts.checkpoints import (CheckpointPruned, load_optimizer_state, load_weights,
                                          require_full_checkpoint, save_checkpoint, verify_checkpoint)
-from pixrl.artifacts.retention import (FULL, PRUNED, WEIGHTS_ONLY, VersionInfo, apply_retention, classify,
-                                       prune_checkpoints)
+from pixrl.artifacts.retention import (FULL, PRUNED, WEIGHTS_ONLY, RunRetention, VersionInfo, apply_retention,
+                                       classify, prune_checkpoints)
 from pixrl.artifacts.tracking import (PRUNED_TAG, WEIGHTS_ONLY_TAG, PrunedCheckpoint, Tracker,
                                       default_tracking_uri)
 from pixrl.cli import app
@@ -176,6 +176,42 @@ def test_retention_is_idempotent_and_a_crash_is_finished_by_the_next_call(tmp_pa
     again = apply_retention(tracker, MODEL, run_id, LADDER, root)
     assert (again.pruned, again.weights_only, again.bytes_freed) == ([], [], 0)
     assert _state(tracker, run_id, tmp_path / "w") == state
+
+
+def test_retention_after_each_publish_walks_only_what_can_change_and_ends_as_the_full_walk(tmp_path, monkeypatch):
+    """A run applies retention after every publish (RunRetention): after the first walk it looks
+    only at unsettled versions, yet an alias that moves away or an evaluation that arrives later is
+    honoured, and the result equals a full walk of the same registry (which then changes nothing)."""
+    wd = tmp_path / "w"
+    tracker, run_id, root = _published_run(wd, 1)
+    run_retention = RunRetention(tracker, MODEL, run_id, LADDER, root)
+    fetched = []
+    real_get = tracker.client.get_model_version
+    monkeypatch.setattr(tracker.client, "get_model_version", lambda name, v: fetched.append(int(v)) or real_get(name, v))
+    run_retention.published(1)
+    run_retention.apply()  # the first call walks everything
+    for it in range(1, 25):
+        w = _weights(it)
+        ck = save_checkpoint(root / f"it_{it:04d}", w, {"state": {}, "param_groups": []}, {"iteration": it}, {"run": {}})
+        ref = tracker.publish(run_id, root / f"it_{it:04d}", it, MODEL, ck.checkpoint_id, {"run_name": "r"})
+        if it == 4:
+            assert tracker.record_evaluation(tracker.find_version(MODEL, run_id, 4), 0.5, 8)
+        if it == 6:
+            tracker.move_alias(ref, "pinned")
+        if it == 15:
+            tracker.move_alias(tracker.find_version(MODEL, run_id, 14), "pinned")  # 6 is free to go now
+            assert tracker.record_evaluation(tracker.find_version(MODEL, run_id, 14), 0.75, 8)
+        fetched.clear()
+        run_retention.published(ref.version)
+        run_retention.apply()
+        assert len(fetched) <= 6, f"iteration {it}: looked at versions {fetched}"  # keep_full + new + aliased
+        if 9 <= it < 15:
+            assert (root / "it_0006" / "optimizer.pt").exists(), f"aliased iteration 6 reduced at iteration {it}"
+    kinds = _kinds(root, 25)
+    assert kinds[WEIGHTS_ONLY] == [9, 19] and 6 in kinds[PRUNED] and kinds[FULL] == [4, 14, 22, 23, 24]
+    state = _state(tracker, run_id, wd)
+    full = apply_retention(tracker, MODEL, run_id, LADDER, root)
+    assert (full.pruned, full.weights_only, full.bytes_freed) == ([], [], 0) and _state(tracker, run_id, wd) == state
 
 
 def test_replay_of_a_pruned_input_names_what_is_missing(tmp_path):

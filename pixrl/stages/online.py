@@ -22,7 +22,7 @@ from ..algorithms.sampling import SamplerRecipe
 from ..artifacts.batch import RolloutBatch
 from ..artifacts.checkpoints import CheckpointRef, save_checkpoint
 from ..artifacts.media import decode_png, image_grid, png_bytes
-from ..artifacts.retention import apply_retention
+from ..artifacts.retention import RunRetention
 from ..artifacts.store_maintenance import maintain_store
 from ..artifacts.tracking import PolicyRef
 from ..artifacts.trajectories import TableRef, meta_json, rewards_column
@@ -45,6 +45,8 @@ class OnlineStages:
         self.tracker, self.table = self.stores.tracker, self.stores.table
         self.records = StageRecords(spec.layout)
         self.algorithm = build_algorithm(self.cfg.algorithm)
+        self.retention = RunRetention(self.tracker, spec.model_name, spec.run_id, self.cfg.run.retention,
+                                      spec.layout.checkpoints)
 
     @cached_property
     def prompt_items(self):
@@ -235,10 +237,10 @@ class OnlineStages:
     def _publish(self, iteration: int, ckpt: CheckpointRef):
         ref, new = publish_checkpoint(self.stores, iteration, ckpt, {},
                                       before_alias=lambda: fault_point("publish", iteration))
+        self.retention.published(ref.version)
         if not new:
             return ref, None
-        res = apply_retention(self.tracker, self.spec.model_name, self.spec.run_id, self.cfg.run.retention,
-                              self.spec.layout.checkpoints)
+        res = self.retention.apply()
         return ref, {"policy_version": ref.version, **res.metrics()}
 
     # --- evaluate (every run.eval_every iterations) -------------------------------------------
