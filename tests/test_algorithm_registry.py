@@ -24,12 +24,13 @@ def test_each_algorithm_validates_its_own_settings():
         build_algorithm(AlgorithmConfig(beta=-1))
     algo = build_algorithm(AlgorithmConfig(clip_range=0.2))
     assert algo.settings.clip_range == 0.2 and algo.settings.std_eps == 1e-4 and not algo.offline
-    from pixrl.config.schema import DPOConfig
-
-    dpo = build_algorithm(AlgorithmConfig(name="diffusion_dpo"), DPOConfig())
+    dpo = build_algorithm(AlgorithmConfig(name="diffusion_dpo", beta=50))
     assert dpo.offline and dpo.needs == {"final_latent"} and dpo.needs_reference
-    with pytest.raises(ValueError, match="no settings|unknown key 'algorithm.clip_range'"):
-        build_algorithm(AlgorithmConfig(name="diffusion_dpo", clip_range=0.2), DPOConfig())
+    assert dpo.settings.beta == 50 and dpo.settings.timesteps == "logit_normal"
+    with pytest.raises(ValueError, match="unknown key 'algorithm.clip_range' for algorithm 'diffusion_dpo'"):
+        build_algorithm(AlgorithmConfig(name="diffusion_dpo", clip_range=0.2))
+    with pytest.raises(ValueError, match="algorithm.timesteps: Input should be 'logit_normal' or 'uniform'"):
+        build_algorithm(AlgorithmConfig(name="diffusion_dpo", timesteps="cosine"))
 
 
 def test_flow_grpo_loss_adds_beta_kl():

@@ -52,3 +52,23 @@ def test_errors_name_key_and_choices():
         load_config(None, ["sampling.micro_batch=7"])
     with pytest.raises(ConfigError, match="unknown model preset"):
         load_config(None, ["model=sdxl"])
+
+
+def test_diffusion_dpo_loss_settings_live_in_the_algorithm_section():
+    """Diffusion-DPO's loss (β, σ sampling) is its algorithm's settings; the old dpo.* keys — on a
+    command line or in a recorded config — mean the same, and both places set differently is refused."""
+    from pixrl.algorithms.base import build_algorithm
+    from pixrl.config.schema import ExperimentConfig
+
+    cfg = load_config("shapes_dpo", ["algorithm.beta=50"])
+    assert build_algorithm(cfg.algorithm).settings.beta == 50 and "beta" not in cfg.dpo.model_dump()
+    old_cli = load_config("shapes_dpo", ["dpo.beta=50", "dpo.timesteps=uniform"])
+    assert old_cli.algorithm.model_extra == {**cfg.algorithm.model_extra, "timesteps": "uniform"}
+    recorded = load_config("shapes_dpo", []).model_dump(mode="json")  # as a run recorded before the move
+    recorded["dpo"]["beta"] = recorded["algorithm"].pop("beta") / 2
+    assert ExperimentConfig.model_validate(recorded).algorithm.model_extra["beta"] == 50
+    recorded["algorithm"]["beta"] = 60.0
+    with pytest.raises(ValueError, match="dpo.beta=50.0 .* disagrees with algorithm.beta=60.0; set only algorithm.beta"):
+        ExperimentConfig.model_validate(recorded)
+    with pytest.raises(ConfigError, match="algorithm.beta: Input should be greater than 0"):
+        build_algorithm(load_config("shapes_dpo", ["algorithm.beta=0"]).algorithm)

@@ -74,6 +74,9 @@ def _wait_healthy(url: str, proc, timeout: float = 120) -> None:
     raise TimeoutError(f"Prefect server at {url} not healthy after {timeout}s")
 
 
+SERVERS: dict[str, subprocess.Popen] = {}  # API URL → the fixture's server process
+
+
 @pytest.fixture
 def prefect_server(tmp_path):
     port = _free_port()
@@ -83,12 +86,15 @@ def prefect_server(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
                              str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+    SERVERS[url] = proc
     try:
         _wait_healthy(url, proc)
         yield url, env
     finally:
-        os.killpg(proc.pid, 15)
+        if proc.poll() is None:
+            os.killpg(proc.pid, 15)
         proc.wait(timeout=30)
+        del SERVERS[url]
 
 
 def test_served_training_deployment_runs_from_a_trigger(prefect_server, tiny_checkpoint, tmp_path):
@@ -170,3 +176,43 @@ def test_prefect_yaml_deploys_to_a_process_pool_and_a_worker_runs_it(prefect_ser
             sub = client.read_flow_run(runs[0].data.tags["prefect.flow_run_id"])
             assert client.read_task_run(sub.parent_task_run_id).flow_run_id == fr.id
     assert lance.dataset(str(wd / "lance" / "pooled" / "trajectories.lance")).count_rows() == 8
+
+
+def test_serve_stops_on_sigterm_after_its_api_server_has_gone(tmp_path):
+    """`pixrl serve` with no API configured starts its own temporary API server; once that server
+    is killed, a supervisor's SIGTERM must still stop `pixrl serve` within 10 s (Prefect's own
+    graceful stop, and Ctrl-C's, wait on the dead API forever: measured, SIGTERM was ignored)."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_RUNNER_POLL_FREQUENCY="1")
+    serve = subprocess.Popen([sys.executable, "-c", "from pixrl.cli import app; app()", "serve", "--workdir",
+                              str(tmp_path / "wd")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while "serving pixrl-online/online" not in (line := serve.stdout.readline()):
+            assert line and time.time() < deadline, "pixrl serve did not start"
+        time.sleep(3)  # the runner is polling its API
+        servers = [p for p in _children_of(serve.pid) if "uvicorn" in Path(f"/proc/{p}/cmdline").read_text()]
+        assert len(servers) == 1, servers
+        os.kill(servers[0], 9)  # its API server dies
+        time.sleep(3)
+        assert serve.poll() is None
+        serve.send_signal(15)
+        assert serve.wait(timeout=10) == 143  # raises TimeoutExpired if SIGTERM is ignored
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, 9)
+            serve.wait()
+
+
+def _children_of(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 import numpy as np
 import torch
 
+from ..config.loader import ConfigError
 from ..config.registry import Registry
 from ..config.schema import AlgorithmConfig
 from .advantages import GroupAdvantages
@@ -41,10 +42,9 @@ class Algorithm(ABC):
     #: trains from archived rollouts (preference pairs), not inside the online loop
     offline: bool = False
 
-    def __init__(self, cfg: AlgorithmConfig, loss_settings=None):
+    def __init__(self, cfg: AlgorithmConfig):
         self.cfg = cfg
         self.settings = _own_settings(self.Settings, self.name or cfg.name, cfg.model_extra or {})
-        self.loss_settings = loss_settings
 
     @property
     def needs_reference(self) -> bool:
@@ -86,7 +86,7 @@ def _own_settings(model: type[BaseModel], name: str, values: dict) -> BaseModel:
                              if hint else "") + f"; its keys: {', '.join(own) or 'none'}; shared: {', '.join(shared)}")
             else:
                 lines.append(f"{key}: {err['msg']} (got {err.get('input')!r})")
-        raise ValueError("invalid config:\n  " + "\n  ".join(lines)) from None
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
 
 
 def _builtin() -> None:
@@ -97,7 +97,6 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm", "algorithms", _bui
 register_algorithm = ALGORITHMS.register
 
 
-def build_algorithm(cfg: AlgorithmConfig, loss_settings=None) -> Algorithm:
-    """The algorithm `cfg.name` names; `loss_settings`: a config section of the algorithm's own
-    (Diffusion-DPO's loss lives in the `dpo` section)."""
-    return ALGORITHMS.get(cfg.name)(cfg, loss_settings)
+def build_algorithm(cfg: AlgorithmConfig) -> Algorithm:
+    """The algorithm `cfg.name` names, with its own settings validated from the section's keys."""
+    return ALGORITHMS.get(cfg.name)(cfg)

@@ -9,8 +9,11 @@ At θ = ref, inside = 0 and L = ln 2. implicit_acc = mean(inside > 0).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
 
 from .base import Algorithm, register_algorithm
 
@@ -55,26 +58,31 @@ def dpo_loss(err_w: torch.Tensor, err_l: torch.Tensor, ref_err_w: torch.Tensor, 
     return loss, metrics
 
 
+class DPOSettings(BaseModel):
+    """Diffusion-DPO's own keys of the `algorithm` section (where the pairs come from is `dpo`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    beta: float = Field(100.0, gt=0, description="β of the DPO loss (flow_grpo's Flow-DPO uses 100)")
+    timesteps: Literal["logit_normal", "uniform"] = Field("logit_normal", description="how σ is drawn per pair")
+    logit_mean: float = Field(0.0, description="mean of the logit-normal σ")
+    logit_std: float = Field(1.0, gt=0, description="std of the logit-normal σ")
+
+
 @register_algorithm("diffusion_dpo")
 class DiffusionDPO(Algorithm):
     """The offline algorithm: a micro-batch is b winners then their b losers (final latents and
     prompts, read by key from the archive); one loss term per optimizer step."""
 
+    Settings = DPOSettings
     needs = frozenset({"final_latent"})
     offline = True
-
-    def __init__(self, cfg, loss_settings=None):
-        super().__init__(cfg, loss_settings)
-        if loss_settings is None:
-            raise ValueError("diffusion_dpo needs its loss settings (the `dpo` section): use the shapes_dpo "
-                             "experiment or dpo=best_worst")
 
     @property
     def needs_reference(self) -> bool:
         return True
 
     def losses(self, batch, policy):
-        d = self.loss_settings
+        d = self.settings
         x0 = policy.tensor(batch["final_latent"])
         b = len(x0) // 2
         x_w, x_l = x0[:b], x0[b:]

@@ -15,13 +15,14 @@ import lance
 import numpy as np
 import pyarrow as pa
 
+from ..errors import ExpectedError
 from .tracking import Tracker
 
 SELECT_COLUMNS = ["run_id", "iteration", "sample_id", "group_id", "prompt", "prompt_meta", "policy_version",
                   "reward", "rewards"]
 
 
-class ArchiveError(ValueError):
+class ArchiveError(ExpectedError, ValueError):
     pass
 
 

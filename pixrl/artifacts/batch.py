@@ -21,6 +21,8 @@ from typing import Any, Iterable
 import numpy as np
 import pyarrow as pa
 
+from ..errors import ExpectedError
+
 REWARD_ITEM = pa.struct([pa.field("name", pa.string()), pa.field("value", pa.float32())])
 
 
@@ -76,7 +78,7 @@ TRAJECTORY_FIELDS: tuple[FieldSpec, ...] = (
 FIELDS = {f.name: f for f in TRAJECTORY_FIELDS}
 
 
-class BatchError(ValueError):
+class BatchError(ExpectedError, ValueError):
     """A batch or table that does not match the field specification."""
 
 

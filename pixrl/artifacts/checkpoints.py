@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..errors import ExpectedError
+
 WEIGHTS = "trainable.safetensors"
 OPTIMIZER = "optimizer.pt"
 RNG = "rng.pt"
@@ -36,11 +38,11 @@ MANIFEST = "manifest.json"
 TRAINING_STATE = (OPTIMIZER, RNG)
 
 
-class CorruptCheckpoint(RuntimeError):
+class CorruptCheckpoint(ExpectedError, RuntimeError):
     """A checkpoint whose files are missing or do not match their manifest."""
 
 
-class CheckpointPruned(RuntimeError):
+class CheckpointPruned(ExpectedError, RuntimeError):
     """A checkpoint (or part of it: its optimizer and RNG state) that retention deleted, asked for
     by something that needs it; the message names what is missing, why, and what needs it."""
 

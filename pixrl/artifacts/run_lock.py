@@ -19,10 +19,12 @@ import sys
 import time
 from pathlib import Path
 
+from ..errors import ExpectedError
+
 log = logging.getLogger(__name__)
 
 
-class RunLocked(RuntimeError):
+class RunLocked(ExpectedError, RuntimeError):
     """Another live process holds the run."""
 
 

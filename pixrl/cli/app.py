@@ -20,6 +20,17 @@ console = Console(stderr=True)
 apply_defaults()
 
 
+@app.callback()
+def _options(verbose: bool = typer.Option(False, "--verbose", help="show the libraries' INFO logging "
+                                           "(Prefect, MLflow, alembic, transformers, diffusers)"),
+             debug: bool = typer.Option(False, "--debug", help="show the traceback of every error, "
+                                        "expected ones too (implies --verbose)")) -> None:
+    """RL post-training for visual generative models (Prefect + Lance + MLflow)."""
+    from .logs import configure
+
+    configure(verbose, debug)
+
+
 def _workdir_tracker(workdir: str):
     """The MLflow tracker of an existing work directory, or a clear error."""
     from ..artifacts.tracking import Tracker, default_tracking_uri
@@ -29,8 +40,17 @@ def _workdir_tracker(workdir: str):
     return Tracker(default_tracking_uri(Path(workdir)))
 
 
-def _fail(msg: str, code: int = 2) -> None:
-    console.print(f"[bold red]error:[/] {msg}")
+def _fail(msg: str, code: int = 2, exc: BaseException | None = None) -> None:
+    """One line naming the problem (and the fix); with `pixrl --debug`, `exc`'s traceback first."""
+    from rich.markup import escape
+
+    from .logs import OPTIONS
+
+    if OPTIONS.debug and exc is not None:
+        from rich.traceback import Traceback
+
+        console.print(Traceback.from_exception(type(exc), exc, exc.__traceback__))
+    console.print(f"[bold red]error:[/] {escape(msg)}", soft_wrap=True)  # one line; user text is not markup
     raise typer.Exit(code)
 
 
@@ -48,7 +68,7 @@ def _checked_config(config: Optional[str], overrides: list[str], iterations: Opt
         cfg = load_config(config, overrides)
         preflight(cfg)
     except (ConfigError, PreflightError) as exc:
-        _fail(str(exc))
+        _fail(str(exc), exc=exc)
     return cfg
 
 
@@ -85,6 +105,24 @@ def _interruptible(run: str, workdir: str, resume: bool = True):
         raise typer.Exit(130) from None
 
 
+@contextmanager
+def _run_lock(workdir: str, run: str):
+    """Hold the run's lock (artifacts/run_lock.py) around a flow, taken before the flow starts so
+    that a refusal is one line and no Prefect flow run; the flow takes it again (re-entrant), so
+    runs started from a deployment are guarded the same way."""
+    from ..artifacts.run_lock import RunLock, RunLocked
+
+    lock = RunLock(workdir, run)
+    try:
+        lock.acquire()
+    except RunLocked as exc:
+        _fail(str(exc), code=1, exc=exc)
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def _prepare_process(cfg) -> None:
     """Before a flow runs: SIGTERM handling, the configured compute threads, and the local Prefect
     API server started at a lower CPU priority (flows/api_server.py) unless one is configured."""
@@ -94,32 +132,31 @@ def _prepare_process(cfg) -> None:
 
         torch.set_num_threads(cfg.run.threads)
     from ..flows.api_server import start_local_api
+    from .logs import quiet_expected_failures
 
     try:
         start_local_api()
     except ValueError as exc:
-        _fail(str(exc))
+        _fail(str(exc), exc=exc)
+    quiet_expected_failures()
 
 
 def _run_training(cfg, workdir: str, resume_run_id: Optional[str], fork: Optional[dict] = None,
                   export: Optional[str] = None) -> None:
-    _prepare_process(cfg)
-    from ..artifacts.run_lock import RunLocked
     from ..flows.online import train as train_flow
     from ..progress_view import StageProgress
 
-    verb = "resume" if resume_run_id else "train"
-    console.print(f"[bold]pixrl {verb}[/] {cfg.run.name}: {cfg.model.family} · {cfg.algorithm.name} · "
-                  f"reward {', '.join(cfg.reward.weights)} · {cfg.run.iterations} iterations · workdir {workdir}")
-    with _interruptible(cfg.run.name, workdir), StageProgress(console, cfg.run.iterations) as view:
-        try:
-            out = train_flow(cfg.model_dump(mode="json"), workdir, resume_run_id, fork)
-        except RunLocked as exc:
-            view.stop()
-            _fail(str(exc), code=1)
-        except Exception as exc:  # the flow already marked the MLflow run FAILED
-            view.stop()
-            _fail(f"{type(exc).__name__}: {exc}", code=1)
+    with _run_lock(workdir, cfg.run.name):
+        _prepare_process(cfg)
+        verb = "resume" if resume_run_id else "train"
+        console.print(f"[bold]pixrl {verb}[/] {cfg.run.name}: {cfg.model.family} · {cfg.algorithm.name} · "
+                      f"reward {', '.join(cfg.reward.weights)} · {cfg.run.iterations} iterations · workdir {workdir}")
+        with _interruptible(cfg.run.name, workdir), StageProgress(console, cfg.run.iterations) as view:
+            try:
+                out = train_flow(cfg.model_dump(mode="json"), workdir, resume_run_id, fork)
+            except Exception as exc:  # the flow already marked the MLflow run FAILED
+                view.stop()
+                _fail(f"{type(exc).__name__}: {exc}", code=1, exc=exc)
     wd = Path(out["workdir"])
     console.print("\n[bold green]done.[/] Results:")
     console.print(f"  MLflow run   {out['run_id']}  (UI: mlflow ui --backend-store-uri {out['tracking_uri']})")

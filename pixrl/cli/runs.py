@@ -8,8 +8,8 @@ from typing import Optional
 
 import typer
 
-from .app import (_checked_config, _export, _fail, _interruptible, _prepare_process, _run_training, _workdir_tracker,
-                  app, console)
+from .app import (_checked_config, _export, _fail, _interruptible, _prepare_process, _run_lock, _run_training,
+                  _workdir_tracker, app, console)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -43,26 +43,26 @@ def rollouts(
 ) -> None:
     """Archive scored rollouts of one policy without training (generate → decode → score), for
     offline training: `pixrl dpo --from RUN` mines them like an RL run's archive."""
-    from ..artifacts.run_lock import RunLocked
     from ..flows.rollouts import RolloutsError, rollouts as rollouts_flow
 
     cfg = _checked_config(config, list(ctx.args), iterations, workdir, run, seed)
-    _prepare_process(cfg)
-    s = cfg.sampling
-    console.print(f"[bold]pixrl rollouts[/] {cfg.run.name}: policy version {policy_version} · {cfg.run.iterations} × "
-                  f"{s.prompts_per_iteration} prompts × {s.group_size} samples · workdir {cfg.run.workdir}")
-    from ..progress_view import StageProgress
+    with _run_lock(cfg.run.workdir, cfg.run.name):
+        _prepare_process(cfg)
+        s = cfg.sampling
+        console.print(f"[bold]pixrl rollouts[/] {cfg.run.name}: policy version {policy_version} · {cfg.run.iterations} × "
+                      f"{s.prompts_per_iteration} prompts × {s.group_size} samples · workdir {cfg.run.workdir}")
+        from ..progress_view import StageProgress
 
-    with _interruptible(cfg.run.name, cfg.run.workdir, resume=False), \
-            StageProgress(console, cfg.run.iterations, last_stage="score") as view:
-        try:
-            out = rollouts_flow(cfg.model_dump(mode="json"), cfg.run.workdir, policy_version)
-        except (RolloutsError, RunLocked) as exc:
-            view.stop()
-            _fail(str(exc))
-        except Exception as exc:  # the flow already marked the MLflow run FAILED
-            view.stop()
-            _fail(f"{type(exc).__name__}: {exc}", code=1)
+        with _interruptible(cfg.run.name, cfg.run.workdir, resume=False), \
+                StageProgress(console, cfg.run.iterations, last_stage="score") as view:
+            try:
+                out = rollouts_flow(cfg.model_dump(mode="json"), cfg.run.workdir, policy_version)
+            except RolloutsError as exc:
+                view.stop()
+                _fail(str(exc), exc=exc)
+            except Exception as exc:  # the flow already marked the MLflow run FAILED
+                view.stop()
+                _fail(f"{type(exc).__name__}: {exc}", code=1, exc=exc)
     console.print(f"[bold green]done.[/] MLflow run {out['run_id']}  Lance table {out['table_uri']}")
     console.print(f"  next: pixrl dpo --from {cfg.run.name} --workdir {cfg.run.workdir}")
     print(json.dumps({k: out[k] for k in ("run_id", "table_uri", "model_name", "policy", "flow_run_id")}))
@@ -85,7 +85,7 @@ def resume(
     try:
         preflight(cfg)
     except PreflightError as exc:
-        _fail(str(exc))
+        _fail(str(exc), exc=exc)
     fork = tracker.client.get_run(run_id).data.tags.get("pixrl.fork")  # a fork resumes from its fork point
     _run_training(cfg, str(Path(workdir)), run_id, json.loads(fork) if fork else None)
 
@@ -125,7 +125,7 @@ def replay(
         try:
             rep = replay_update(parent, iteration)
         except LineageError as exc:
-            _fail(str(exc))
+            _fail(str(exc), exc=exc)
         verdict = "[green]equal[/]" if rep.equal else f"[red]differ[/] in {len(rep.differing)} tensors (max |Δ| {rep.max_abs_diff:.3g})"
         console.print(f"replayed update of {run} iteration {iteration}: {rep.tensors} tensors, {verdict} "
                       f"to the recorded checkpoint {rep.recorded}")
@@ -141,7 +141,7 @@ def replay(
     try:
         cfg = load_config(None, overrides, base=parent_cfg.model_dump(mode="json"))
     except ConfigError as exc:
-        _fail(str(exc))
+        _fail(str(exc), exc=exc)
     if not 0 <= iteration < cfg.run.iterations:
         _fail(f"--iteration {iteration} is outside the new run's 0..{cfg.run.iterations - 1}; raise --iterations")
     fork = _fork_point(tracker, parent, iteration, from_stage, into)
@@ -180,7 +180,7 @@ def _fork_point(tracker, parent, iteration: int, from_stage: str, into: str) -> 
     try:
         fork_rows(TrajectoryStore(parent.table_uri), parent.run_id, version, iteration, from_stage)
     except LineageError as exc:
-        _fail(str(exc))
+        _fail(str(exc), exc=exc)
     if version is not None:  # the fork reads this version later: keep it through the parent's cleanups
         from ..artifacts.store_maintenance import pin_version
 
@@ -211,19 +211,19 @@ def dpo(
     export: Optional[str] = typer.Option(None, "--export", help="write ref.json, metrics.json, dpo_curve.csv here"),
 ) -> None:
     """Offline Diffusion-DPO on preference pairs mined from archived rollouts (Lance), pinned to
-    the source versions read. Extra key=value arguments override the config (e.g. dpo.beta=50)."""
+    the source versions read. Extra key=value arguments override the config (e.g. algorithm.beta=50)."""
     overrides = [*ctx.args, f"run.workdir={workdir}"]
     for key, val in (("dpo.steps", iterations), ("run.name", run), ("run.seed", seed), ("dpo.pairing", pairing),
                      ("dpo.margin", margin), ("dpo.pair_on", pair_on), ("dpo.balance", balance)):
         if val is not None:
             overrides.append(f"{key}={val}")
     cfg = _dpo_config(config, overrides, sources, iteration_range, policy_version, reward_min, reward_max, category)
+    _check_sources(sources, workdir)
     import logging
 
     from rich.logging import RichHandler
 
     from ..artifacts.archive import ArchiveError
-    from ..artifacts.run_lock import RunLocked
     from ..stages.offline import OfflineError
     from ..flows.offline_dpo import offline_dpo
 
@@ -231,24 +231,39 @@ def dpo(
     progress_log.setLevel(logging.INFO)
     progress_log.addHandler(RichHandler(console=console, show_path=False))
 
-    _prepare_process(cfg)
-    console.print(f"[bold]pixrl dpo[/] {cfg.run.name}: {cfg.dpo.steps} steps · {cfg.dpo.pairing} pairs from "
-                  f"{', '.join(sources)} · workdir {workdir}")
-    with _interruptible(cfg.run.name, workdir, resume=False):
-        try:
-            out = offline_dpo(cfg.model_dump(mode="json"), workdir)
-        except (ArchiveError, OfflineError) as exc:
-            _fail(str(exc))
-        except RunLocked as exc:
-            _fail(str(exc), code=1)
-        except Exception as exc:  # the flow already marked the MLflow run FAILED
-            _fail(f"{type(exc).__name__}: {exc}", code=1)
+    with _run_lock(workdir, cfg.run.name):
+        _prepare_process(cfg)
+        console.print(f"[bold]pixrl dpo[/] {cfg.run.name}: {cfg.dpo.steps} steps · {cfg.dpo.pairing} pairs from "
+                      f"{', '.join(sources)} · workdir {workdir}")
+        with _interruptible(cfg.run.name, workdir, resume=False):
+            try:
+                out = offline_dpo(cfg.model_dump(mode="json"), workdir)
+            except (ArchiveError, OfflineError) as exc:
+                _fail(str(exc), exc=exc)
+            except Exception as exc:  # the flow already marked the MLflow run FAILED
+                _fail(f"{type(exc).__name__}: {exc}", code=1, exc=exc)
     console.print(f"[bold green]done.[/] held-out accuracy {out['heldout_before']:.3f} → {out['heldout_after']:.3f}")
     console.print(f"  MLflow run  {out['run_id']}   policy models:/{out['model_name']}/{out['policy']['version']}")
     console.print(f"  sources     {', '.join(out['sources'])}   pairs {out['pairs_uri']}")
     _export(out, export)
     print(json.dumps({k: out[k] for k in ("run_id", "model_name", "policy", "heldout_before", "heldout_after", "sources",
                                           "flow_run_id")}))
+
+
+def _check_sources(sources: list[str], workdir: str) -> None:
+    """Refuse unknown sources in one line before anything starts (no API server, no run, no
+    MLflow store created in a work directory that has none); the flow pins them again."""
+    from ..artifacts.archive import ArchiveError, resolve_sources
+    from ..artifacts.tracking import Tracker, default_tracking_uri
+
+    by_name = [s for s in sources if ".lance" not in s]
+    if by_name and not (Path(workdir) / "mlflow.db").is_file():
+        _fail(f"no pixrl work directory at {workdir!r} (no mlflow.db) to look up {', '.join(map(repr, by_name))} in; "
+              f"pass the --workdir of the source runs, or a PATH.lance source")
+    try:
+        resolve_sources(sources, Tracker(default_tracking_uri(Path(workdir))) if by_name else None)
+    except ArchiveError as exc:
+        _fail(str(exc), exc=exc)
 
 
 def _dpo_config(config: str, overrides: list[str], sources: list[str], iteration_range: Optional[str],
@@ -277,4 +292,4 @@ def _dpo_config(config: str, overrides: list[str], sources: list[str], iteration
             d["categories"] = list(category)
         return ExperimentConfig.model_validate({**cfg.model_dump(mode="json"), "dpo": d})
     except (ConfigError, ValueError) as exc:
-        _fail(str(exc))
+        _fail(str(exc), exc=exc)

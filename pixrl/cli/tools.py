@@ -56,7 +56,7 @@ def _policy(checkpoint: Optional[str], run: Optional[str], workdir: str, steps: 
     try:
         policy, cfg = load_policy(checkpoint, run, workdir)
     except (PolicyNotFound, ModelLoadError, ConfigError, FileNotFoundError) as exc:
-        _fail(str(exc))
+        _fail(str(exc), exc=exc)
     s = cfg.sampling.model_copy(update={"eval_steps": steps} if steps else {})
     return policy, eval_recipe(s)
 
@@ -176,20 +176,25 @@ def serve(
 ) -> None:
     """Serve the training, DPO and evaluation deployments from this process (no work pool needed):
     start `prefect server start` first, then trigger runs from the UI at http://127.0.0.1:4200."""
-    from prefect import serve as prefect_serve
-
     from ..flows.deployments import (DPOParameters, EvalParameters, TrainParameters, evaluation,
                                     offline_dpo_training, online_training)
 
     dpo_defaults = DPOParameters.model_construct(sources=["default"], workdir=workdir).model_dump()
     eval_defaults = EvalParameters.model_construct(run_name="default", workdir=workdir).model_dump()
-    prefect_serve(
+    from prefect.settings import PREFECT_API_URL
+
+    from ..flows.api_server import start_local_api
+    from ..flows.serving import serve as serve_deployments
+
+    api_url = start_local_api() or PREFECT_API_URL.value()  # a temporary server, niced and watched, if none is set
+    serve_deployments(
         online_training.to_deployment(name="online", parameters={"params": TrainParameters(workdir=workdir).model_dump()},
                                       tags=["pixrl", "online"], description="Online RL on the configured preset"),
         offline_dpo_training.to_deployment(name="dpo", parameters={"params": dpo_defaults}, tags=["pixrl", "offline"],
                                            description="Diffusion-DPO from archived rollouts"),
         evaluation.to_deployment(name="evaluate", parameters={"params": eval_defaults}, tags=["pixrl", "eval"],
                                  description="Held-out evaluation of a published policy"),
+        api_url=api_url,
     )
 
 

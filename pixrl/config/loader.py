@@ -16,13 +16,14 @@ import yaml
 from omegaconf import OmegaConf
 from pydantic import BaseModel, ValidationError
 
-from .schema import ExperimentConfig
+from ..errors import ExpectedError
+from .schema import DPO_LOSS_KEYS, ExperimentConfig
 
 GROUPS = ("model", "sampling", "algorithm", "reward", "dataset", "run", "dpo")
 DEFAULT_EXPERIMENT = "shapes_flow_grpo"
 
 
-class ConfigError(ValueError):
+class ConfigError(ExpectedError, ValueError):
     """A config that cannot be used; the message names the key and the fix."""
 
 
@@ -92,10 +93,23 @@ def compose(experiment: str | None = None, overrides: list[str] | None = None, b
             overrides.remove(o)
             if base is not None:
                 exp.pop(key, None)
-    cli = _parse_overrides(overrides)
+    cli = _moved_dpo_loss_keys(_parse_overrides(overrides))
     layers = [OmegaConf.create({g: _preset(g, n)}) for g, n in defaults.items()]
     merged = OmegaConf.merge(*layers, OmegaConf.create(exp), OmegaConf.create(cli))
     return OmegaConf.to_container(merged, resolve=True)
+
+
+def _moved_dpo_loss_keys(cli: dict) -> dict:
+    """Command-line dpo.beta=… (and timesteps, logit_mean, logit_std) → algorithm.* (their place
+    since Diffusion-DPO is a registered algorithm), so an old command line still means the same."""
+    dpo = cli.get("dpo")
+    if not isinstance(dpo, dict) or not any(k in dpo for k in DPO_LOSS_KEYS):
+        return cli
+    algo = dict(cli.get("algorithm") or {})
+    for k in DPO_LOSS_KEYS:
+        if k in dpo:
+            algo.setdefault(k, dpo[k])
+    return {**cli, "dpo": {k: v for k, v in dpo.items() if k not in DPO_LOSS_KEYS}, "algorithm": algo}
 
 
 def _keys_of(model: type[BaseModel], loc: tuple) -> list[str]:
@@ -118,6 +132,8 @@ def format_validation_error(exc: ValidationError) -> str:
             hint = difflib.get_close_matches(loc[-1], valid, n=1)
             lines.append(f"unknown key {key!r}" + (f" (did you mean {'.'.join(loc[:-1] + (hint[0],))!r}?)" if hint else "")
                          + f"; valid keys here: {', '.join(valid)}")
+        elif not loc:  # a whole-config check: its message says it all
+            lines.append(err["msg"].removeprefix("Value error, "))
         else:
             lines.append(f"{key}: {err['msg']} (got {err.get('input')!r})")
     return "invalid config:\n  " + "\n  ".join(lines)

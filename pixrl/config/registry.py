@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from typing import Callable, Generic, TypeVar
 
+from ..errors import ExpectedError
+
 T = TypeVar("T")
 
 
-class UnknownNameError(KeyError):
+class UnknownNameError(ExpectedError, KeyError):
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])
 

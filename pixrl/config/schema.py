@@ -155,8 +155,8 @@ class RunConfig(_Section):
 
 
 class DPOConfig(_Section):
-    """Offline Diffusion-DPO over archived rollouts (`pixrl dpo`): where the pairs come from,
-    how they are formed, and the loss. Optimizer and LoRA settings are in `algorithm`."""
+    """Offline Diffusion-DPO over archived rollouts (`pixrl dpo`): where the pairs come from and
+    how they are formed. The loss (β, σ sampling), optimizer and LoRA are in `algorithm`."""
 
     source: list[str] = Field(default_factory=list, description="run names, experiment:NAME, or TABLE.lance[@version]")
     iteration_range: tuple[int, int] | None = Field(None, description="source iterations [lo, hi)")
@@ -171,15 +171,14 @@ class DPOConfig(_Section):
     balance: Literal["none", "category"] = Field("none", description="'category': every step draws pairs from the "
                                                                      "prompt categories in turn, so no category's "
                                                                      "pairs drown the others")
-    beta: float = Field(100.0, gt=0)
-    timesteps: Literal["logit_normal", "uniform"] = "logit_normal"
-    logit_mean: float = 0.0
-    logit_std: float = Field(1.0, gt=0)
     steps: int = Field(200, ge=1, description="optimizer steps")
     pairs_per_step: int = Field(32, ge=1)
     reference: str = Field("base", description="'base' (adapters off / base weights) or models:/NAME/VERSION")
     init: str = Field("base", description="starting policy: 'base' or models:/NAME/VERSION")
     eval_per_category: int = Field(48, ge=1)
+
+
+DPO_LOSS_KEYS = ("beta", "timesteps", "logit_mean", "logit_std")
 
 
 class ExperimentConfig(_Section):
@@ -190,6 +189,25 @@ class ExperimentConfig(_Section):
     dataset: DatasetConfig = DatasetConfig()
     run: RunConfig = RunConfig()
     dpo: DPOConfig | None = None  # set by the offline DPO experiments only
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dpo_loss_keys_moved(cls, data):
+        """dpo.beta / timesteps / logit_mean / logit_std (where configs before the algorithm
+        registry kept Diffusion-DPO's loss) are read as algorithm.*; both set must agree."""
+        if not isinstance(data, dict) or not isinstance(data.get("dpo"), dict):
+            return data
+        moved = {k: data["dpo"][k] for k in DPO_LOSS_KEYS if k in data["dpo"]}
+        if not moved:
+            return data
+        algo = data.get("algorithm")
+        algo = algo.model_dump(exclude_unset=True) if isinstance(algo, BaseModel) else dict(algo or {})
+        for k, v in moved.items():
+            if k in algo and algo[k] != v:
+                raise ValueError(f"dpo.{k}={v} (the old place of Diffusion-DPO's {k}) disagrees with "
+                                 f"algorithm.{k}={algo[k]}; set only algorithm.{k}")
+        return {**data, "dpo": {k: v for k, v in data["dpo"].items() if k not in moved},
+                "algorithm": {**algo, **moved}}
 
     @model_validator(mode="after")
     def _consistent(self) -> ExperimentConfig:

@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from ..errors import ExpectedError
 from .registry import prompt_parser
 
 
-class PromptSetError(ValueError):
+class PromptSetError(ExpectedError, ValueError):
     pass
 
 

@@ -39,7 +39,7 @@ class LocalEngine:
         self.cfg = cfg
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
-        self.algorithm = build_algorithm(cfg.algorithm, cfg.dpo)
+        self.algorithm = build_algorithm(cfg.algorithm)
         self.rewards = RewardSet(cfg.reward.weights, cfg.reward.options, device=cfg.model.device)
         self._policy: TrainablePolicy | None = None
         self._prompts: PromptCache | None = None

@@ -32,7 +32,7 @@ class DPOParameters(_Params):
     seed: int = Field(0, description="pair order and noise seed")
     workdir: str = Field("work", description="directory of the stores")
     preset: str = Field("shapes_dpo", description="offline experiment preset")
-    overrides: list[str] = Field(default_factory=list, description="key=value overrides, e.g. dpo.beta=50 dpo.margin=0.2")
+    overrides: list[str] = Field(default_factory=list, description="key=value overrides, e.g. algorithm.beta=50 dpo.margin=0.2")
 
 
 class EvalParameters(_Params):

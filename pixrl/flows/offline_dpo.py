@@ -36,7 +36,7 @@ def open_dpo_run(config: dict, workdir: str, resume_run_id: str | None = None) -
         pinned = json.loads(tracker.client.get_run(existing).data.tags["pixrl.dpo.sources"])
         return reopen_run(cfg, wd, tracker, existing, fr_id), pinned
     tables = resolve_sources(cfg.dpo.source, tracker)
-    needs = build_algorithm(cfg.algorithm, cfg.dpo).needs
+    needs = build_algorithm(cfg.algorithm).needs
     check_selection(tables, cfg.dpo, needs)  # missing fields, empty selections, all-tied groups: before the run exists
     for t in tables:  # the versions read stay readable through the source runs' store cleanups
         pin_version(TrajectoryStore(t.uri), t.version, f"dpo-{cfg.run.name}-v{t.version}")

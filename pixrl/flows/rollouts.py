@@ -15,6 +15,7 @@ from prefect.runtime import flow_run
 from ..artifacts.run_lock import RunLock
 from ..artifacts.tracking import PolicyRef, Tracker, default_tracking_uri, policy_model_name
 from ..config.schema import ExperimentConfig
+from ..errors import ExpectedError
 from ..stages.preflight import preflight
 from ..tasks.report import report_iteration, start_progress, update_progress
 from ..tasks.retry import with_retries
@@ -23,7 +24,7 @@ from .interrupts import end_status
 from .online import open_run
 
 
-class RolloutsError(ValueError):
+class RolloutsError(ExpectedError, ValueError):
     """A policy to archive that the registry does not have."""
 
 

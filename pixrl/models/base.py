@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from ..errors import ExpectedError
 from .taxonomy import PolicySemantics
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -26,7 +27,7 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(ExpectedError, RuntimeError):
     """A model path or checkpoint that cannot be loaded; the message says how to fix it."""
 
 

@@ -13,9 +13,10 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from ..config.registry import Registry
+from ..errors import ExpectedError
 
 
-class ScoringError(RuntimeError):
+class ScoringError(ExpectedError, RuntimeError):
     """A scorer produced no usable score for some sample."""
 
 

@@ -11,9 +11,10 @@ from ..artifacts.tracking import CHAMPION_ALIAS, ROLLOUT_ALIAS, PolicyRef, Track
 from ..config.loader import load_config
 from ..config.schema import ExperimentConfig
 from ..engines.policy import TrainablePolicy
+from ..errors import ExpectedError
 
 
-class PolicyNotFound(FileNotFoundError):
+class PolicyNotFound(ExpectedError, FileNotFoundError):
     pass
 
 

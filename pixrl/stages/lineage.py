@@ -18,6 +18,7 @@ from ..artifacts.retention import describe
 from ..artifacts.trajectories import TableRef, TrajectoryStore
 from ..artifacts.tracking import PolicyRef
 from ..config.schema import STAGES
+from ..errors import ExpectedError
 from ..run import RunSpec
 from .completion import FILLED_BY
 from .session import online_stages
@@ -25,7 +26,7 @@ from .session import online_stages
 FORKABLE = ("generate", "decode", "score", "replay", "update")
 
 
-class LineageError(RuntimeError):
+class LineageError(ExpectedError, RuntimeError):
     pass
 
 

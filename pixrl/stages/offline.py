@@ -26,6 +26,7 @@ from ..artifacts.checkpoints import CheckpointRef, read_counters, save_checkpoin
 from ..artifacts.trajectories import TrajectoryStore, tensor_from
 from ..artifacts.tracking import PolicyRef
 from ..engines.base import Engine, PolicySource
+from ..errors import ExpectedError
 from ..run import RunSpec
 from .completion import RunStores
 from .publish import evaluate_policy, publish_checkpoint
@@ -34,7 +35,7 @@ from .records import StageRecords
 FINAL = "dpo_final"
 
 
-class OfflineError(RuntimeError):
+class OfflineError(ExpectedError, RuntimeError):
     pass
 
 

@@ -8,12 +8,13 @@ from ..algorithms.base import build_algorithm
 from ..artifacts.batch import rollout_fields
 from ..config.schema import ExperimentConfig
 from ..datasets.prompts import load_prompt_set, select_categories
+from ..errors import ExpectedError
 from ..models.registry import get_family
 from ..rewards.compose import RewardSet
 from ..engines.assets import resolve_asset, resolve_model_path
 
 
-class PreflightError(RuntimeError):
+class PreflightError(ExpectedError, RuntimeError):
     pass
 
 
@@ -21,7 +22,7 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
     """`online`: the config trains in the online loop (else: offline from archived rollouts)."""
     try:
         family = get_family(cfg.model.family)
-        algo = build_algorithm(cfg.algorithm, cfg.dpo)
+        algo = build_algorithm(cfg.algorithm)
         if online and algo.offline:
             raise ValueError(f"algorithm {algo.name!r} trains from archived rollouts, not in the online loop; "
                              f"run it with `pixrl dpo --from RUN`, or choose an online algorithm")

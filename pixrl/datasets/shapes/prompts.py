@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ...errors import ExpectedError
 from ..registry import register_prompt_parser
 from .scene import COLORS, NUMBER_WORDS, RELATIONS, SHAPES
 
@@ -26,7 +27,7 @@ _REL_PHRASES = {"to the left of": "left of", "left of": "left of", "to the right
 _REL_TEXT = {"left of": "to the left of", "right of": "to the right of", "above": "above", "below": "below"}
 
 
-class PromptError(ValueError):
+class PromptError(ExpectedError, ValueError):
     """A prompt outside the shapes template language."""
 
 
