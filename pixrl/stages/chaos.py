@@ -11,16 +11,20 @@ nothing.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
+import sys
 import time
 
 from .faults import TransientError
 
 ENV = "PIXRL_FAULT"
+CHAOS_ENV = "PIXRL_CHAOS"
 KINDS = ("raise", "transient", "sigkill", "stall")
 STALL_S = 600
 _fired: set[str] = set()
+_attempts: dict[tuple[str, int], int] = {}
 
 
 class InjectedFault(RuntimeError):
@@ -41,7 +45,26 @@ def _parse(value: str) -> list[tuple[str, int, str]]:
     return faults
 
 
+def _chaos(stage: str, iteration: int, value: str) -> None:
+    try:
+        p_text, _, seed = value.partition(":")
+        p = float(p_text)
+    except ValueError:
+        raise ValueError(f"{CHAOS_ENV}={value!r}: expected <probability>[:<seed>], e.g. 0.05:7") from None
+    attempt = _attempts.get((stage, iteration), 0)
+    _attempts[(stage, iteration)] = attempt + 1
+    digest = hashlib.sha256(f"{seed}|{os.getpid()}|{stage}|{iteration}|{attempt}".encode()).digest()
+    if int.from_bytes(digest[:8], "big") / 2**64 < p:
+        msg = (f"injected random transient fault in {stage} (iteration {iteration}, attempt {attempt + 1}; "
+               f"{CHAOS_ENV}={value})")
+        print(f"pixrl chaos: {msg}", file=sys.stderr, flush=True)  # a drill counts these lines
+        raise TransientError(msg)
+
+
 def fault_point(stage: str, iteration: int) -> None:
+    chaos = os.environ.get(CHAOS_ENV)
+    if chaos:
+        _chaos(stage, iteration, chaos)
     value = os.environ.get(ENV)
     if not value:
         return
