@@ -3,6 +3,7 @@ wherever they are raised — in the CLI or inside a real Prefect flow — unless
 anything else keeps its traceback. `--verbose` turns the libraries' INFO logging back on."""
 
 import logging
+import os
 
 import pytest
 from prefect import flow, task
@@ -17,10 +18,17 @@ from pixrl.errors import ExpectedError, expected_in_chain
 
 
 @pytest.fixture
-def options():
-    """Restore the CLI's global switches and the library logger levels a test changes."""
+def options(monkeypatch):
+    """Restore the CLI's global switches, the environment switches and the library logger levels
+    a test changes (later tests start CLI subprocesses that inherit the environment)."""
     saved = (logs.OPTIONS.verbose, logs.OPTIONS.debug)
     levels = {n: logging.getLogger(n).level for n in logs.VERBOSE_LOGGERS}
+    for key in logs.VERBOSE_ENV:
+        if key in os.environ:
+            monkeypatch.setenv(key, os.environ[key])  # restored at teardown, whatever configure() does
+        else:  # recorded as absent, then removed: teardown removes whatever configure() sets
+            monkeypatch.setenv(key, "")
+            monkeypatch.delenv(key)
     yield logs.OPTIONS
     logs.OPTIONS.verbose, logs.OPTIONS.debug = saved
     for n, level in levels.items():
@@ -110,7 +118,7 @@ def test_prefect_console_drops_expected_failures_only(prefect_harness, monkeypat
 
 def test_verbose_turns_library_info_logging_on(options):
     logs.configure(verbose=True, debug=False)
-    assert options.verbose and not options.debug
+    assert options.verbose and not options.debug and os.environ["MLFLOW_LOGGING_LEVEL"] == "INFO"
     assert all(logging.getLogger(n).level == logging.INFO for n in ("mlflow", "alembic", "prefect"))
     logs.configure(verbose=False, debug=True)
     assert options.verbose and options.debug  # --debug implies --verbose
