@@ -66,6 +66,7 @@ def _checked_config(config: Optional[str], overrides: list[str], iterations: Opt
             overrides.append(f"{key}={val}")
     try:
         cfg = load_config(config, overrides)
+        _begin_api()  # the API server starts while preflight and the flow's imports run
         preflight(cfg)
     except (ConfigError, PreflightError) as exc:
         _fail(str(exc), exc=exc)
@@ -121,6 +122,15 @@ def _run_lock(workdir: str, run: str):
         yield
     finally:
         lock.release()
+
+
+def _begin_api() -> None:
+    from ..flows.api_server import begin_local_api
+
+    try:
+        begin_local_api()
+    except ValueError as exc:
+        _fail(str(exc), exc=exc)
 
 
 def _prepare_process(cfg) -> None:

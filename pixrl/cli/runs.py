@@ -8,8 +8,8 @@ from typing import Optional
 
 import typer
 
-from .app import (_checked_config, _export, _fail, _interruptible, _prepare_process, _run_lock, _run_training,
-                  _workdir_tracker, app, console)
+from .app import (_begin_api, _checked_config, _export, _fail, _interruptible, _prepare_process, _run_lock,
+                  _run_training, _workdir_tracker, app, console)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -77,6 +77,8 @@ def resume(
     from ..config.schema import ExperimentConfig
     from ..stages.preflight import PreflightError, preflight
 
+    if (Path(workdir) / "mlflow.db").is_file():
+        _begin_api()  # while the run's config is read back and preflighted
     tracker = _workdir_tracker(workdir)
     run_id = tracker.find_run("pixrl.run_name", run)
     if run_id is None:
@@ -219,6 +221,7 @@ def dpo(
             overrides.append(f"{key}={val}")
     cfg = _dpo_config(config, overrides, sources, iteration_range, policy_version, reward_min, reward_max, category)
     _check_sources(sources, workdir)
+    _begin_api()
     import logging
 
     from rich.logging import RichHandler

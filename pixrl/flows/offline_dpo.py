@@ -21,6 +21,7 @@ from ..stages.offline import check_selection
 from ..stages.runs import existing_run, reopen_run, start_run, tracker_for
 from ..tasks import dpo as stages
 from .interrupts import end_status
+from .api_server import yield_to_compute
 
 
 @task(name="open-dpo-run", persist_result=False)
@@ -59,6 +60,7 @@ def offline_dpo(config: dict, workdir: str = "work", resume_run_id: str | None =
 def _offline_dpo(cfg: ExperimentConfig, workdir: str, resume_run_id: str | None) -> dict:
     spec, pinned = open_dpo_run(cfg.model_dump(mode="json"), workdir, resume_run_id)
     tracker = tracker_for(cfg, Path(spec.workdir))
+    yield_to_compute()  # the run's API-heavy opening is over; the server's background work now yields
     try:
         sel = stages.select(spec, pinned)
         pairs_uri = stages.pair(spec, sel)

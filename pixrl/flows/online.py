@@ -31,6 +31,7 @@ from ..tasks.report import report_iteration, start_progress, update_progress
 from ..tasks.retry import with_retries
 from ..tasks.stages import decode, evaluate, generate, publish, replay, score, update
 from .interrupts import end_status
+from .api_server import yield_to_compute
 
 
 @task(name="open-run", persist_result=False)
@@ -97,6 +98,7 @@ def _train(cfg: ExperimentConfig, workdir: str, resume_run_id: str | None, fork:
         policy, start = fork["policy"], fork["iteration"]
     every = cfg.run.eval_every if has_evaluator(cfg.dataset.name) else 0
     progress_id = start_progress(spec)
+    yield_to_compute()  # the run's API-heavy opening is over; the server's background work now yields
     try:
         if every and start == 0:
             evaluate.with_options(task_run_name="evaluate[after=0]")(spec, 0, policy)

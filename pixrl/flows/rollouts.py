@@ -22,6 +22,7 @@ from ..tasks.retry import with_retries
 from ..tasks.stages import decode, generate, score
 from .interrupts import end_status
 from .online import open_run
+from .api_server import yield_to_compute
 
 
 class RolloutsError(ExpectedError, ValueError):
@@ -69,6 +70,7 @@ def _rollouts(cfg: ExperimentConfig, workdir: str, policy: PolicyRef, resume_run
     tracker = Tracker(spec.tracking_uri)
     tracker.set_tags(spec.run_id, {"pixrl.mode": "rollouts", "pixrl.policy_version": str(policy.version)})
     progress_id = start_progress(spec)
+    yield_to_compute()  # the run's API-heavy opening is over; the server's background work now yields
     try:
         for it in range(cfg.run.iterations):
             rollout_iteration(spec, it, policy.to_dict())
