@@ -37,34 +37,14 @@ import lance
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
+from pixrl.flows.processes import alive, children
+
 RUN = "soak"
 PER_ITERATION = ("time/iteration_s", "time/generate_s", "time/update_s", "policy_version", "loss", "grad_norm")
 
 
 def pixrl(*args: str) -> list[str]:
     return [sys.executable, "-m", "pixrl.cli", *args]
-
-
-def children(pid: int) -> list[int]:
-    """Direct children of `pid` (Linux /proc)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(d))
-            except (OSError, ValueError, IndexError):
-                continue
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def weights_digest(workdir: Path, run: str) -> tuple[str, str]:

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+from pixrl.flows.processes import alive
+
 SCRIPT = """
 import json, os, sys, time
 from pixrl.flows import api_server
@@ -23,14 +25,6 @@ print(json.dumps({"began_s": began, "url": url, "pid": pid, "before": before, "a
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_server_starts_in_the_background_then_yields_and_stops_with_the_process(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
@@ -41,7 +35,7 @@ def test_server_starts_in_the_background_then_yields_and_stops_with_the_process(
     assert info["url"].startswith("http://127.0.0.1:") and info["began_s"] < 1.0
     assert info["before"] == info["me"]  # normal priority while the run starts up
     assert info["after"] == min(19, info["me"] + 19)  # then nice 19 for the rest of the run
-    assert not _alive(info["pid"])  # stopped when the process exited
+    assert not alive(info["pid"])  # stopped when the process exited
 
 
 def test_a_bad_nice_setting_fails_before_anything_starts(tmp_path):

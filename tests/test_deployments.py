@@ -18,6 +18,7 @@ from prefect.utilities.callables import parameter_schema
 from prefect.utilities.importtools import import_object
 
 from conftest import tiny_overrides
+from pixrl.flows.processes import children
 from pixrl.flows.deployments import evaluation, offline_dpo_training, online_training
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,7 +193,7 @@ def test_serve_stops_on_sigterm_after_its_api_server_has_gone(tmp_path):
         while "serving pixrl-online/online" not in (line := serve.stdout.readline()):
             assert line and time.time() < deadline, "pixrl serve did not start"
         time.sleep(3)  # the runner is polling its API
-        servers = [p for p in _children_of(serve.pid) if "uvicorn" in Path(f"/proc/{p}/cmdline").read_text()]
+        servers = [p for p in children(serve.pid) if "uvicorn" in Path(f"/proc/{p}/cmdline").read_text()]
         assert len(servers) == 1, servers
         os.kill(servers[0], 9)  # its API server dies
         time.sleep(3)
@@ -204,15 +205,3 @@ def test_serve_stops_on_sigterm_after_its_api_server_has_gone(tmp_path):
             os.killpg(serve.pid, 9)
             serve.wait()
 
-
-def _children_of(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(d))
-            except (OSError, ValueError, IndexError):
-                continue
-    return out

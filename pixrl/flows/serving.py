@@ -20,6 +20,8 @@ import signal
 import threading
 import urllib.request
 
+from .processes import children
+
 STOP_DEADLINE_S = 8.0
 _API: dict[str, str | None] = {"url": None}
 
@@ -39,26 +41,13 @@ def api_reachable(url: str | None, timeout: float = 1.0) -> bool:
         return False
 
 
-def _children() -> list[int]:
-    me, out = os.getpid(), []
-    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
-                        out.append(int(d))
-            except (OSError, ValueError, IndexError):
-                continue
-    return out
-
-
 def _stop(*_args) -> None:
     """SIGTERM, on the main thread; the health check runs beside it so the handler never blocks."""
     signal.signal(signal.SIGTERM, _exit_now)
 
     def decide() -> None:
         if not api_reachable(_API["url"]):
-            for pid in _children():  # in-flight flow runs end as interrupted (their own SIGTERM handling)
+            for pid in children(os.getpid()):  # in-flight flow runs end as interrupted (their own SIGTERM handling)
                 try:
                     os.kill(pid, signal.SIGTERM)
                 except OSError:
