@@ -15,13 +15,16 @@ class ExpectedError(Exception):
     of the errors a user fixes from the message alone."""
 
 
-def expected_in_chain(exc: BaseException | None) -> ExpectedError | None:
-    """The first ExpectedError in `exc`'s cause/context chain (Prefect re-raises task failures
-    wrapped or chained), or None."""
+def exception_chain(exc: BaseException | None):
+    """`exc`, then its cause (or context), and so on, each once: what a task's failure carries
+    when Prefect or a scorer wraps the original error."""
     seen = set()
     while exc is not None and id(exc) not in seen:
-        if isinstance(exc, ExpectedError):
-            return exc
         seen.add(id(exc))
+        yield exc
         exc = exc.__cause__ or exc.__context__
-    return None
+
+
+def expected_in_chain(exc: BaseException | None) -> ExpectedError | None:
+    """The first ExpectedError in `exc`'s cause/context chain, or None."""
+    return next((e for e in exception_chain(exc) if isinstance(e, ExpectedError)), None)

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from pixrl.artifacts.checkpoints import verify_checkpoint
 from pixrl.cli import app
+from pixrl.flows.processes import alive, children
 from pixrl.stages.chaos import ENV
 
 STAGES = ["generate", "decode", "score", "replay", "update", "publish"]
@@ -135,28 +136,12 @@ def test_sigkill_from_outside_at_an_arbitrary_moment(tiny_checkpoint, tmp_path):
 # --- interrupts from outside: SIGTERM stops cleanly, SIGKILL leaves no child behind -----------------
 
 def _children(pid: int) -> list[int]:
-    """Live (non-zombie) processes whose parent is `pid`, from /proc."""
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                stat = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(stat[1]) == pid and stat[0] != "Z":
-                out.append(int(d))
-    return out
+    """Live (non-zombie) processes whose parent is `pid`."""
+    return [c for c in children(pid) if alive(c)]
 
 
 def _alive(pids: list[int]) -> list[int]:
-    live = []
-    for p in pids:
-        try:
-            if open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
-                live.append(p)
-        except OSError:
-            pass
-    return live
+    return [p for p in pids if alive(p)]
 
 
 def _own_server_process(args, tmp_path, env_extra):

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 from prefect.exceptions import TerminationSignal
 
+from ..errors import exception_chain
+
 
 def end_status(exc: BaseException) -> str:
     """KILLED for an interrupt anywhere in the exception's chain — SIGINT, SIGTERM as the CLI's
     KeyboardInterrupt, or Prefect's TerminationSignal — FAILED otherwise."""
-    seen, e = set(), exc
-    while e is not None and id(e) not in seen:
-        if isinstance(e, (KeyboardInterrupt, SystemExit, TerminationSignal)):
-            return "KILLED"
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return "FAILED"
+    interrupted = (KeyboardInterrupt, SystemExit, TerminationSignal)
+    return "KILLED" if any(isinstance(e, interrupted) for e in exception_chain(exc)) else "FAILED"

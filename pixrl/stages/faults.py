@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import errno
 
+from ..errors import exception_chain
+
 
 class TransientError(RuntimeError):
     """Raise (or wrap) a fault that the same call may not hit again, e.g. a judge server's 503."""
@@ -23,19 +25,11 @@ _PERMANENT_ERRNO = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno
 _TRANSIENT_MESSAGES = ("database is locked", "temporarily unavailable", "connection reset", "timed out")
 
 
-def _chain(exc: BaseException):
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
-
-
 def is_transient(exc: BaseException | None) -> bool:
     """True if any exception in exc's cause chain is a fault a retry can fix."""
     if exc is None or not isinstance(exc, BaseException):
         return False
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         if isinstance(e, (TransientError, ConnectionError, TimeoutError)):
             return True
         if isinstance(e, OSError) and not isinstance(e, _PERMANENT_OS) and e.errno not in _PERMANENT_ERRNO:
