@@ -1,6 +1,7 @@
 """Benchmark of the online loop: per-stage seconds and orchestration overhead
 (1 − Σ stage seconds / iteration wall time) on the default recipe, read back from MLflow; then,
-in the same invocation, the bare loop (benchmarks/bare_loop.py: the same iteration as plain torch)
+in the same invocation, the bare loop (benchmarks/bare_loop.py: the same iteration as plain torch, run
+once before and once after the pipeline, pooled: a drift of the machine's speed cancels)
 and the ratio of median iteration wall times, pipeline / bare; and the bytes the run keeps per
 iteration (checkpoints + MLflow artifacts; the trajectory table against its rows' payload).
 
@@ -64,10 +65,11 @@ def main() -> None:
         a.iterations = len(c.get_metric_history(run.info.run_id, "time/iteration_s"))
     else:
         wd = Path(a.workdir or tempfile.mkdtemp(prefix="pixrl-bench-"))
+        bare_before = [] if a.no_bare else bare_phase(a, a.iterations, 0, None)
         cmd = [sys.executable, "-m", "pixrl.cli", "train", "--iterations", str(a.iterations), "--workdir", str(wd),
                "--run", "bench", "run.eval_every=0", *a.overrides]
         t0 = time.perf_counter()
-        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
+        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ}, check=False)
         total = time.perf_counter() - t0
         if out.returncode:
             sys.exit(out.stderr[-3000:])
@@ -91,13 +93,28 @@ def main() -> None:
           f"process wall incl. start-up: {total:.0f} s")
     print_storage(wd, info["run_id"], a.iterations)
     if not a.existing and not a.no_bare:
-        from bare_loop import run_bare
+        report_bare(statistics.median(it), bare_before, bare_phase(a, a.iterations, 0, None),
+                    f"iterations 0–{a.iterations - 1} from the base weights", f"pipeline at iterations {skip}–{a.iterations - 1}")
 
-        bare = run_bare(["run.eval_every=0", *a.overrides], a.iterations)[skip:]
-        print(f"\nbare loop (plain torch, same work): median {statistics.median(bare):.2f} s/iteration; "
-              f"pipeline / bare = **{statistics.median(it) / statistics.median(bare):.3f}** "
-              f"(iterations {skip}–{a.iterations - 1})")
 
+def bare_phase(a, k: int, start: int, init) -> list[float]:
+    """One phase of the bare loop: iterations start..start+k-1 (the first left out when k > 1:
+    it builds the model, as the pipeline's first measured iteration loads it)."""
+    from bare_loop import run_bare
+
+    walls = run_bare(["run.eval_every=0", *a.overrides], k, start=start, init_checkpoint=init)
+    return walls[1:] if k > 1 else walls
+
+
+def report_bare(pipeline_median: float, before: list[float], after: list[float], work: str, measured: str) -> None:
+    """The ratio against the bare loop run both before and after the pipeline in this invocation:
+    on a shared machine compute speed drifts by a few percent over minutes, and pooling the two
+    phases cancels a drift that is linear in time. Both phases are printed, so drift shows."""
+    pooled = statistics.median(before + after)
+    print(f"\nbare loop (plain torch, same work: {work}): median {statistics.median(before):.2f} s/iteration before "
+          f"the pipeline, {statistics.median(after):.2f} after (phase drift "
+          f"{100 * (statistics.median(after) / statistics.median(before) - 1):+.1f}%), pooled {pooled:.2f}; "
+          f"{measured} {pipeline_median:.2f} / bare = **{pipeline_median / pooled:.3f}**")
 
 RUN = "bench"
 FAULT = "generate@1:raise"
@@ -160,6 +177,11 @@ def run_history(a) -> None:
           f"{len(stores.tracker.run_versions(stores.spec.model_name, run_id))} registered versions; "
           f"registry query `published(it)`: median {statistics.median(q_s) * 1e3:.1f} ms over iterations {queries}")
 
+    # the bare loop's first phase: the same iterations N..N+K-1, before the pipeline runs them
+    init = stores.layout.checkpoint(n - 1)  # the weights the pipeline's iteration n rolls out with
+    init = init if (init / "trainable.safetensors").is_file() else None
+    bare_before = [] if a.no_bare else bare_phase(a, k, n, init)
+
     # 3. resume: fast-forward 0..N-1, iterations N..N+K-1 for real
     t_resume = time.time()
     t0 = time.perf_counter()
@@ -204,15 +226,11 @@ def run_history(a) -> None:
           f"iteration {n} (with model load): {walls[n].value:.2f} s")
     print_storage(wd, run_id, n + k)
     if not a.no_bare:
-        from bare_loop import run_bare
-
-        init = stores.layout.checkpoint(n - 1)  # the weights the pipeline's iteration n rolled out with
-        init = init if (init / "trainable.safetensors").is_file() else None
-        bare = run_bare(["run.eval_every=0", *a.overrides], k, start=n, init_checkpoint=init)[skip:]
-        print(f"\nbare loop (plain torch, same work: iterations {_ranges(list(range(n, n + k)))}, their prompts and "
-              f"seeds, from {'the weights of iteration ' + str(n - 1) if init else 'the base weights'}; the first "
-              f"left out): median {statistics.median(bare):.2f} s/iteration; pipeline at iterations "
-              f"{_ranges(steps)} / bare = **{it_med / statistics.median(bare):.3f}**")
+        bare_after = bare_phase(a, k, n, init)
+        report_bare(it_med, bare_before, bare_after,
+                    f"iterations {_ranges(list(range(n, n + k)))}, their prompts and seeds, from "
+                    f"{'the weights of iteration ' + str(n - 1) if init else 'the base weights'}",
+                    f"pipeline at iterations {_ranges(steps)}")
 
     # 5. the resume started at iteration N and the stores hold N+K iterations
     checks += check_history(c, stores, n, k)

@@ -37,3 +37,12 @@ def tiny_overrides(ckpt: Path, workdir: Path, **extra) -> list[str]:
             "sampling.eval_steps": 4, "run.eval_every": 0, "sampling.window_size": 2, "sampling.window_range": "[0,2]"}
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture(scope="session")
+def tiny_flux(tmp_path_factory) -> tuple[Path, dict]:
+    """A tiny random FLUX.1-dev-shaped checkpoint (`pixrl tiny flux1`) and the overrides that run it."""
+    from pixrl.models.flux import FluxFamily
+
+    out = tmp_path_factory.mktemp("ckpt") / "tiny-flux1"
+    return out, FluxFamily.write_tiny(out, seed=0)

@@ -13,7 +13,8 @@ from ..config.environment import DEFAULTS
 from ..errors import expected_in_chain
 
 # the library loggers and environment switches that pixrl quiets by default (config/environment.py)
-VERBOSE_ENV = {"PREFECT_LOGGING_LEVEL": "INFO", "MLFLOW_LOGGING_LEVEL": "INFO", "TRANSFORMERS_VERBOSITY": "info",
+VERBOSE_ENV = {"PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
+               "MLFLOW_LOGGING_LEVEL": "INFO", "TRANSFORMERS_VERBOSITY": "info",
                "DIFFUSERS_VERBOSITY": "info"}
 VERBOSE_LOGGERS = ("prefect", "mlflow", "alembic", "transformers", "diffusers")
 

@@ -47,6 +47,41 @@ def pretrain(
         run_pretrain(Path(out), cfg, spec=spec, log=emit)
 
 
+@app.command()
+def tiny(
+    family: str = typer.Argument(..., help="model family (see `pixrl tiny --help`): sd3, flux1, …"),
+    out: str = typer.Option(..., "--out", help="new directory for the checkpoint (must not exist)"),
+    seed: int = typer.Option(0),
+) -> None:
+    """Write a tiny random checkpoint of FAMILY in its real on-disk layout (real classes, small
+    configs, tokenizers built offline) — to try a family without its weights, and for tests."""
+    import shutil
+
+    from ..models.registry import UnknownFamilyError, get_family
+
+    try:
+        fam = get_family(family)
+    except UnknownFamilyError as exc:
+        _fail(str(exc), exc=exc)
+    if not hasattr(fam, "write_tiny"):
+        _fail(f"family {family!r} has no tiny checkpoint writer")
+    dest = Path(out)
+    if dest.exists():
+        _fail(f"{dest} already exists; pass a new --out directory (nothing is overwritten)")
+    staging = dest.parent / f".{dest.name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        overrides = fam.write_tiny(staging, seed=seed)
+        staging.rename(dest)  # complete or absent
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    overrides = {k: (str(dest.resolve()) if k == "model.path" else v) for k, v in overrides.items()}
+    console.print(f"[bold green]wrote[/] a tiny random {family} checkpoint to {dest}")
+    console.print("  try it: pixrl train --iterations 2 " + " ".join(f"{k}={v}" for k, v in overrides.items()))
+    print(json.dumps(overrides))
+
+
 def _policy(checkpoint: Optional[str], run: Optional[str], workdir: str, steps: Optional[int]):
     from ..algorithms.recipe import eval_recipe
     from ..config.loader import ConfigError

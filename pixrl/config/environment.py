@@ -7,6 +7,10 @@ import os
 DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",  # no telemetry DNS errors on closed networks
     "PREFECT_LOGGING_LEVEL": "WARNING",
+    # the temporary API server's own log (its stderr is the terminal's): stopping it while its
+    # task-run recorder flushes prints a CancelledError traceback per pending event, after the run
+    # has finished well; a failure that matters reaches the run as a failed API call
+    "PREFECT_SERVER_LOGGING_LEVEL": "CRITICAL",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",  # a first start migrates the DB (slow CI)
     "TRANSFORMERS_VERBOSITY": "error",
     "DIFFUSERS_VERBOSITY": "error",

@@ -18,6 +18,7 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     device: str = "cpu"
     max_sequence_length: int = Field(0, ge=0, description="T5 tokens (256 for SD3.5; 0 when there is no T5)")
+    resolution: int | None = Field(None, ge=8, description="image side in pixels; None: the checkpoint's default")
 
 
 class SamplingConfig(_Section):

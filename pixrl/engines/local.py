@@ -21,6 +21,7 @@ from ..artifacts.batch import RolloutBatch
 from ..artifacts.checkpoints import load_weights
 from ..config.schema import ExperimentConfig
 from ..datasets.registry import get_evaluator
+from ..models.base import uses_negative_prompt
 from ..rewards.compose import RewardSet
 from .base import PolicySource, TrainResult
 from .policy import TrainablePolicy
@@ -66,7 +67,7 @@ class LocalEngine:
         self.use(policy)
         fam, mb = self.policy.family, self.cfg.sampling.micro_batch
         cond_all, pos = self._prompts.encode(prompts)
-        neg = self._prompts.negative() if recipe.guidance_scale > 1 else None
+        neg = self._prompts.negative() if uses_negative_prompt(fam, recipe.guidance_scale) else None
         trajs = []
         t0 = time.perf_counter()
         self.policy.module.eval()
@@ -114,7 +115,7 @@ class LocalEngine:
         opt = pol.ensure_optimizer(policy.checkpoint_dir if policy.with_optimizer else None)
         prompts = batch["prompt"]
         cond_all, pos = self._prompts.encode(prompts)
-        neg = self._prompts.negative() if recipe is not None and recipe.guidance_scale > 1 else None
+        neg = self._prompts.negative() if recipe is not None and uses_negative_prompt(fam, recipe.guidance_scale) else None
         reference = pol.reference() if algo.needs_reference else None
         on_device = lambda name: torch.from_numpy(batch[name][0].copy()).to(fam.device) if name in batch else None  # noqa: E731
         sigmas, timesteps = on_device("sigmas"), on_device("timesteps")

@@ -41,6 +41,13 @@ class Conditioning(Protocol):
     def expand(self, n: int) -> "Conditioning": ...
 
 
+def uses_negative_prompt(family, guidance_scale: float) -> bool:
+    """Whether sampling at this scale batches a negative (empty) prompt: classifier-free guidance
+    ("cfg") does above 1; a guidance-distilled model ("embedded", FLUX.1-dev) takes the scale as
+    an input and never does."""
+    return guidance_scale > 1 and getattr(family, "guidance", "cfg") == "cfg"
+
+
 class Family(Protocol):
     """A loaded model of one family (the common part of every regime)."""
 
@@ -48,6 +55,7 @@ class Family(Protocol):
     semantics: PolicySemantics
     lora_targets: list[str]
     dtype: torch.dtype
+    guidance: str  # "cfg" (negative-prompt batch) or "embedded" (the scale is a model input)
 
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", **options) -> "Family": ...
@@ -64,6 +72,11 @@ class Family(Protocol):
 
     def identity(self) -> str:
         """What makes two loaded models' prompt encodings equal (cache key of the encoder)."""
+
+    @classmethod
+    def write_tiny(cls, out_dir: Path, seed: int = 0) -> dict:
+        """Write a tiny random checkpoint of the family in its real on-disk layout (`pixrl tiny`);
+        returns the config overrides that run it."""
 
 
 class DenoiseFamily(Family, Protocol):

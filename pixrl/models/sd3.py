@@ -46,7 +46,10 @@ class SD3Family:
     lora_targets = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
                     "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0"]
 
-    def __init__(self, pipe, path: str, dtype: torch.dtype, max_sequence_length: int = 256):
+    guidance = "cfg"  # guidance_scale > 1: classifier-free guidance on one [negative; positive] batch
+
+    def __init__(self, pipe, path: str, dtype: torch.dtype, max_sequence_length: int = 256,
+                 resolution: int | None = None):
         self.pipe = pipe
         self.path = path
         self.dtype = dtype
@@ -54,10 +57,12 @@ class SD3Family:
         self.transformer = pipe.transformer
         self.vae = pipe.vae
         self.scheduler = pipe.scheduler
+        # the pipeline's default height/width: the transformer's sample size in latent pixels
+        self.resolution = resolution or pipe.default_sample_size * pipe.vae_scale_factor
 
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu",
-             max_sequence_length: int = 256) -> "SD3Family":
+             max_sequence_length: int = 256, resolution: int | None = None) -> "SD3Family":
         from diffusers import StableDiffusion3Pipeline
         from diffusers.utils import logging as diffusers_logging
 
@@ -83,7 +88,12 @@ class SD3Family:
         for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
             if module is not None:
                 module.requires_grad_(False)
-        return cls(pipe, str(p), torch_dtype(dtype), max_sequence_length)
+        fam = cls(pipe, str(p), torch_dtype(dtype), max_sequence_length, resolution)
+        step = pipe.vae_scale_factor * pipe.transformer.config.patch_size
+        if fam.resolution % step:
+            raise ModelLoadError(f"model.resolution={fam.resolution}: this SD3 checkpoint needs a multiple of {step} "
+                                 f"(VAE ×{pipe.vae_scale_factor}, patch {pipe.transformer.config.patch_size})")
+        return fam
 
     @property
     def device(self) -> torch.device:
@@ -114,7 +124,8 @@ class SD3Family:
         if sched.config.get("use_dynamic_shifting", False):
             from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
-            h = w = self.transformer.config.sample_size // self.transformer.config.patch_size
+            _, h, w = self.latent_shape()
+            h, w = h // self.transformer.config.patch_size, w // self.transformer.config.patch_size
             c = sched.config
             kwargs["mu"] = calculate_shift(h * w, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
                                            c.get("base_shift", 0.5), c.get("max_shift", 1.16))
@@ -122,8 +133,8 @@ class SD3Family:
         return sched.sigmas.float().clone(), sched.timesteps.float().clone()
 
     def latent_shape(self) -> tuple[int, int, int]:
-        cfg = self.transformer.config
-        return cfg.in_channels, cfg.sample_size, cfg.sample_size
+        side = self.resolution // self.pipe.vae_scale_factor
+        return self.transformer.config.in_channels, side, side
 
     def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: SD3Conditioning,
                  guidance_scale: float = 1.0, neg: SD3Conditioning | None = None) -> torch.Tensor:
@@ -154,3 +165,15 @@ class SD3Family:
 
     def trainable_module(self) -> torch.nn.Module:
         return self.transformer
+
+    # --- a tiny random checkpoint in the real layout --------------------------------------------
+    @classmethod
+    def write_tiny(cls, out_dir: Path, seed: int = 0) -> dict:
+        """A random SD3-architecture pipeline (two CLIP towers, no T5) with tiny widths, saved with
+        `save_pretrained`; the same builder as the embedded miniature's. Returns its overrides."""
+        from .mini.build import MiniSpec, build_random_checkpoint
+
+        spec = MiniSpec(image_size=16, vae_channels=(8, 16), latent_channels=4, text_hidden=16, text_layers=2,
+                        num_layers=1, heads=2, head_dim=16)
+        build_random_checkpoint(out_dir, spec, seed=seed)
+        return {"model.family": cls.name, "model.path": str(out_dir), "model.max_sequence_length": 0}

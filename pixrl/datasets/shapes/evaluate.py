@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 from ...algorithms.recipe import eval_recipe
 from ...algorithms.sampling import SamplerRecipe, generators, sample
+from ...models.base import uses_negative_prompt
 from ..registry import register_evaluator
 from .judge import judge
 from .prompts import CATEGORIES, split_prompts
@@ -26,7 +27,7 @@ def eval_set(split: str, per_category: int = 48, seed: int = 1234) -> list[tuple
 def generate_images(family, prompts: list[str], seeds: list[int], recipe: SamplerRecipe,
                     batch: int = 64) -> np.ndarray:
     """uint8 images for (prompt, seed) pairs with the shared sampler (same as `pixrl generate`)."""
-    neg = family.encode_prompts([""]) if recipe.guidance_scale > 1 else None
+    neg = family.encode_prompts([""]) if uses_negative_prompt(family, recipe.guidance_scale) else None
     imgs = []
     for s in range(0, len(prompts), batch):
         ps = prompts[s:s + batch]

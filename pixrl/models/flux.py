@@ -1,0 +1,212 @@
+"""FLUX.1 family (dev, schnell): diffusers FluxTransformer2DModel + AutoencoderKL (16 latent
+channels, scaling and shift factors) + FlowMatchEulerDiscreteScheduler with dynamic shift +
+CLIP (pooled) and T5 (per-token) text encoders.
+
+Loads any directory in the diffusers FluxPipeline layout and reuses the pipeline's own
+`encode_prompt`, latent packing and image ids, so conditioning and velocity are exactly what
+the pipeline computes. Latents are kept unpacked ([C, H, W], as the pipeline draws its noise);
+`velocity` packs them into the 2×2-patch sequence the transformer reads and unpacks its output.
+The flow-matching step is elementwise, so stepping unpacked latents is the pipeline's step.
+
+Guidance is FLUX.1-dev's distilled guidance: the scale enters the transformer as an embedding
+(`guidance_embeds`), there is no negative-prompt batch. A model without the embedding
+(schnell) ignores the scale, as the pipeline does.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .base import ModelLoadError, torch_dtype
+from .registry import register_family
+from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
+
+__all__ = ["FluxConditioning", "FluxFamily"]
+
+
+@dataclass
+class FluxConditioning:
+    """FLUX.1's text conditioning: T5 per-token embeddings, CLIP pooled, the text position ids."""
+
+    prompt_embeds: torch.Tensor  # [B, L, D]
+    pooled: torch.Tensor  # [B, P]
+    text_ids: torch.Tensor  # [L, 3], shared by the batch
+
+    def select(self, idx) -> "FluxConditioning":
+        return FluxConditioning(self.prompt_embeds[idx], self.pooled[idx], self.text_ids)
+
+    def expand(self, n: int) -> "FluxConditioning":
+        return FluxConditioning(self.prompt_embeds.expand(n, -1, -1), self.pooled.expand(n, -1), self.text_ids)
+
+
+def check_layout(path: str | Path, pipeline_class: str, family: str) -> Path:
+    """A diffusers pipeline directory of `pipeline_class`, or a ModelLoadError saying what to set."""
+    p = Path(path)
+    index = p / "model_index.json"
+    if not index.is_file():
+        raise ModelLoadError(f"model path {str(p)!r} is not a diffusers {pipeline_class} directory (no "
+                             f"model_index.json there); set model.path to a local checkout in the diffusers "
+                             f"layout, or write a tiny one with `pixrl tiny {family} --out DIR`")
+    found = json.loads(index.read_text()).get("_class_name")
+    if found != pipeline_class:
+        raise ModelLoadError(f"{str(p)!r} holds a {found}, not a {pipeline_class}; set model.family to the "
+                             f"family of that pipeline (or model.path to a {pipeline_class} checkout)")
+    return p
+
+
+@register_family("flux1")
+class FluxFamily:
+    """A loaded FLUX.1 model: what the shared denoise sampler and the trainer need."""
+
+    name = "flux1"
+    semantics = PolicySemantics(regime=Regime.full_sequence, step=PolicyStep.denoise, action=Action.continuous)
+    guidance = "embedded"  # the scale is a transformer input; no negative prompt is encoded
+    # flow_grpo's LoRA targets for FLUX (scripts/train_flux.py): both streams' attention and MLPs
+    lora_targets = ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
+                    "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                    "ff_context.net.2"]
+
+    def __init__(self, pipe, path: str, dtype: torch.dtype, max_sequence_length: int, resolution: int | None):
+        self.pipe, self.path, self.dtype = pipe, path, dtype
+        self.max_sequence_length = max_sequence_length
+        self.transformer, self.vae, self.scheduler = pipe.transformer, pipe.vae, pipe.scheduler
+        self.resolution = resolution or pipe.default_sample_size * pipe.vae_scale_factor
+        self._ids: dict[tuple, torch.Tensor] = {}
+
+    @classmethod
+    def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", max_sequence_length: int = 512,
+             resolution: int | None = None) -> "FluxFamily":
+        from diffusers import FluxPipeline
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.disable_progress_bar()
+        p = check_layout(path, "FluxPipeline", cls.name)
+        if not 1 <= max_sequence_length <= 512:
+            raise ModelLoadError(f"model.max_sequence_length={max_sequence_length}: FLUX.1 reads 1–512 T5 tokens "
+                                 f"(512 for dev, 256 for schnell)")
+        try:
+            pipe = FluxPipeline.from_pretrained(str(p), dtype=torch_dtype(dtype))
+        except Exception as exc:  # diffusers raises many types; name the path and the cause
+            raise ModelLoadError(f"could not load the FLUX pipeline from {str(p)!r}: {exc}") from exc
+        pipe.to(device)
+        pipe.set_progress_bar_config(disable=True)
+        for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
+            module.requires_grad_(False)
+        fam = cls(pipe, str(p), torch_dtype(dtype), max_sequence_length, resolution)
+        if fam.resolution % (2 * pipe.vae_scale_factor):
+            raise ModelLoadError(f"model.resolution={fam.resolution}: FLUX needs a multiple of "
+                                 f"{2 * pipe.vae_scale_factor} (the VAE's ×{pipe.vae_scale_factor} and 2×2 packing)")
+        return fam
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    def identity(self) -> str:
+        return f"flux1:{self.path}:{self.dtype}:{self.max_sequence_length}"
+
+    def describe(self) -> dict:
+        return {"resolution": [self.resolution, self.resolution], "shift": self.scheduler.config.get("shift"),
+                "mu": self._mu(), "guidance": self.guidance}
+
+    # --- conditioning -------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> FluxConditioning:
+        embeds, pooled, text_ids = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, device=self.device,
+                                                           max_sequence_length=self.max_sequence_length)
+        return FluxConditioning(embeds, pooled, text_ids)
+
+    # --- dynamics -----------------------------------------------------------------------------
+    def latent_shape(self) -> tuple[int, int, int]:
+        side = 2 * (self.resolution // (self.pipe.vae_scale_factor * 2))
+        return self.transformer.config.in_channels // 4, side, side
+
+    def _mu(self) -> float:
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        _, h, w = self.latent_shape()
+        c = self.scheduler.config
+        return calculate_shift((h // 2) * (w // 2), c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                               c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+
+    def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sigmas [T+1] ending at 0, timesteps [T]) exactly as FluxPipeline sets them."""
+        from copy import deepcopy
+
+        sched = deepcopy(self.scheduler)
+        sigmas = None if sched.config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
+        kwargs = {"mu": self._mu()} if sched.config.get("use_dynamic_shifting", False) else {}
+        if sigmas is None:
+            sched.set_timesteps(steps, device=self.device, **kwargs)
+        else:
+            sched.set_timesteps(sigmas=sigmas, device=self.device, **kwargs)
+        return sched.sigmas.float().clone(), sched.timesteps.float().clone()
+
+    def _image_ids(self, h: int, w: int, device, dtype) -> torch.Tensor:
+        key = (h, w, str(device), dtype)
+        if key not in self._ids:
+            self._ids[key] = self.pipe._prepare_latent_image_ids(1, h // 2, w // 2, device, dtype)
+        return self._ids[key]
+
+    def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: FluxConditioning,
+                 guidance_scale: float = 1.0, neg: FluxConditioning | None = None) -> torch.Tensor:
+        """v_θ(x, t | c) on unpacked latents [B, C, H, W]; the guidance scale as FLUX.1-dev's embedding."""
+        b, c, h, w = x.shape
+        t = timestep.reshape(-1).to(x.device, x.dtype)
+        t = t.expand(b) if t.numel() == 1 else t
+        guidance = (torch.full((b,), float(guidance_scale), device=x.device, dtype=torch.float32)
+                    if self.transformer.config.guidance_embeds else None)
+        packed = self.pipe._pack_latents(x, b, c, h, w)
+        out = self.transformer(hidden_states=packed, timestep=t / 1000, guidance=guidance,
+                               pooled_projections=cond.pooled, encoder_hidden_states=cond.prompt_embeds,
+                               txt_ids=cond.text_ids, img_ids=self._image_ids(h, w, x.device, x.dtype),
+                               return_dict=False)[0]
+        vsf = self.pipe.vae_scale_factor
+        return self.pipe._unpack_latents(out, h * vsf, w * vsf, vsf)
+
+    # --- pixels -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> np.ndarray:
+        """Final (unpacked) latents → uint8 [B, H, W, 3], as the pipeline's decode + postprocess."""
+        cfg = self.vae.config
+        z = latents.to(self.vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)
+        img = self.vae.decode(z, return_dict=False)[0]
+        img = (img.float() / 2 + 0.5).clamp(0, 1)
+        return (img.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+
+    def trainable_module(self) -> torch.nn.Module:
+        return self.transformer
+
+    # --- a tiny random checkpoint in the real layout --------------------------------------------
+    @classmethod
+    def write_tiny(cls, out_dir: Path, seed: int = 0) -> dict:
+        """A random FLUX.1-dev-shaped pipeline (guidance embedding, 16 packed channels, CLIP + T5,
+        dynamic-shift scheduler) with tiny widths, saved with `save_pretrained`. Returns the
+        overrides that run it (`model.resolution`: 32 px)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+        from .tiny_parts import clip_text_model, clip_tokenizer, image_vae, t5_encoder, t5_tokenizer
+
+        torch.manual_seed(seed)
+        build = out_dir.parent / (out_dir.name + "_build")
+        tok, tok2 = clip_tokenizer(build / "tokenizer"), t5_tokenizer(build / "tokenizer_2", 64)
+        te, te2 = clip_text_model(tok), t5_encoder(tok2)
+        transformer = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                             attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32,
+                                             pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(2, 2, 4))
+        vae = image_vae(latent_channels=4, scaling_factor=0.3611, shift_factor=0.1159)
+        sched = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=256, max_image_seq_len=4096)
+        pipe = FluxPipeline(scheduler=sched, vae=vae, text_encoder=te, tokenizer=tok, text_encoder_2=te2,
+                            tokenizer_2=tok2, transformer=transformer)
+        pipe.save_pretrained(str(out_dir), safe_serialization=True)
+        import shutil
+
+        shutil.rmtree(build, ignore_errors=True)
+        return {"model.family": cls.name, "model.path": str(out_dir), "model.resolution": 32,
+                "model.max_sequence_length": 64}

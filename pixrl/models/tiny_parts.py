@@ -1,0 +1,88 @@
+"""Parts for tiny random checkpoints in each family's real on-disk layout (`pixrl tiny FAMILY`).
+
+Nothing may be downloaded, so the tokenizers are written here in the formats the real
+checkpoints ship (a CLIP BPE tokenizer, a T5 SentencePiece-Unigram `tokenizer.json`) over a
+small closed vocabulary — every single character too, so any text still tokenizes. The models
+are the real transformers/diffusers classes with small configs; a checkpoint built from these
+loads through exactly the path a real checkout does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .mini.build import shapes_vocabulary
+from .mini.tokenizer import write_word_tokenizer
+
+_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,'\"-!?:;()"
+_GENERAL = ["photo", "picture", "image", "of", "with", "on", "in", "at", "cat", "dog", "sign", "says", "text",
+            "person", "man", "woman", "car", "tree", "house", "sky", "city", "street", "hello", "world"]
+
+
+def tiny_vocabulary() -> list[str]:
+    """The words a tiny tokenizer keeps whole: the shapes world's plus a few general ones."""
+    return sorted(set(shapes_vocabulary()) | set(_GENERAL))
+
+
+def clip_tokenizer(out_dir: Path, max_length: int = 77):
+    """A real CLIP BPE tokenizer (transformers layout) over the tiny vocabulary."""
+    return write_word_tokenizer(tiny_vocabulary(), out_dir, max_length)
+
+
+def t5_tokenizer(out_dir: Path, max_length: int = 512):
+    """A T5TokenizerFast (SentencePiece-Unigram `tokenizer.json`, `</s>` appended, `<pad>` = 0)
+    over the tiny vocabulary, as T5 and UMT5 checkpoints ship it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import T5TokenizerFast
+
+    pieces: dict[str, float] = {"<pad>": 0.0, "</s>": 0.0, "<unk>": 0.0, "▁": -2.0}
+    for w in tiny_vocabulary():
+        pieces.setdefault("▁" + w, -1.0)
+    for c in _CHARS:
+        pieces.setdefault("▁" + c, -4.0)
+        pieces.setdefault(c, -5.0)
+    tok = Tokenizer(models.Unigram(list(pieces.items()), unk_id=2))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
+                                                       special_tokens=[("</s>", 1)])
+    fast = T5TokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+                           extra_ids=0, model_max_length=max_length)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out_dir))
+    return T5TokenizerFast.from_pretrained(str(out_dir))
+
+
+def clip_text_model(tokenizer, hidden: int = 32, layers: int = 2, with_projection: bool = False):
+    """A tiny CLIP text tower whose special-token ids match `tokenizer` (pooling reads the EOS)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    cfg = CLIPTextConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=2, projection_dim=hidden,
+                         max_position_embeddings=tokenizer.model_max_length, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return (CLIPTextModelWithProjection if with_projection else CLIPTextModel)(cfg)
+
+
+def t5_encoder(tokenizer, d_model: int = 32, layers: int = 2):
+    """A tiny T5 encoder (the FLUX.1 / SD3 text_encoder_3 class)."""
+    from transformers import T5Config, T5EncoderModel
+
+    cfg = T5Config(vocab_size=len(tokenizer), d_model=d_model, d_kv=d_model // 2, d_ff=2 * d_model,
+                   num_layers=layers, num_heads=2, relative_attention_num_buckets=8,
+                   relative_attention_max_distance=32, feed_forward_proj="gated-gelu", is_encoder_decoder=False,
+                   pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=0)
+    return T5EncoderModel(cfg)
+
+
+def image_vae(latent_channels: int, channels: tuple[int, ...] = (8, 16), scaling_factor: float = 1.0,
+              shift_factor: float = 0.0):
+    """A tiny AutoencoderKL (×2^(len(channels)−1) downsampling), without quant convs as in FLUX/SD3."""
+    from diffusers import AutoencoderKL
+
+    n = len(channels)
+    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * n,
+                         up_block_types=("UpDecoderBlock2D",) * n, block_out_channels=channels, layers_per_block=1,
+                         latent_channels=latent_channels, norm_num_groups=8, scaling_factor=scaling_factor,
+                         shift_factor=shift_factor, use_quant_conv=False, use_post_quant_conv=False,
+                         mid_block_add_attention=False)
