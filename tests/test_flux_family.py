@@ -54,6 +54,15 @@ def test_layout_errors_name_the_fix(tmp_path, tiny_checkpoint, tiny_flux):
         FluxFamily.load(tiny_flux[0], max_sequence_length=64, resolution=30)
 
 
+def test_preflight_refuses_a_checkpoint_of_another_family(tiny_checkpoint, tmp_path):
+    """Before anything is written: one line naming the pipeline found and the setting to change."""
+    res = CliRunner().invoke(app, ["train", "--iterations", "1", "--workdir", str(tmp_path / "wd"),
+                                   "model.family=flux1", f"model.path={tiny_checkpoint}"])
+    assert res.exit_code == 2, res.output
+    assert "StableDiffusion3Pipeline, not a FluxPipeline" in " ".join(res.output.split())
+    assert not (tmp_path / "wd").exists()
+
+
 @pytest.mark.parametrize("guidance", [1.0, 3.5])
 def test_ode_sampling_equals_flux_pipeline(family, guidance):
     seeds = [11, 12]

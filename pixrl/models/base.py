@@ -9,6 +9,8 @@ whatever the compute dtype (`model.dtype`): the step kernels upcast.
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -29,6 +31,21 @@ def torch_dtype(name: str) -> torch.dtype:
 
 class ModelLoadError(ExpectedError, RuntimeError):
     """A model path or checkpoint that cannot be loaded; the message says how to fix it."""
+
+
+def check_layout(path: str | Path, pipeline_class: str, family: str) -> Path:
+    """A diffusers pipeline directory of `pipeline_class`, or a ModelLoadError saying what to set."""
+    p = Path(path)
+    index = p / "model_index.json"
+    if not index.is_file():
+        raise ModelLoadError(f"model path {str(p)!r} is not a diffusers {pipeline_class} directory (no "
+                             f"model_index.json there); set model.path to a local checkout in the diffusers "
+                             f"layout, or write a tiny one with `pixrl tiny {family} --out DIR`")
+    found = json.loads(index.read_text()).get("_class_name")
+    if found != pipeline_class:
+        raise ModelLoadError(f"{str(p)!r} holds a {found}, not a {pipeline_class}; set model.family to the "
+                             f"family of that pipeline (or model.path to a {pipeline_class} checkout)")
+    return p
 
 
 @runtime_checkable
@@ -52,6 +69,7 @@ class Family(Protocol):
     """A loaded model of one family (the common part of every regime)."""
 
     name: str
+    pipeline_class: str  # the diffusers/transformers class named in the checkpoint's model_index.json
     semantics: PolicySemantics
     lora_targets: list[str]
     dtype: torch.dtype

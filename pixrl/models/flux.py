@@ -15,14 +15,13 @@ Guidance is FLUX.1-dev's distilled guidance: the scale enters the transformer as
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .base import ModelLoadError, torch_dtype
+from .base import ModelLoadError, check_layout, torch_dtype
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -44,26 +43,12 @@ class FluxConditioning:
         return FluxConditioning(self.prompt_embeds.expand(n, -1, -1), self.pooled.expand(n, -1), self.text_ids)
 
 
-def check_layout(path: str | Path, pipeline_class: str, family: str) -> Path:
-    """A diffusers pipeline directory of `pipeline_class`, or a ModelLoadError saying what to set."""
-    p = Path(path)
-    index = p / "model_index.json"
-    if not index.is_file():
-        raise ModelLoadError(f"model path {str(p)!r} is not a diffusers {pipeline_class} directory (no "
-                             f"model_index.json there); set model.path to a local checkout in the diffusers "
-                             f"layout, or write a tiny one with `pixrl tiny {family} --out DIR`")
-    found = json.loads(index.read_text()).get("_class_name")
-    if found != pipeline_class:
-        raise ModelLoadError(f"{str(p)!r} holds a {found}, not a {pipeline_class}; set model.family to the "
-                             f"family of that pipeline (or model.path to a {pipeline_class} checkout)")
-    return p
-
-
 @register_family("flux1")
 class FluxFamily:
     """A loaded FLUX.1 model: what the shared denoise sampler and the trainer need."""
 
     name = "flux1"
+    pipeline_class = "FluxPipeline"
     semantics = PolicySemantics(regime=Regime.full_sequence, step=PolicyStep.denoise, action=Action.continuous)
     guidance = "embedded"  # the scale is a transformer input; no negative prompt is encoded
     # flow_grpo's LoRA targets for FLUX (scripts/train_flux.py): both streams' attention and MLPs

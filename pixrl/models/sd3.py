@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import ModelLoadError, torch_dtype
+from .base import ModelLoadError, check_layout, torch_dtype
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -41,6 +41,7 @@ class SD3Family:
     """A loaded SD3-style model: what the shared denoise sampler and the trainer need."""
 
     name = "sd3"
+    pipeline_class = "StableDiffusion3Pipeline"
     semantics = PolicySemantics(regime=Regime.full_sequence, step=PolicyStep.denoise, action=Action.continuous)
     # flow_grpo's LoRA targets for SD3 (attention projections of both streams)
     lora_targets = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
@@ -68,12 +69,7 @@ class SD3Family:
 
         diffusers_logging.disable_progress_bar()  # the loader's bars would garble the CLI's own progress
 
-        p = Path(path)
-        if not (p / "model_index.json").is_file():
-            raise ModelLoadError(
-                f"model path {str(p)!r} is not a diffusers StableDiffusion3Pipeline directory "
-                f"(no model_index.json there); set model.path to a local checkout in the diffusers "
-                f"layout, e.g. the embedded miniature (model=mini_shapes)")
+        p = check_layout(path, cls.pipeline_class, cls.name)
         import json
 
         # components saved as [null, null] (e.g. no T5) must be passed as None explicitly

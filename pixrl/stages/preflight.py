@@ -9,6 +9,7 @@ from ..artifacts.batch import rollout_fields
 from ..config.schema import ExperimentConfig
 from ..datasets.prompts import load_prompt_set, select_categories
 from ..errors import ExpectedError
+from ..models.base import ModelLoadError, check_layout
 from ..models.registry import get_family
 from ..rewards.compose import RewardSet
 from ..engines.assets import resolve_asset, resolve_model_path
@@ -31,14 +32,10 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
             if lacking:
                 raise ValueError(f"algorithm {algo.name!r} needs trajectory field(s) {lacking}, which "
                                  f"{cfg.model.family!r} rollouts ({family.semantics.step.value} steps) do not store")
-        path = resolve_model_path(cfg.model.path)
-        if not (path / "model_index.json").is_file():
-            raise FileNotFoundError(
-                f"model.path {cfg.model.path!r} ({path}) is not a diffusers model directory (no model_index.json); "
-                f"point model.path at a local checkout in the diffusers layout")
+        check_layout(resolve_model_path(cfg.model.path), family.pipeline_class, family.name)
         select_categories(load_prompt_set(resolve_asset(cfg.dataset.path), cfg.dataset.name),
                           cfg.dataset.categories)
         RewardSet(cfg.reward.weights, cfg.reward.options)
-    except (KeyError, ValueError, FileNotFoundError) as exc:
+    except (KeyError, ValueError, FileNotFoundError, ModelLoadError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
         raise PreflightError(msg) from None
