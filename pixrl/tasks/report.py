@@ -20,7 +20,10 @@ def artifact_key(*parts: str) -> str:
 
 
 @task(name="report", persist_result=False)
-def report_iteration(spec: RunSpec, iteration: int) -> None:
+def report_iteration(spec: RunSpec, iteration: int, progress_id: str | None = None, total: int = 0) -> None:
+    """The iteration's reward table and sample-grid link, and the run's progress bar. The loop
+    submits it to the flow's thread pool and goes on with the next iteration: its reads and API
+    calls (≈0.1–0.2 s) overlap the next generate instead of standing between iterations."""
     stores = online_stages(spec).stores  # the run's open stores: no new table handle or MLflow client per iteration
     create_table_artifact(reward_report(stores.table, spec.run_id, iteration), key=artifact_key(spec.run_name, "rewards"),
                           description=f"{spec.run_name} iteration {iteration}: reward per component and category")
@@ -29,6 +32,8 @@ def report_iteration(spec: RunSpec, iteration: int) -> None:
         f"### {spec.run_name} · iteration {iteration}\n\nSample grid (one row per prompt, one column per group "
         f"member): `{grid}`\n\nMLflow run `{spec.run_id}` — `mlflow ui --backend-store-uri {spec.tracking_uri}`",
         key=artifact_key(spec.run_name, "samples"), description=f"sample grid of iteration {iteration}")
+    if progress_id is not None:
+        update_progress(progress_id, iteration + 1, total)
 
 
 def start_progress(spec: RunSpec) -> str:
@@ -38,3 +43,25 @@ def start_progress(spec: RunSpec) -> str:
 
 def update_progress(artifact_id: str, done: int, total: int) -> None:
     update_progress_artifact(artifact_id, progress=100.0 * done / max(total, 1))
+
+
+class Background:
+    """At most one reporting task in flight, run by the flow's task runner (a thread) while the
+    loop goes on. `wait` surfaces its failure as the old inline call did; `abandon` (on the way
+    out of a failed or interrupted run) gives it a few seconds and never masks the first error."""
+
+    def __init__(self) -> None:
+        self._future = None
+
+    def submit(self, report_task, *args) -> None:
+        self._future = report_task.submit(*args)
+
+    def wait(self) -> None:
+        future, self._future = self._future, None
+        if future is not None:
+            future.result()
+
+    def abandon(self, timeout: float = 10.0) -> None:
+        future, self._future = self._future, None
+        if future is not None:
+            future.wait(timeout)
