@@ -59,16 +59,20 @@ def _checked_config(config: Optional[str], overrides: list[str], iterations: Opt
     """The experiment config from a preset/YAML, key=value overrides and the common options,
     validated and preflighted (paths, assets, rewards) before anything is written."""
     from ..config.loader import ConfigError, load_config
-    from ..stages.preflight import PreflightError, preflight
 
     for key, val in (("run.iterations", iterations), ("run.workdir", workdir), ("run.name", run), ("run.seed", seed)):
         if val is not None:
             overrides.append(f"{key}={val}")
     try:
         cfg = load_config(config, overrides)
-        _begin_api()  # the API server starts while preflight and the flow's imports run
+    except ConfigError as exc:
+        _fail(str(exc), exc=exc)
+    _begin_api()  # the API server starts while preflight (torch, the stores) and the flow's imports run
+    from ..stages.preflight import PreflightError, preflight
+
+    try:
         preflight(cfg)
-    except (ConfigError, PreflightError) as exc:
+    except PreflightError as exc:
         _fail(str(exc), exc=exc)
     return cfg
 
