@@ -172,3 +172,22 @@ def test_prefect_artifacts_per_iteration(trained):
     client = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
     assert {a.path for a in client.list_artifacts(out["run_id"], "samples")} == {"samples/it_0000.png",
                                                                                "samples/it_0001.png"}
+
+
+def test_sample_grid_logged_once_per_iteration(trained):
+    """The grid is logged by the iteration's report (beside the next iteration), once: a report
+    run again (a resumed rollouts run re-reports its iterations) logs nothing twice."""
+    from types import SimpleNamespace
+
+    from pixrl.artifacts.tracking import Tracker
+    from pixrl.artifacts.trajectories import TableRef, TrajectoryStore
+    from pixrl.stages.report import log_sample_grid
+
+    wd, out = trained
+    table = TrajectoryStore(out["table_uri"])
+    stores = SimpleNamespace(tracker=Tracker(f"sqlite:///{wd / 'mlflow.db'}"), table=table,
+                             latest=lambda: TableRef(table.uri, table.latest_version()))
+    client = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
+    before = sorted(a.path for a in client.list_artifacts(out["run_id"], "images"))
+    assert log_sample_grid(stores, out["run_id"], 1, 4) is False
+    assert sorted(a.path for a in client.list_artifacts(out["run_id"], "images")) == before

@@ -21,7 +21,7 @@ from ..algorithms.recipe import rollout_recipe
 from ..algorithms.sampling import SamplerRecipe
 from ..artifacts.batch import RolloutBatch
 from ..artifacts.checkpoints import CheckpointRef, save_checkpoint
-from ..artifacts.media import decode_png, image_grid, png_bytes
+from ..artifacts.media import decode_png, png_bytes
 from ..artifacts.retention import RunRetention
 from ..artifacts.store_maintenance import maintain_store
 from ..artifacts.tracking import PolicyRef
@@ -117,11 +117,7 @@ class OnlineStages:
         t0 = time.perf_counter()
         imgs = self.engine.decode(batch["final_latent"])
         pngs = [png_bytes(im) for im in imgs]
-        seconds = time.perf_counter() - t0
-        g = self.cfg.sampling.group_size
-        grid = image_grid(imgs[: min(8, len(imgs) // g) * g], cols=g, scale=max(1, 64 // imgs.shape[1]))
-        self.tracker.log_image(self.spec.run_id, grid, key="samples", step=iteration)  # MLflow's per-step viewer
-        self.tracker.log_png_file(self.spec.run_id, png_bytes(grid, compress_level=1), f"samples/it_{iteration:04d}.png")
+        seconds = time.perf_counter() - t0  # the sample grid is logged by the iteration's report
         upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"],
                         "image": pa.array(pngs, pa.binary())})
         metrics = self.records.before_commit("decode", iteration, {"decode_compute_s": seconds})

@@ -11,7 +11,7 @@ from prefect.artifacts import (create_markdown_artifact, create_progress_artifac
                                update_progress_artifact)
 
 from ..run import RunSpec
-from ..stages.report import reward_report
+from ..stages.report import grid_path, log_sample_grid, reward_report
 from ..stages.session import online_stages
 
 
@@ -21,13 +21,15 @@ def artifact_key(*parts: str) -> str:
 
 @task(name="report", persist_result=False)
 def report_iteration(spec: RunSpec, iteration: int, progress_id: str | None = None, total: int = 0) -> None:
-    """The iteration's reward table and sample-grid link, and the run's progress bar. The loop
+    """The iteration's sample grid (MLflow), reward table and grid link, and the run's progress bar. The loop
     submits it to the flow's thread pool and goes on with the next iteration: its reads and API
     calls (≈0.1–0.2 s) overlap the next generate instead of standing between iterations."""
-    stores = online_stages(spec).stores  # the run's open stores: no new table handle or MLflow client per iteration
+    stages = online_stages(spec)
+    stores = stages.stores  # the run's open stores: no new table handle or MLflow client per iteration
+    log_sample_grid(stores, spec.run_id, iteration, stages.cfg.sampling.group_size)
     create_table_artifact(reward_report(stores.table, spec.run_id, iteration), key=artifact_key(spec.run_name, "rewards"),
                           description=f"{spec.run_name} iteration {iteration}: reward per component and category")
-    grid = f"{stores.run_artifact_uri}/samples/it_{iteration:04d}.png"
+    grid = f"{stores.run_artifact_uri}/{grid_path(iteration)}"
     create_markdown_artifact(
         f"### {spec.run_name} · iteration {iteration}\n\nSample grid (one row per prompt, one column per group "
         f"member): `{grid}`\n\nMLflow run `{spec.run_id}` — `mlflow ui --backend-store-uri {spec.tracking_uri}`",
