@@ -46,3 +46,12 @@ def tiny_flux(tmp_path_factory) -> tuple[Path, dict]:
 
     out = tmp_path_factory.mktemp("ckpt") / "tiny-flux1"
     return out, FluxFamily.write_tiny(out, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_image(tmp_path_factory) -> tuple[Path, dict]:
+    """A tiny random Qwen-Image-shaped checkpoint (`pixrl tiny qwen_image`) and its overrides."""
+    from pixrl.models.qwen_image import QwenImageFamily
+
+    out = tmp_path_factory.mktemp("ckpt") / "tiny-qwen-image"
+    return out, QwenImageFamily.write_tiny(out, seed=0)

@@ -6,7 +6,7 @@ from ..config.registry import Registry, UnknownNameError
 
 
 def _builtin() -> None:
-    from . import flux, sd3  # noqa: F401  (register "flux1", "sd3")
+    from . import flux, qwen_image, sd3  # noqa: F401  (register "flux1", "qwen_image", "sd3")
 
 
 FAMILIES: Registry[type] = Registry("model family", "families", _builtin)

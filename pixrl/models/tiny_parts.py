@@ -86,3 +86,51 @@ def image_vae(latent_channels: int, channels: tuple[int, ...] = (8, 16), scaling
                          latent_channels=latent_channels, norm_num_groups=8, scaling_factor=scaling_factor,
                          shift_factor=shift_factor, use_quant_conv=False, use_post_quant_conv=False,
                          mid_block_add_attention=False)
+
+
+# the words of Qwen-Image's prompt template: whole tokens, so that its system part is 34 tokens as
+# with the real tokenizer (the pipeline drops exactly 34: with a character-level split it would
+# drop part of the system text and keep the rest as if it were the prompt)
+_QWEN_TEMPLATE_WORDS = ["the", "image", "by", "detailing", "color", "shape", "size", "texture", "quantity", "text",
+                        "spatial", "relationships", "objects", "background"]
+
+
+def qwen2_tokenizer(out_dir: Path):
+    """A Qwen2 byte-level BPE tokenizer (`Qwen2Tokenizer`, the 256 byte symbols plus merges that
+    make each tiny-vocabulary word with its leading space one token) with Qwen's chat tokens
+    (`<|im_start|>`, `<|im_end|>`, `<|endoftext|>` as pad/eos), as Qwen2.5-VL checkpoints ship it."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2Tokenizer
+
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    merges: dict[tuple[str, str], None] = {}
+    for word in ["Ġ" + w for w in tiny_vocabulary() + _QWEN_TEMPLATE_WORDS] + ["system", "Describe", "user", "assistant"]:
+        cur, *rest = word  # "Ġ": byte-level's visible space
+        for sym in rest:
+            merges[(cur, sym)] = None
+            cur += sym
+            vocab.setdefault(cur, len(vocab))
+    tok = Qwen2Tokenizer(vocab=vocab, merges=list(merges))
+    tok.add_special_tokens({"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
+                            "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(str(out_dir))
+    return Qwen2Tokenizer.from_pretrained(str(out_dir))
+
+
+def qwen25_vl_text_encoder(tokenizer, hidden: int = 32):
+    """A tiny Qwen2.5-VL (the Qwen-Image text encoder class: language model + a one-block vision
+    tower, multimodal RoPE sections summing to half the head width)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
+               "bos_token_id": tokenizer.eos_token_id}
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=2048, **special,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=1, hidden_size=hidden, intermediate_size=2 * hidden, num_heads=2,
+                           out_hidden_size=hidden, fullatt_block_indexes=[0]),
+        **special)
+    return Qwen2_5_VLForConditionalGeneration(cfg)

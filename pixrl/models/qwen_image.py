@@ -1,0 +1,193 @@
+"""Qwen-Image family: diffusers QwenImageTransformer2DModel (MMDiT, 2×2 packed latents) +
+AutoencoderKLQwenImage (a causal video VAE used with one frame, per-channel latent mean/std) +
+FlowMatchEulerDiscreteScheduler with dynamic shift + a Qwen2.5-VL text encoder (its last hidden
+state under the pipeline's chat template, the template's tokens dropped).
+
+Loads any directory in the diffusers QwenImagePipeline layout and reuses the pipeline's own
+`encode_prompt`, packing and latent normalisation, so conditioning, velocity and decode are what
+the pipeline computes. Latents are kept unpacked ([C, H, W]; the pipeline's single frame axis is
+implicit). Guidance is the pipeline's "true CFG" (VeRL-Omni and flow_grpo train Qwen-Image with
+CFG 4): a negative-prompt batch, then the combined prediction rescaled to the conditional one's
+norm per packed token — done inside `velocity`, in packed space, as the pipeline does it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .base import ModelLoadError, check_layout, torch_dtype
+from .registry import register_family
+from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
+
+__all__ = ["QwenImageConditioning", "QwenImageFamily"]
+
+
+@dataclass
+class QwenImageConditioning:
+    """Qwen2.5-VL hidden states of the prompts (template dropped) and their padding mask."""
+
+    prompt_embeds: torch.Tensor  # [B, L, D]
+    mask: torch.Tensor | None  # [B, L]; None when no row is padded
+
+    def select(self, idx) -> "QwenImageConditioning":
+        return QwenImageConditioning(self.prompt_embeds[idx], None if self.mask is None else self.mask[idx])
+
+    def expand(self, n: int) -> "QwenImageConditioning":
+        return QwenImageConditioning(self.prompt_embeds.expand(n, -1, -1),
+                                     None if self.mask is None else self.mask.expand(n, -1))
+
+
+@register_family("qwen_image")
+class QwenImageFamily:
+    name = "qwen_image"
+    pipeline_class = "QwenImagePipeline"
+    semantics = PolicySemantics(regime=Regime.full_sequence, step=PolicyStep.denoise, action=Action.continuous)
+    guidance = "cfg"
+    # the MMDiT's attention projections of both streams (VeRL-Omni / DiffSynth Qwen-Image LoRA targets)
+    lora_targets = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                    "attn.add_v_proj", "attn.to_add_out"]
+
+    def __init__(self, pipe, path: str, dtype: torch.dtype, max_sequence_length: int, resolution: int | None):
+        self.pipe, self.path, self.dtype = pipe, path, dtype
+        self.max_sequence_length = max_sequence_length
+        self.transformer, self.vae, self.scheduler = pipe.transformer, pipe.vae, pipe.scheduler
+        self.resolution = resolution or pipe.default_sample_size * pipe.vae_scale_factor
+
+    @classmethod
+    def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", max_sequence_length: int = 512,
+             resolution: int | None = None) -> "QwenImageFamily":
+        from diffusers import QwenImagePipeline
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.disable_progress_bar()
+        p = check_layout(path, cls.pipeline_class, cls.name)
+        if not 1 <= max_sequence_length <= 1024:
+            raise ModelLoadError(f"model.max_sequence_length={max_sequence_length}: Qwen-Image reads 1–1024 prompt "
+                                 f"tokens (512 as the pipeline defaults)")
+        try:
+            pipe = QwenImagePipeline.from_pretrained(str(p), dtype=torch_dtype(dtype))
+        except Exception as exc:  # diffusers raises many types; name the path and the cause
+            raise ModelLoadError(f"could not load the Qwen-Image pipeline from {str(p)!r}: {exc}") from exc
+        pipe.to(device)
+        pipe.set_progress_bar_config(disable=True)
+        for module in (pipe.vae, pipe.text_encoder):
+            module.requires_grad_(False)
+        fam = cls(pipe, str(p), torch_dtype(dtype), max_sequence_length, resolution)
+        if fam.resolution % (2 * pipe.vae_scale_factor):
+            raise ModelLoadError(f"model.resolution={fam.resolution}: Qwen-Image needs a multiple of "
+                                 f"{2 * pipe.vae_scale_factor} (the VAE's ×{pipe.vae_scale_factor} and 2×2 packing)")
+        return fam
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    def identity(self) -> str:
+        return f"qwen_image:{self.path}:{self.dtype}:{self.max_sequence_length}"
+
+    def describe(self) -> dict:
+        return {"resolution": [self.resolution, self.resolution], "shift": self.scheduler.config.get("shift"),
+                "mu": self._mu(), "guidance": self.guidance}
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> QwenImageConditioning:
+        embeds, mask = self.pipe.encode_prompt(prompt=prompts, device=self.device,
+                                               max_sequence_length=self.max_sequence_length)
+        return QwenImageConditioning(embeds, mask)
+
+    # --- dynamics -----------------------------------------------------------------------------
+    def latent_shape(self) -> tuple[int, int, int]:
+        side = 2 * (self.resolution // (self.pipe.vae_scale_factor * 2))
+        return self.transformer.config.in_channels // 4, side, side
+
+    def _mu(self) -> float:
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+        _, h, w = self.latent_shape()
+        c = self.scheduler.config
+        return calculate_shift((h // 2) * (w // 2), c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                               c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+
+    def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sigmas [T+1] ending at 0, timesteps [T]) exactly as QwenImagePipeline sets them."""
+        from copy import deepcopy
+
+        sched = deepcopy(self.scheduler)
+        kwargs = {"mu": self._mu()} if sched.config.get("use_dynamic_shifting", False) else {}
+        sched.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), device=self.device, **kwargs)
+        return sched.sigmas.float().clone(), sched.timesteps.float().clone()
+
+    def _predict(self, packed, t, cond: QwenImageConditioning, img_shapes) -> torch.Tensor:
+        return self.transformer(hidden_states=packed, timestep=t / 1000, guidance=None,
+                                encoder_hidden_states_mask=cond.mask, encoder_hidden_states=cond.prompt_embeds,
+                                img_shapes=img_shapes, return_dict=False)[0]
+
+    def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: QwenImageConditioning,
+                 guidance_scale: float = 1.0, neg: QwenImageConditioning | None = None) -> torch.Tensor:
+        """v_θ(x, t | c) on unpacked latents [B, C, H, W]; guidance_scale > 1: the pipeline's true
+        CFG with the norm of the conditional prediction kept per packed token."""
+        b, c, h, w = x.shape
+        t = timestep.reshape(-1).to(x.device, x.dtype)
+        t = t.expand(b) if t.numel() == 1 else t
+        packed = self.pipe._pack_latents(x, b, c, h, w)
+        shapes = [[(1, h // 2, w // 2)]] * b
+        v = self._predict(packed, t, cond, shapes)
+        if guidance_scale > 1.0:
+            if neg is None:
+                raise ValueError("guidance_scale > 1 needs the negative-prompt conditioning")
+            v_neg = self._predict(packed, t, neg, shapes)
+            comb = v_neg + guidance_scale * (v - v_neg)
+            v = comb * (torch.norm(v, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
+        vsf = self.pipe.vae_scale_factor
+        return self.pipe._unpack_latents(v, h * vsf, w * vsf, vsf)[:, :, 0]
+
+    # --- pixels -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> np.ndarray:
+        """Final (unpacked) latents → uint8 [B, H, W, 3]: the pipeline's de-normalisation, one-frame decode."""
+        cfg = self.vae.config
+        z = latents.to(self.vae.dtype).unsqueeze(2)
+        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
+        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
+        img = self.vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]
+        img = (img.float() / 2 + 0.5).clamp(0, 1)
+        return (img.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+
+    def trainable_module(self) -> torch.nn.Module:
+        return self.transformer
+
+    # --- a tiny random checkpoint in the real layout --------------------------------------------
+    @classmethod
+    def write_tiny(cls, out_dir: Path, seed: int = 0) -> dict:
+        """A random Qwen-Image-shaped pipeline (Qwen2.5-VL text encoder with a byte-level BPE
+        tokenizer and the chat tokens, causal VAE with latent mean/std, 2×2-packed MMDiT, dynamic
+        shift) with tiny widths, saved with `save_pretrained`. Returns the overrides that run it."""
+        from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                               QwenImageTransformer2DModel)
+
+        from .tiny_parts import qwen2_tokenizer, qwen25_vl_text_encoder
+
+        torch.manual_seed(seed)
+        build = out_dir.parent / (out_dir.name + "_build")
+        tok = qwen2_tokenizer(build / "tokenizer")
+        text_encoder = qwen25_vl_text_encoder(tok)
+        z = 4
+        vae = AutoencoderKLQwenImage(base_dim=8, z_dim=z, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False],
+                                     latents_mean=[0.1, -0.2, 0.05, 0.0], latents_std=[1.5, 2.0, 1.2, 1.8])
+        transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=4 * z, out_channels=z, num_layers=1,
+                                                  attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                                  axes_dims_rope=(4, 6, 6))
+        sched = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                                                base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
+                                                time_shift_type="exponential")
+        QwenImagePipeline(scheduler=sched, vae=vae, text_encoder=text_encoder, tokenizer=tok,
+                          transformer=transformer).save_pretrained(str(out_dir), safe_serialization=True)
+        import shutil
+
+        shutil.rmtree(build, ignore_errors=True)
+        return {"model.family": cls.name, "model.path": str(out_dir), "model.resolution": 32,
+                "model.max_sequence_length": 64}

@@ -1,0 +1,114 @@
+"""The Qwen-Image family on a tiny random checkpoint written by `pixrl tiny qwen_image` in the
+diffusers layout: prompt encoding (the chat template's 34 tokens dropped), ODE parity with
+diffusers' QwenImagePipeline with and without true CFG (norm-rescaled, in packed space), decode
+parity (latent mean/std, one-frame causal VAE), the on-policy ratio, and one RL iteration."""
+
+import json
+
+import lance
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import tiny_overrides
+from pixrl.algorithms.sampling import SamplerRecipe, replay_step, sample
+from pixrl.cli import app
+from pixrl.models.base import ModelLoadError, uses_negative_prompt
+from pixrl.models.qwen_image import QwenImageFamily
+from pixrl.models.registry import get_family
+
+PROMPTS = ["a red circle", "two blue squares in the sky"]  # different lengths: a padding mask
+
+
+@pytest.fixture(scope="module")
+def family(tiny_qwen_image):
+    path, overrides = tiny_qwen_image
+    return QwenImageFamily.load(path, max_sequence_length=overrides["model.max_sequence_length"],
+                                resolution=overrides["model.resolution"])
+
+
+def _gens(seeds):
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+def _pipeline(family, cond, neg, cfg: float, seeds, output_type: str):
+    kw = {"prompt_embeds": cond.prompt_embeds, "prompt_embeds_mask": cond.mask}
+    if neg is not None:
+        kw.update(negative_prompt_embeds=neg.prompt_embeds, negative_prompt_embeds_mask=neg.mask)
+    return family.pipe(num_inference_steps=6, true_cfg_scale=cfg, generator=_gens(seeds), output_type=output_type,
+                       height=family.resolution, width=family.resolution,
+                       max_sequence_length=family.max_sequence_length, **kw).images
+
+
+def test_registered_and_guided_by_a_negative_prompt():
+    assert get_family("qwen_image") is QwenImageFamily
+    assert uses_negative_prompt(QwenImageFamily, 4.0) and not uses_negative_prompt(QwenImageFamily, 1.0)
+
+
+def test_encoding_is_the_pipelines_and_drops_the_template(family):
+    cond = family.encode_prompts(PROMPTS)
+    embeds, mask = family.pipe.encode_prompt(prompt=PROMPTS, device=family.device,
+                                             max_sequence_length=family.max_sequence_length)
+    assert torch.equal(cond.prompt_embeds, embeds) and torch.equal(cond.mask, mask)
+    template = family.pipe.prompt_template_encode.split("{}")[0]
+    assert len(family.pipe.tokenizer(template).input_ids) == family.pipe.prompt_template_encode_start_idx == 34
+    assert cond.mask.sum(1).tolist()[0] < cond.mask.sum(1).tolist()[1]  # the prompts' own tokens differ
+    assert not torch.equal(family.encode_prompts([""]).prompt_embeds[0, :3], cond.prompt_embeds[0, :3])
+
+
+@pytest.mark.parametrize("cfg", [1.0, 4.0])
+def test_ode_sampling_equals_qwen_image_pipeline(family, cfg):
+    seeds = [11, 12]
+    cond = family.encode_prompts(PROMPTS)
+    neg = family.encode_prompts([""]).expand(2) if cfg > 1 else None
+    ref = _pipeline(family, cond, neg, cfg, seeds, "latent")
+    traj = sample(family, cond, neg, _gens(seeds), SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
+    assert traj.final.shape == (2, *family.latent_shape()) == (2, 4, 16, 16)
+    assert (family.pipe._pack_latents(traj.final, 2, *family.latent_shape()) - ref).abs().max().item() <= 1e-5
+    if cfg > 1:
+        plain = sample(family, cond, None, _gens(seeds), SamplerRecipe(6, 0.0, train_steps=()))
+        assert (plain.final - traj.final).abs().max().item() > 1e-4
+
+
+def test_decode_equals_the_pipeline_images(family):
+    cond, neg = family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2)
+    ref = (_pipeline(family, cond, neg, 4.0, [3, 4], "np") * 255).round().astype("uint8")
+    traj = sample(family, cond, neg, _gens([3, 4]), SamplerRecipe(6, 0.0, guidance_scale=4.0, train_steps=()))
+    imgs = family.decode(traj.final)
+    assert imgs.shape == (2, 32, 32, 3) and imgs.dtype.name == "uint8"
+    assert abs(imgs.astype(int) - ref.astype(int)).max() <= 1
+
+
+def test_replayed_log_probs_equal_stored_with_cfg(family):
+    recipe = SamplerRecipe(steps=4, noise_level=1.2, guidance_scale=4.0, train_steps=(0, 1, 2))
+    cond, neg = family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2)
+    traj = sample(family, cond, neg, _gens([0, 1]), recipe)
+    for j, k in enumerate(traj.stored_steps):
+        out = replay_step(family, traj.latents[:, j], traj.next_latents[:, j], k, traj.sigmas, traj.timesteps,
+                          cond, neg, recipe)
+        assert torch.equal(out.log_prob.detach(), traj.log_probs[:, j])
+        out.log_prob.sum().backward()
+    assert any(p.grad is not None for p in family.transformer.parameters())
+    family.transformer.zero_grad(set_to_none=True)
+
+
+def test_lora_targets_and_layout_errors(family, tiny_flux):
+    names = [n for n, _ in family.transformer.named_modules()]
+    for target in QwenImageFamily.lora_targets:
+        assert any(n.endswith(target) for n in names), f"LoRA target {target} matches no module"
+    with pytest.raises(ModelLoadError, match="FluxPipeline, not a QwenImagePipeline"):
+        QwenImageFamily.load(tiny_flux[0])
+
+
+def test_one_rl_iteration_with_cfg_through_the_unchanged_flow(tiny_qwen_image, tmp_path, prefect_harness):
+    path, overrides = tiny_qwen_image
+    extra = {k: v for k, v in overrides.items() if k != "model.path"}
+    args = ["train", "--iterations", "1", "--run", "qwen", "reward=jpeg_compressibility",
+            *tiny_overrides(path, tmp_path, **extra), "sampling.guidance_scale=4.0"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    t = lance.dataset(out["table_uri"]).to_table()
+    assert t.num_rows == 8 and set(t["family"].to_pylist()) == {"qwen_image"}
+    assert json.loads(t["recipe"][0].as_py())["guidance_scale"] == 4.0
+    assert t["image"].null_count == 0 and t["advantage"].null_count == 0
