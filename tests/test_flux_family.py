@@ -97,9 +97,11 @@ def test_schedule_uses_the_pipelines_dynamic_shift(family):
     assert sigmas[-1] == 0 and sigmas[1] > 0.75  # shifted towards noise
 
 
-@pytest.mark.parametrize("sde_type", ["sde", "cps"])
-def test_replayed_log_probs_equal_stored(family, sde_type):
-    recipe = SamplerRecipe(steps=4, noise_level=0.9, sde_type=sde_type, guidance_scale=3.5, train_steps=(0, 1, 2))
+@pytest.mark.parametrize("sde_type,window", [("sde", None), ("cps", None), ("sde", (1, 2))])
+def test_replayed_log_probs_equal_stored(family, sde_type, window):
+    """SDE at every step, CPS, and an SDE window (Flow-GRPO-Fast: ODE outside steps 1–2)."""
+    recipe = SamplerRecipe(steps=4, noise_level=0.9, sde_type=sde_type, guidance_scale=3.5, sde_steps=window,
+                           train_steps=window or (0, 1, 2))
     cond = family.encode_prompts(PROMPTS)
     traj = sample(family, cond, None, [torch.Generator().manual_seed(i) for i in range(2)], recipe)
     for j, k in enumerate(traj.stored_steps):
@@ -119,6 +121,16 @@ def test_lora_targets_exist_in_the_transformer(family):
         assert any(n.endswith(target) for n in names), f"LoRA target {target} matches no module"
 
 
+def test_incomplete_checkout_names_the_missing_component(tiny_flux, tmp_path):
+    import shutil
+
+    broken = tmp_path / "flux"
+    shutil.copytree(tiny_flux[0], broken)
+    shutil.rmtree(broken / "text_encoder_2")
+    with pytest.raises(ModelLoadError, match=r"lacks text_encoder_2/ \(T5EncoderModel\).*flux1"):
+        FluxFamily.load(broken, max_sequence_length=64)
+
+
 def test_tiny_cli_writes_a_loadable_checkpoint_and_never_overwrites(tmp_path):
     out = tmp_path / "flux"
     res = CliRunner().invoke(app, ["tiny", "flux1", "--out", str(out)])
@@ -133,20 +145,25 @@ def test_tiny_cli_writes_a_loadable_checkpoint_and_never_overwrites(tmp_path):
     assert res.exit_code == 2 and "flux1" in res.output and not (tmp_path / "x").exists()
 
 
-def test_one_rl_iteration_through_the_unchanged_flow(tiny_flux, tmp_path, prefect_harness):
+def test_two_rl_iterations_full_fine_tune_through_the_unchanged_flow(tiny_flux, tmp_path, prefect_harness):
     path, overrides = tiny_flux
     extra = {k: v for k, v in overrides.items() if k != "model.path"}
-    args = ["train", "--iterations", "1", "--run", "flux", "reward=jpeg_compressibility",
+    args = ["train", "--iterations", "2", "--run", "flux", "reward=jpeg_compressibility",
             *tiny_overrides(path, tmp_path, **extra), "sampling.guidance_scale=3.5"]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output + repr(res.exception)
     out = json.loads(res.stdout.strip().splitlines()[-1])
     t = lance.dataset(out["table_uri"]).to_table()
-    assert t.num_rows == 8 and set(t["family"].to_pylist()) == {"flux1"}
+    assert t.num_rows == 16 and set(t["family"].to_pylist()) == {"flux1"}
+    assert all(t[c].null_count == 0 for c in ("image", "reward", "advantage", "log_probs"))
+    from mlflow.tracking import MlflowClient
+
+    versions = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").search_model_versions(f"name='{out['model_name']}'")
+    assert sorted(int(v.version) for v in versions) == [1, 2]
     recipe = json.loads(t["recipe"][0].as_py())
     assert recipe["resolution"] == [4, 16, 16] and recipe["guidance_scale"] == 3.5
     assert t["latents"].combine_chunks().to_numpy_ndarray().shape[2:] == (4, 16, 16)
-    ck = next((tmp_path / "checkpoints" / "flux").glob("*/it_0000"))
+    ck = next((tmp_path / "checkpoints" / "flux").glob("*/it_0001"))
     trained = load_file(str(ck / "trainable.safetensors"))
     base = load_file(str(path / "transformer" / "diffusion_pytorch_model.safetensors"))
     changed = [k for k, v in trained.items() if k in base and not torch.equal(v, base[k])]

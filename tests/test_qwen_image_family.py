@@ -100,15 +100,26 @@ def test_lora_targets_and_layout_errors(family, tiny_flux):
         QwenImageFamily.load(tiny_flux[0])
 
 
-def test_one_rl_iteration_with_cfg_through_the_unchanged_flow(tiny_qwen_image, tmp_path, prefect_harness):
+def test_two_rl_iterations_with_lora_and_cfg_through_the_unchanged_flow(tiny_qwen_image, tmp_path, prefect_harness):
+    """LoRA on the family's targets: the checkpoints hold adapter weights only, and they moved."""
+    from mlflow.tracking import MlflowClient
+    from safetensors.torch import load_file
+
     path, overrides = tiny_qwen_image
     extra = {k: v for k, v in overrides.items() if k != "model.path"}
-    args = ["train", "--iterations", "1", "--run", "qwen", "reward=jpeg_compressibility",
-            *tiny_overrides(path, tmp_path, **extra), "sampling.guidance_scale=4.0"]
+    args = ["train", "--iterations", "2", "--run", "qwen", "reward=jpeg_compressibility", "algorithm=flow_grpo_lora",
+            "algorithm.lora.rank=4", "algorithm.lora.alpha=8", *tiny_overrides(path, tmp_path, **extra),
+            "sampling.guidance_scale=4.0"]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output + repr(res.exception)
     out = json.loads(res.stdout.strip().splitlines()[-1])
     t = lance.dataset(out["table_uri"]).to_table()
-    assert t.num_rows == 8 and set(t["family"].to_pylist()) == {"qwen_image"}
+    assert t.num_rows == 16 and set(t["family"].to_pylist()) == {"qwen_image"}
     assert json.loads(t["recipe"][0].as_py())["guidance_scale"] == 4.0
-    assert t["image"].null_count == 0 and t["advantage"].null_count == 0
+    assert all(t[c].null_count == 0 for c in ("image", "reward", "advantage", "log_probs"))
+    versions = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").search_model_versions(f"name='{out['model_name']}'")
+    assert sorted(int(v.version) for v in versions) == [1, 2]
+    cks = sorted((tmp_path / "checkpoints" / "qwen").glob("*/it_*"))
+    first, last = (load_file(str(c / "trainable.safetensors")) for c in (cks[0], cks[-1]))
+    assert first and all("lora" in k for k in first)
+    assert any(not torch.equal(first[k], last[k]) for k in first)

@@ -41,10 +41,17 @@ def check_layout(path: str | Path, pipeline_class: str, family: str) -> Path:
         raise ModelLoadError(f"model path {str(p)!r} is not a diffusers {pipeline_class} directory (no "
                              f"model_index.json there); set model.path to a local checkout in the diffusers "
                              f"layout, or write a tiny one with `pixrl tiny {family} --out DIR`")
-    found = json.loads(index.read_text()).get("_class_name")
+    spec = json.loads(index.read_text())
+    found = spec.get("_class_name")
     if found != pipeline_class:
         raise ModelLoadError(f"{str(p)!r} holds a {found}, not a {pipeline_class}; set model.family to the "
                              f"family of that pipeline (or model.path to a {pipeline_class} checkout)")
+    missing = [f"{name}/ ({entry[1]})" for name, entry in spec.items()
+               if isinstance(entry, list) and len(entry) == 2 and entry[0] is not None and not (p / name).is_dir()]
+    if missing:
+        raise ModelLoadError(f"{str(p)!r} lacks {', '.join(missing)}, which its model_index.json lists for the "
+                             f"{family} family's {pipeline_class}; the checkout is incomplete (copy the missing "
+                             f"component folders)")
     return p
 
 
