@@ -6,6 +6,8 @@ import sys
 from argparse import Namespace
 from pathlib import Path
 
+import pytest
+
 
 def _load_script():
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_smoke.py"
@@ -16,10 +18,12 @@ def _load_script():
     return mod
 
 
-def test_gpu_smoke_runs_one_real_iteration_on_cpu(tmp_path, prefect_harness):
+@pytest.mark.parametrize("family", ["sd3", "flux1", "qwen_image"])
+def test_gpu_smoke_runs_one_real_iteration_on_cpu(family, tmp_path, prefect_harness):
     smoke = _load_script()
-    args = Namespace(tiny=True, device="cpu", dtype="float32", resolution=512, steps=4, group_size=4, prompts=2,
-                     micro_batch=4, workdir=str(tmp_path))
+    args = Namespace(family=family, layers=None, tiny=True, device="cpu", dtype="float32", resolution=512, steps=4,
+                     group_size=4, prompts=2, micro_batch=4, workdir=str(tmp_path))
     res = smoke.run(args)
+    assert res["family"] == family
     assert set(res["stage_s"]) == set(smoke.STAGES) and all(s > 0 for s in res["stage_s"].values())
     assert res["images_per_s"] > 0 and res["policy_version"] == 1 and res["samples"] == 8

@@ -118,18 +118,21 @@ def qwen2_tokenizer(out_dir: Path):
     return Qwen2Tokenizer.from_pretrained(str(out_dir))
 
 
-def qwen25_vl_text_encoder(tokenizer, hidden: int = 32):
+def qwen25_vl_text_encoder(tokenizer, hidden: int = 32, layers: int = 1):
     """A tiny Qwen2.5-VL (the Qwen-Image text encoder class: language model + a one-block vision
     tower, multimodal RoPE sections summing to half the head width)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
                "bos_token_id": tokenizer.eos_token_id}
+    heads = max(2, hidden // 128)  # the 7B's 28 heads of 128 at its width 3584
+    half = hidden // heads // 2  # temporal, height, width RoPE sections in the 7B's 2:3:3 proportion
+    sections = [half * 2 // 8, half * 3 // 8, half - half * 2 // 8 - half * 3 // 8]
     cfg = Qwen2_5_VLConfig(
         text_config=dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 7),
                          max_position_embeddings=2048, **special,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}),
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": sections}),
         vision_config=dict(depth=1, hidden_size=hidden, intermediate_size=2 * hidden, num_heads=2,
                            out_hidden_size=hidden, fullatt_block_indexes=[0]),
         **special)
