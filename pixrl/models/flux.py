@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import ModelLoadError, check_layout, torch_dtype
+from .base import ModelLoadError
+from .pipelines import PipelineFamily, dynamic_shift_mu, to_uint8
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -44,7 +45,7 @@ class FluxConditioning:
 
 
 @register_family("flux1")
-class FluxFamily:
+class FluxFamily(PipelineFamily):
     """A loaded FLUX.1 model: what the shared denoise sampler and the trainer need."""
 
     name = "flux1"
@@ -56,44 +57,17 @@ class FluxFamily:
                     "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                     "ff_context.net.2"]
 
-    def __init__(self, pipe, path: str, dtype: torch.dtype, max_sequence_length: int, resolution: int | None):
-        self.pipe, self.path, self.dtype = pipe, path, dtype
-        self.max_sequence_length = max_sequence_length
-        self.transformer, self.vae, self.scheduler = pipe.transformer, pipe.vae, pipe.scheduler
-        self.resolution = resolution or pipe.default_sample_size * pipe.vae_scale_factor
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self._ids: dict[tuple, torch.Tensor] = {}
 
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", max_sequence_length: int = 512,
              resolution: int | None = None) -> "FluxFamily":
-        from diffusers import FluxPipeline
-        from diffusers.utils import logging as diffusers_logging
-
-        diffusers_logging.disable_progress_bar()
-        p = check_layout(path, "FluxPipeline", cls.name)
         if not 1 <= max_sequence_length <= 512:
             raise ModelLoadError(f"model.max_sequence_length={max_sequence_length}: FLUX.1 reads 1–512 T5 tokens "
                                  f"(512 for dev, 256 for schnell)")
-        try:
-            pipe = FluxPipeline.from_pretrained(str(p), dtype=torch_dtype(dtype))
-        except Exception as exc:  # diffusers raises many types; name the path and the cause
-            raise ModelLoadError(f"could not load the FLUX pipeline from {str(p)!r}: {exc}") from exc
-        pipe.to(device)
-        pipe.set_progress_bar_config(disable=True)
-        for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
-            module.requires_grad_(False)
-        fam = cls(pipe, str(p), torch_dtype(dtype), max_sequence_length, resolution)
-        if fam.resolution % (2 * pipe.vae_scale_factor):
-            raise ModelLoadError(f"model.resolution={fam.resolution}: FLUX needs a multiple of "
-                                 f"{2 * pipe.vae_scale_factor} (the VAE's ×{pipe.vae_scale_factor} and 2×2 packing)")
-        return fam
-
-    @property
-    def device(self) -> torch.device:
-        return self.transformer.device
-
-    def identity(self) -> str:
-        return f"flux1:{self.path}:{self.dtype}:{self.max_sequence_length}"
+        return cls.from_directory(path, dtype, device, max_sequence_length, resolution)
 
     def describe(self) -> dict:
         return {"resolution": [self.resolution, self.resolution], "shift": self.scheduler.config.get("shift"),
@@ -112,12 +86,8 @@ class FluxFamily:
         return self.transformer.config.in_channels // 4, side, side
 
     def _mu(self) -> float:
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
         _, h, w = self.latent_shape()
-        c = self.scheduler.config
-        return calculate_shift((h // 2) * (w // 2), c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-                               c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+        return dynamic_shift_mu(self.scheduler, (h // 2) * (w // 2))
 
     def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(sigmas [T+1] ending at 0, timesteps [T]) exactly as FluxPipeline sets them."""
@@ -160,12 +130,7 @@ class FluxFamily:
         """Final (unpacked) latents → uint8 [B, H, W, 3], as the pipeline's decode + postprocess."""
         cfg = self.vae.config
         z = latents.to(self.vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)
-        img = self.vae.decode(z, return_dict=False)[0]
-        img = (img.float() / 2 + 0.5).clamp(0, 1)
-        return (img.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
-
-    def trainable_module(self) -> torch.nn.Module:
-        return self.transformer
+        return to_uint8(self.vae.decode(z, return_dict=False)[0])
 
     # --- a tiny random checkpoint in the real layout --------------------------------------------
     @classmethod

@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import ModelLoadError, check_layout, torch_dtype
+from .base import ModelLoadError
+from .pipelines import PipelineFamily, dynamic_shift_mu, to_uint8
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -42,7 +43,7 @@ class QwenImageConditioning:
 
 
 @register_family("qwen_image")
-class QwenImageFamily:
+class QwenImageFamily(PipelineFamily):
     name = "qwen_image"
     pipeline_class = "QwenImagePipeline"
     semantics = PolicySemantics(regime=Regime.full_sequence, step=PolicyStep.denoise, action=Action.continuous)
@@ -51,43 +52,13 @@ class QwenImageFamily:
     lora_targets = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                     "attn.add_v_proj", "attn.to_add_out"]
 
-    def __init__(self, pipe, path: str, dtype: torch.dtype, max_sequence_length: int, resolution: int | None):
-        self.pipe, self.path, self.dtype = pipe, path, dtype
-        self.max_sequence_length = max_sequence_length
-        self.transformer, self.vae, self.scheduler = pipe.transformer, pipe.vae, pipe.scheduler
-        self.resolution = resolution or pipe.default_sample_size * pipe.vae_scale_factor
-
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", max_sequence_length: int = 512,
              resolution: int | None = None) -> "QwenImageFamily":
-        from diffusers import QwenImagePipeline
-        from diffusers.utils import logging as diffusers_logging
-
-        diffusers_logging.disable_progress_bar()
-        p = check_layout(path, cls.pipeline_class, cls.name)
         if not 1 <= max_sequence_length <= 1024:
             raise ModelLoadError(f"model.max_sequence_length={max_sequence_length}: Qwen-Image reads 1–1024 prompt "
                                  f"tokens (512 as the pipeline defaults)")
-        try:
-            pipe = QwenImagePipeline.from_pretrained(str(p), dtype=torch_dtype(dtype))
-        except Exception as exc:  # diffusers raises many types; name the path and the cause
-            raise ModelLoadError(f"could not load the Qwen-Image pipeline from {str(p)!r}: {exc}") from exc
-        pipe.to(device)
-        pipe.set_progress_bar_config(disable=True)
-        for module in (pipe.vae, pipe.text_encoder):
-            module.requires_grad_(False)
-        fam = cls(pipe, str(p), torch_dtype(dtype), max_sequence_length, resolution)
-        if fam.resolution % (2 * pipe.vae_scale_factor):
-            raise ModelLoadError(f"model.resolution={fam.resolution}: Qwen-Image needs a multiple of "
-                                 f"{2 * pipe.vae_scale_factor} (the VAE's ×{pipe.vae_scale_factor} and 2×2 packing)")
-        return fam
-
-    @property
-    def device(self) -> torch.device:
-        return self.transformer.device
-
-    def identity(self) -> str:
-        return f"qwen_image:{self.path}:{self.dtype}:{self.max_sequence_length}"
+        return cls.from_directory(path, dtype, device, max_sequence_length, resolution)
 
     def describe(self) -> dict:
         return {"resolution": [self.resolution, self.resolution], "shift": self.scheduler.config.get("shift"),
@@ -105,12 +76,8 @@ class QwenImageFamily:
         return self.transformer.config.in_channels // 4, side, side
 
     def _mu(self) -> float:
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
-
         _, h, w = self.latent_shape()
-        c = self.scheduler.config
-        return calculate_shift((h // 2) * (w // 2), c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-                               c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+        return dynamic_shift_mu(self.scheduler, (h // 2) * (w // 2))
 
     def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(sigmas [T+1] ending at 0, timesteps [T]) exactly as QwenImagePipeline sets them."""
@@ -153,12 +120,7 @@ class QwenImageFamily:
         z = latents.to(self.vae.dtype).unsqueeze(2)
         mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
         inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
-        img = self.vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]
-        img = (img.float() / 2 + 0.5).clamp(0, 1)
-        return (img.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
-
-    def trainable_module(self) -> torch.nn.Module:
-        return self.transformer
+        return to_uint8(self.vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0])
 
     # --- a tiny random checkpoint in the real layout --------------------------------------------
     @classmethod

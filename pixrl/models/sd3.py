@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import ModelLoadError, check_layout, torch_dtype
+from .base import ModelLoadError, torch_dtype
+from .pipelines import PipelineFamily, dynamic_shift_mu, to_uint8
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -37,7 +38,7 @@ class SD3Conditioning:
 
 
 @register_family("sd3")
-class SD3Family:
+class SD3Family(PipelineFamily):
     """A loaded SD3-style model: what the shared denoise sampler and the trainer need."""
 
     name = "sd3"
@@ -49,55 +50,14 @@ class SD3Family:
 
     guidance = "cfg"  # guidance_scale > 1: classifier-free guidance on one [negative; positive] batch
 
-    def __init__(self, pipe, path: str, dtype: torch.dtype, max_sequence_length: int = 256,
-                 resolution: int | None = None):
-        self.pipe = pipe
-        self.path = path
-        self.dtype = dtype
-        self.max_sequence_length = max_sequence_length
-        self.transformer = pipe.transformer
-        self.vae = pipe.vae
-        self.scheduler = pipe.scheduler
-        # the pipeline's default height/width: the transformer's sample size in latent pixels
-        self.resolution = resolution or pipe.default_sample_size * pipe.vae_scale_factor
-
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu",
              max_sequence_length: int = 256, resolution: int | None = None) -> "SD3Family":
-        from diffusers import StableDiffusion3Pipeline
-        from diffusers.utils import logging as diffusers_logging
+        return cls.from_directory(path, dtype, device, max_sequence_length, resolution)
 
-        diffusers_logging.disable_progress_bar()  # the loader's bars would garble the CLI's own progress
-
-        p = check_layout(path, cls.pipeline_class, cls.name)
-        import json
-
-        # components saved as [null, null] (e.g. no T5) must be passed as None explicitly
-        absent = {k: None for k, v in json.loads((p / "model_index.json").read_text()).items()
-                  if isinstance(v, list) and v[0] is None}
-        try:
-            pipe = StableDiffusion3Pipeline.from_pretrained(str(p), dtype=torch_dtype(dtype), **absent)
-        except Exception as exc:  # diffusers raises many types; name the path and the cause
-            raise ModelLoadError(f"could not load the SD3 pipeline from {str(p)!r}: {exc}") from exc
-        pipe.to(device)
-        pipe.set_progress_bar_config(disable=True)
-        for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
-            if module is not None:
-                module.requires_grad_(False)
-        fam = cls(pipe, str(p), torch_dtype(dtype), max_sequence_length, resolution)
-        step = pipe.vae_scale_factor * pipe.transformer.config.patch_size
-        if fam.resolution % step:
-            raise ModelLoadError(f"model.resolution={fam.resolution}: this SD3 checkpoint needs a multiple of {step} "
-                                 f"(VAE ×{pipe.vae_scale_factor}, patch {pipe.transformer.config.patch_size})")
-        return fam
-
-    @property
-    def device(self) -> torch.device:
-        return self.transformer.device
-
-    def identity(self) -> str:
-        """The text towers' identity: the checkpoint path, dtype and T5 length."""
-        return f"sd3:{self.path}:{self.dtype}:{self.max_sequence_length}"
+    @staticmethod
+    def resolution_multiple(pipe) -> int:
+        return pipe.vae_scale_factor * pipe.transformer.config.patch_size
 
     def describe(self) -> dict:
         return {"resolution": list(self.latent_shape()), "shift": self.scheduler.config.get("shift")}
@@ -118,13 +78,9 @@ class SD3Family:
         sched = deepcopy(self.scheduler)
         kwargs = {}
         if sched.config.get("use_dynamic_shifting", False):
-            from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
-
             _, h, w = self.latent_shape()
-            h, w = h // self.transformer.config.patch_size, w // self.transformer.config.patch_size
-            c = sched.config
-            kwargs["mu"] = calculate_shift(h * w, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-                                           c.get("base_shift", 0.5), c.get("max_shift", 1.16))
+            patch = self.transformer.config.patch_size
+            kwargs["mu"] = dynamic_shift_mu(sched, (h // patch) * (w // patch), max_shift=1.16)
         sched.set_timesteps(steps, device=self.device, **kwargs)
         return sched.sigmas.float().clone(), sched.timesteps.float().clone()
 
@@ -155,12 +111,7 @@ class SD3Family:
         """Final latents → uint8 [B, H, W, 3], as the pipeline's decode + postprocess."""
         cfg = self.vae.config
         z = latents.to(self.vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)
-        img = self.vae.decode(z, return_dict=False)[0]
-        img = (img.float() / 2 + 0.5).clamp(0, 1)
-        return (img.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
-
-    def trainable_module(self) -> torch.nn.Module:
-        return self.transformer
+        return to_uint8(self.vae.decode(z, return_dict=False)[0])
 
     # --- a tiny random checkpoint in the real layout --------------------------------------------
     @classmethod

@@ -1,0 +1,90 @@
+"""What every family built on a diffusers pipeline shares: loading a checkpoint directory (layout
+check, absent components, device, frozen towers), the resolution rule, the dynamic-shift μ of
+the flow-matching pipelines, and the uint8 postprocess of decoded images. A family module keeps
+only what is its own: conditioning, schedule, velocity and decode."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .base import ModelLoadError, check_layout, torch_dtype
+
+
+class PipelineFamily:
+    """Base of the diffusers families: the loaded pipeline and its transformer, VAE and scheduler."""
+
+    name: str
+    pipeline_class: str  # the diffusers class, as model_index.json names it
+
+    def __init__(self, pipe, path: str, dtype: torch.dtype, max_sequence_length: int = 0,
+                 resolution: int | None = None):
+        self.pipe, self.path, self.dtype = pipe, path, dtype
+        self.max_sequence_length = max_sequence_length
+        self.transformer, self.vae, self.scheduler = pipe.transformer, pipe.vae, pipe.scheduler
+        # the pipeline's default height/width unless set
+        self.resolution = resolution or pipe.default_sample_size * pipe.vae_scale_factor
+
+    @classmethod
+    def from_directory(cls, path: str | Path, dtype: str, device: str, max_sequence_length: int,
+                       resolution: int | None):
+        """Load `path` with the family's diffusers pipeline class: every component except the
+        transformer frozen, progress bars off; the resolution checked against the checkpoint."""
+        import diffusers
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.disable_progress_bar()  # the loader's bars would garble the CLI's own progress
+        p = check_layout(path, cls.pipeline_class, cls.name)
+        # components saved as [null, null] (e.g. SD3 without T5) must be passed as None explicitly
+        absent = {k: None for k, v in json.loads((p / "model_index.json").read_text()).items()
+                  if isinstance(v, list) and v[0] is None}
+        try:
+            pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(str(p), dtype=torch_dtype(dtype), **absent)
+        except Exception as exc:  # diffusers raises many types; name the path and the cause
+            raise ModelLoadError(f"could not load the {cls.pipeline_class} from {str(p)!r}: {exc}") from exc
+        pipe.to(device)
+        pipe.set_progress_bar_config(disable=True)
+        for key, module in pipe.components.items():
+            if isinstance(module, torch.nn.Module) and key != "transformer":
+                module.requires_grad_(False)
+        fam = cls(pipe, str(p), torch_dtype(dtype), max_sequence_length, resolution)
+        step = cls.resolution_multiple(pipe)
+        if fam.resolution % step:
+            raise ModelLoadError(f"model.resolution={fam.resolution}: this {cls.name} checkpoint needs a multiple of "
+                                 f"{step} (its VAE downsamples ×{pipe.vae_scale_factor}, then 2×2 patches)")
+        return fam
+
+    @staticmethod
+    def resolution_multiple(pipe) -> int:
+        """Image sides the checkpoint can take: the VAE factor × the 2×2 packing (FLUX-style latents)."""
+        return 2 * pipe.vae_scale_factor
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    def identity(self) -> str:
+        """The text towers' identity: family, checkpoint path, dtype and text length."""
+        return f"{self.name}:{self.path}:{self.dtype}:{self.max_sequence_length}"
+
+    def trainable_module(self) -> torch.nn.Module:
+        return self.transformer
+
+
+def dynamic_shift_mu(scheduler, image_seq_len: int, max_shift: float = 1.15) -> float:
+    """μ of the resolution-dependent shift, from the scheduler's config with the pipelines'
+    defaults (FLUX and Qwen-Image: max_shift 1.15; SD3: 1.16)."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    c = scheduler.config
+    return calculate_shift(image_seq_len, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                           c.get("base_shift", 0.5), c.get("max_shift", max_shift))
+
+
+def to_uint8(images: torch.Tensor) -> np.ndarray:
+    """VAE output in [-1, 1], [B, 3, H, W] → uint8 [B, H, W, 3], as the pipelines postprocess."""
+    img = (images.float() / 2 + 0.5).clamp(0, 1)
+    return (img.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
