@@ -18,11 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from .base import ModelLoadError
-from .pipelines import PipelineFamily, dynamic_shift_mu, to_uint8
+from .pipelines import PackedLatentsFamily
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -45,13 +43,14 @@ class FluxConditioning:
 
 
 @register_family("flux1")
-class FluxFamily(PipelineFamily):
+class FluxFamily(PackedLatentsFamily):
     """A loaded FLUX.1 model: what the shared denoise sampler and the trainer need."""
 
     name = "flux1"
     pipeline_class = "FluxPipeline"
     semantics = PolicySemantics(regime=Regime.full_sequence, step=PolicyStep.denoise, action=Action.continuous)
     guidance = "embedded"  # the scale is a transformer input; no negative prompt is encoded
+    text_tokens = (1, 512)  # T5: 512 for dev, 256 for schnell
     # flow_grpo's LoRA targets for FLUX (scripts/train_flux.py): both streams' attention and MLPs
     lora_targets = ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
                     "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
@@ -61,18 +60,6 @@ class FluxFamily(PipelineFamily):
         super().__init__(*args, **kwargs)
         self._ids: dict[tuple, torch.Tensor] = {}
 
-    @classmethod
-    def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", max_sequence_length: int = 512,
-             resolution: int | None = None) -> "FluxFamily":
-        if not 1 <= max_sequence_length <= 512:
-            raise ModelLoadError(f"model.max_sequence_length={max_sequence_length}: FLUX.1 reads 1–512 T5 tokens "
-                                 f"(512 for dev, 256 for schnell)")
-        return cls.from_directory(path, dtype, device, max_sequence_length, resolution)
-
-    def describe(self) -> dict:
-        return {"resolution": [self.resolution, self.resolution], "shift": self.scheduler.config.get("shift"),
-                "mu": self._mu(), "guidance": self.guidance}
-
     # --- conditioning -------------------------------------------------------------------------
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> FluxConditioning:
@@ -81,27 +68,6 @@ class FluxFamily(PipelineFamily):
         return FluxConditioning(embeds, pooled, text_ids)
 
     # --- dynamics -----------------------------------------------------------------------------
-    def latent_shape(self) -> tuple[int, int, int]:
-        side = 2 * (self.resolution // (self.pipe.vae_scale_factor * 2))
-        return self.transformer.config.in_channels // 4, side, side
-
-    def _mu(self) -> float:
-        _, h, w = self.latent_shape()
-        return dynamic_shift_mu(self.scheduler, (h // 2) * (w // 2))
-
-    def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sigmas [T+1] ending at 0, timesteps [T]) exactly as FluxPipeline sets them."""
-        from copy import deepcopy
-
-        sched = deepcopy(self.scheduler)
-        sigmas = None if sched.config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
-        kwargs = {"mu": self._mu()} if sched.config.get("use_dynamic_shifting", False) else {}
-        if sigmas is None:
-            sched.set_timesteps(steps, device=self.device, **kwargs)
-        else:
-            sched.set_timesteps(sigmas=sigmas, device=self.device, **kwargs)
-        return sched.sigmas.float().clone(), sched.timesteps.float().clone()
-
     def _image_ids(self, h: int, w: int, device, dtype) -> torch.Tensor:
         key = (h, w, str(device), dtype)
         if key not in self._ids:
@@ -123,14 +89,6 @@ class FluxFamily(PipelineFamily):
                                return_dict=False)[0]
         vsf = self.pipe.vae_scale_factor
         return self.pipe._unpack_latents(out, h * vsf, w * vsf, vsf)
-
-    # --- pixels -------------------------------------------------------------------------------
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """Final (unpacked) latents → uint8 [B, H, W, 3], as the pipeline's decode + postprocess."""
-        cfg = self.vae.config
-        z = latents.to(self.vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)
-        return to_uint8(self.vae.decode(z, return_dict=False)[0])
 
     # --- a tiny random checkpoint in the real layout --------------------------------------------
     @classmethod

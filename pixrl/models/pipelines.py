@@ -19,6 +19,8 @@ class PipelineFamily:
 
     name: str
     pipeline_class: str  # the diffusers class, as model_index.json names it
+    guidance: str = "cfg"
+    text_tokens: tuple[int, int] = (1, 512)  # the prompt lengths the family's text encoder reads (model.max_sequence_length)
 
     def __init__(self, pipe, path: str, dtype: torch.dtype, max_sequence_length: int = 0,
                  resolution: int | None = None):
@@ -27,6 +29,15 @@ class PipelineFamily:
         self.transformer, self.vae, self.scheduler = pipe.transformer, pipe.vae, pipe.scheduler
         # the pipeline's default height/width unless set
         self.resolution = resolution or pipe.default_sample_size * pipe.vae_scale_factor
+
+    @classmethod
+    def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", max_sequence_length: int = 512,
+             resolution: int | None = None):
+        lo, hi = cls.text_tokens
+        if not lo <= max_sequence_length <= hi:
+            raise ModelLoadError(f"model.max_sequence_length={max_sequence_length}: the {cls.name} family reads "
+                                 f"{lo}–{hi} prompt tokens")
+        return cls.from_directory(path, dtype, device, max_sequence_length, resolution)
 
     @classmethod
     def from_directory(cls, path: str | Path, dtype: str, device: str, max_sequence_length: int,
@@ -72,6 +83,48 @@ class PipelineFamily:
 
     def trainable_module(self) -> torch.nn.Module:
         return self.transformer
+
+    def describe(self) -> dict:
+        """Settings recorded with the rollouts: image side, scheduler shift (and the dynamic μ), guidance."""
+        out = {"resolution": [self.resolution, self.resolution], "shift": self.scheduler.config.get("shift"),
+               "guidance": self.guidance}
+        if self.scheduler.config.get("use_dynamic_shifting", False) and hasattr(self, "_mu"):
+            out["mu"] = self._mu()
+        return out
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> np.ndarray:
+        """Final latents [B, C, H, W] → uint8 [B, H, W, 3]: an AutoencoderKL's scaling and shift,
+        decode, the pipelines' postprocess (SD3, FLUX.1)."""
+        cfg = self.vae.config
+        z = latents.to(self.vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)
+        return to_uint8(self.vae.decode(z, return_dict=False)[0])
+
+
+class PackedLatentsFamily(PipelineFamily):
+    """Families whose transformer reads 2×2-packed latents (FLUX.1, Qwen-Image): latents stay
+    unpacked [C, H, W] for the sampler (C = the transformer's packed channels / 4), the schedule is
+    the pipelines' `linspace(1, 1/T, T)` sigmas with the dynamic shift of the packed sequence."""
+
+    def latent_shape(self) -> tuple[int, int, int]:
+        side = 2 * (self.resolution // (self.pipe.vae_scale_factor * 2))
+        return self.transformer.config.in_channels // 4, side, side
+
+    def _mu(self) -> float:
+        _, h, w = self.latent_shape()
+        return dynamic_shift_mu(self.scheduler, (h // 2) * (w // 2))
+
+    def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sigmas [T+1] ending at 0, timesteps [T]) exactly as FluxPipeline and QwenImagePipeline set them."""
+        from copy import deepcopy
+
+        sched = deepcopy(self.scheduler)
+        kwargs = {"mu": self._mu()} if sched.config.get("use_dynamic_shifting", False) else {}
+        if sched.config.get("use_flow_sigmas"):  # FluxPipeline then lets the scheduler place them
+            sched.set_timesteps(steps, device=self.device, **kwargs)
+        else:
+            sched.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), device=self.device, **kwargs)
+        return sched.sigmas.float().clone(), sched.timesteps.float().clone()
 
 
 def dynamic_shift_mu(scheduler, image_seq_len: int, max_shift: float = 1.15) -> float:

@@ -19,8 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import ModelLoadError
-from .pipelines import PipelineFamily, dynamic_shift_mu, to_uint8
+from .pipelines import PackedLatentsFamily, to_uint8
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -43,26 +42,15 @@ class QwenImageConditioning:
 
 
 @register_family("qwen_image")
-class QwenImageFamily(PipelineFamily):
+class QwenImageFamily(PackedLatentsFamily):
     name = "qwen_image"
     pipeline_class = "QwenImagePipeline"
     semantics = PolicySemantics(regime=Regime.full_sequence, step=PolicyStep.denoise, action=Action.continuous)
     guidance = "cfg"
+    text_tokens = (1, 1024)  # the pipeline's limit; 512 by default
     # the MMDiT's attention projections of both streams (VeRL-Omni / DiffSynth Qwen-Image LoRA targets)
     lora_targets = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                     "attn.add_v_proj", "attn.to_add_out"]
-
-    @classmethod
-    def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", max_sequence_length: int = 512,
-             resolution: int | None = None) -> "QwenImageFamily":
-        if not 1 <= max_sequence_length <= 1024:
-            raise ModelLoadError(f"model.max_sequence_length={max_sequence_length}: Qwen-Image reads 1–1024 prompt "
-                                 f"tokens (512 as the pipeline defaults)")
-        return cls.from_directory(path, dtype, device, max_sequence_length, resolution)
-
-    def describe(self) -> dict:
-        return {"resolution": [self.resolution, self.resolution], "shift": self.scheduler.config.get("shift"),
-                "mu": self._mu(), "guidance": self.guidance}
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> QwenImageConditioning:
@@ -71,23 +59,6 @@ class QwenImageFamily(PipelineFamily):
         return QwenImageConditioning(embeds, mask)
 
     # --- dynamics -----------------------------------------------------------------------------
-    def latent_shape(self) -> tuple[int, int, int]:
-        side = 2 * (self.resolution // (self.pipe.vae_scale_factor * 2))
-        return self.transformer.config.in_channels // 4, side, side
-
-    def _mu(self) -> float:
-        _, h, w = self.latent_shape()
-        return dynamic_shift_mu(self.scheduler, (h // 2) * (w // 2))
-
-    def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sigmas [T+1] ending at 0, timesteps [T]) exactly as QwenImagePipeline sets them."""
-        from copy import deepcopy
-
-        sched = deepcopy(self.scheduler)
-        kwargs = {"mu": self._mu()} if sched.config.get("use_dynamic_shifting", False) else {}
-        sched.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), device=self.device, **kwargs)
-        return sched.sigmas.float().clone(), sched.timesteps.float().clone()
-
     def _predict(self, packed, t, cond: QwenImageConditioning, img_shapes) -> torch.Tensor:
         return self.transformer(hidden_states=packed, timestep=t / 1000, guidance=None,
                                 encoder_hidden_states_mask=cond.mask, encoder_hidden_states=cond.prompt_embeds,

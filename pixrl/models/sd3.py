@@ -11,11 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .base import ModelLoadError, torch_dtype
-from .pipelines import PipelineFamily, dynamic_shift_mu, to_uint8
+from .pipelines import PipelineFamily, dynamic_shift_mu
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -50,10 +49,12 @@ class SD3Family(PipelineFamily):
 
     guidance = "cfg"  # guidance_scale > 1: classifier-free guidance on one [negative; positive] batch
 
+    text_tokens = (0, 512)  # T5 tokens; 0: no T5 (SD3 zero-pads, as the miniature runs)
+
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu",
              max_sequence_length: int = 256, resolution: int | None = None) -> "SD3Family":
-        return cls.from_directory(path, dtype, device, max_sequence_length, resolution)
+        return super().load(path, dtype, device, max_sequence_length, resolution)
 
     @staticmethod
     def resolution_multiple(pipe) -> int:
@@ -104,14 +105,6 @@ class SD3Family(PipelineFamily):
             return v_u + guidance_scale * (v_c - v_u)
         return self.transformer(hidden_states=x, timestep=t, encoder_hidden_states=cond.prompt_embeds,
                                 pooled_projections=cond.pooled, return_dict=False)[0]
-
-    # --- pixels -------------------------------------------------------------------------------
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """Final latents → uint8 [B, H, W, 3], as the pipeline's decode + postprocess."""
-        cfg = self.vae.config
-        z = latents.to(self.vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)
-        return to_uint8(self.vae.decode(z, return_dict=False)[0])
 
     # --- a tiny random checkpoint in the real layout --------------------------------------------
     @classmethod
