@@ -63,7 +63,7 @@ class Background:
         if future is not None:
             future.result()
 
-    def abandon(self, timeout: float = 10.0) -> None:
+    def abandon(self, timeout: float = 3.0) -> None:
         future, self._future = self._future, None
         if future is not None:
             future.wait(timeout)
