@@ -125,6 +125,7 @@ class _LocalServer:
         """The URL once /health answers; None (and the server stopped) when a server is configured."""
         if _configured():
             self.stop()
+            _start.pop("server", None)  # nothing of ours to renice
             return None
         from prefect.context import refresh_global_settings_context
         from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
