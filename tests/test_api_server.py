@@ -45,3 +45,39 @@ def test_a_bad_nice_setting_fails_before_anything_starts(tmp_path):
                          env=env, capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode != 0 and "PIXRL_API_SERVER_NICE='high' is not an integer" in out.stderr
     assert not (tmp_path / "prefect-home").exists() or not any((tmp_path / "prefect-home").rglob("*.db"))
+
+
+POINTED = """
+import json, sys
+from pixrl.flows import api_server
+url = api_server.start_local_api()
+from prefect.settings import PREFECT_API_URL
+from prefect.client.orchestration import get_client
+with get_client(sync_client=True) as client:
+    healthy = client.api_healthcheck() is None
+print(json.dumps({"url": url, "setting": PREFECT_API_URL.value(), "healthy": healthy,
+                  "server_module_here": "prefect.server.api.server" in sys.modules}))
+"""
+
+
+def test_this_process_points_prefect_at_the_server_it_started_without_importing_it(tmp_path):
+    """Prefect's clients use the server pixrl started (no second temporary server), and the run's
+    process never imports prefect.server (≈5 s of CPU that competed with the run's own imports)."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    out = subprocess.run([sys.executable, "-c", POINTED], env=env, capture_output=True, text=True, timeout=180,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    assert info["setting"] == info["url"] and info["healthy"]
+    assert not info["server_module_here"]
+
+
+def test_a_configured_server_is_used_and_none_is_started(tmp_path):
+    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api", "PREFECT_HOME": str(tmp_path / "home")}
+    code = ("import json; from pixrl.flows import api_server; url = api_server.start_local_api(); "
+            "print(json.dumps({'url': url, 'server': api_server._start.get('server')}))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"url": None, "server": None}
