@@ -25,13 +25,18 @@ print(json.dumps({"began_s": began, "url": url, "pid": pid, "before": before, "a
 """
 
 
-def test_server_starts_in_the_background_then_yields_and_stops_with_the_process(tmp_path):
+def _run_fresh(code: str, tmp_path) -> dict:
+    """Run `code` in a new process with no configured server and its own Prefect home; its JSON line."""
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=180,
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180,
                          check=False)
     assert out.returncode == 0, out.stderr[-3000:]
-    info = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_server_starts_in_the_background_then_yields_and_stops_with_the_process(tmp_path):
+    info = _run_fresh(SCRIPT, tmp_path)
     assert info["url"].startswith("http://127.0.0.1:") and info["began_s"] < 1.0
     assert info["before"] == info["me"]  # normal priority while the run starts up
     assert info["after"] == min(19, info["me"] + 19)  # then nice 19 for the rest of the run
@@ -63,12 +68,7 @@ print(json.dumps({"url": url, "setting": PREFECT_API_URL.value(), "healthy": hea
 def test_this_process_points_prefect_at_the_server_it_started_without_importing_it(tmp_path):
     """Prefect's clients use the server pixrl started (no second temporary server), and the run's
     process never imports prefect.server (≈5 s of CPU that competed with the run's own imports)."""
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
-    out = subprocess.run([sys.executable, "-c", POINTED], env=env, capture_output=True, text=True, timeout=180,
-                         check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
-    info = json.loads(out.stdout.strip().splitlines()[-1])
+    info = _run_fresh(POINTED, tmp_path)
     assert info["setting"] == info["url"] and info["healthy"]
     assert not info["server_module_here"]
 
