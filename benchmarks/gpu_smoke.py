@@ -12,6 +12,13 @@ images/s and peak memory.
 - `--family qwen_image`: Qwen-Image — the real transformer (60 blocks, 24×128 heads; 20B), the
   real causal VAE; the Qwen2.5-VL text encoder at its real width (3584) with 2 of its 28 layers;
   LoRA r64 as VeRL-Omni trains it. `--layers N` shrinks the transformer (disk: 40 GB at 60).
+- `--family sana`: SANA-1600M — the real linear-attention transformer and DC-AE; Gemma-2 at its
+  real width with 2 layers; LoRA r64 on both attentions.
+- `--family flux2`: FLUX.2-dev — the real transformer (32B) and VAE; Mistral-3 at its real width
+  with the 30 layers the pipeline reads (narrow MLP); LoRA r64 on diffusers' FLUX.2 targets.
+- `--family wan`: Wan2.1-T2V-1.3B — the real transformer and causal video VAE, 33 frames; UMT5-XXL
+  at its real width with 2 layers; LoRA r32 as flow_grpo trains Wan.
+  Builders: benchmarks/real_shapes.py.
 
     python benchmarks/gpu_smoke.py [--family F]                       # the check a GPU machine runs
     python benchmarks/gpu_smoke.py --family F --tiny --device cpu     # the same path, tiny (tests run it)
@@ -31,89 +38,19 @@ from pathlib import Path
 STAGES = ("generate", "decode", "score", "replay", "update", "publish")
 
 
-def sd35_medium_pipeline(resolution: int, seed: int, workdir: Path):
-    """A random StableDiffusion3Pipeline with SD3.5-Medium's transformer, VAE and CLIP shapes."""
-    import torch
-    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
-                           StableDiffusion3Pipeline)
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
-
-    from pixrl.models.mini.build import shapes_vocabulary
-    from pixrl.models.mini.tokenizer import write_word_tokenizer
-
-    torch.manual_seed(seed)
-    tok = write_word_tokenizer(shapes_vocabulary(), workdir / "tokenizer", 77)
-
-    def clip(hidden: int, layers: int, heads: int) -> CLIPTextModelWithProjection:
-        return CLIPTextModelWithProjection(CLIPTextConfig(
-            vocab_size=len(tok), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-            num_attention_heads=heads, projection_dim=hidden, max_position_embeddings=77, hidden_act="gelu",
-            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
-
-    transformer = SD3Transformer2DModel(
-        sample_size=resolution // 8, patch_size=2, in_channels=16, out_channels=16, num_layers=24,
-        attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
-        pooled_projection_dim=2048, pos_embed_max_size=384, qk_norm="rms_norm",
-        dual_attention_layers=tuple(range(13)))
-    vae = AutoencoderKL(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
-        latent_channels=16, sample_size=resolution, scaling_factor=1.5305, shift_factor=0.0609,
-        use_quant_conv=False, use_post_quant_conv=False)
-    return StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
-        text_encoder=clip(768, 12, 12), tokenizer=tok, text_encoder_2=clip(1280, 32, 20), tokenizer_2=tok,
-        text_encoder_3=None, tokenizer_3=None)
-
-
-def flux1_dev_pipeline(layers: int | None, device: str, workdir: Path):
-    """A random FluxPipeline with FLUX.1-dev's transformer and VAE shapes (T5 shortened)."""
-    import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-
-    from pixrl.models.tiny_parts import clip_text_model, clip_tokenizer, t5_encoder, t5_tokenizer
-
-    tok, tok2 = clip_tokenizer(workdir / "tokenizer"), t5_tokenizer(workdir / "tokenizer_2", 512)
-    with torch.device(device):  # 12B parameters: created where they run
-        transformer = FluxTransformer2DModel(
-            patch_size=1, in_channels=64, num_layers=layers or 19, num_single_layers=38 if layers is None else 2 * layers,
-            attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
-            guidance_embeds=True, axes_dims_rope=(16, 56, 56)).to(torch.bfloat16)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-                        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512),
-                        layers_per_block=2, latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159,
-                        use_quant_conv=False, use_post_quant_conv=False)
-    sched = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-                                            base_image_seq_len=256, max_image_seq_len=4096)
-    return FluxPipeline(scheduler=sched, vae=vae, text_encoder=clip_text_model(tok, hidden=768, layers=12),
-                        tokenizer=tok, text_encoder_2=t5_encoder(tok2, d_model=4096, layers=2), tokenizer_2=tok2,
-                        transformer=transformer)
-
-
-def qwen_image_pipeline(layers: int | None, device: str, workdir: Path):
-    """A random QwenImagePipeline with Qwen-Image's transformer and VAE shapes (text encoder shortened)."""
-    import torch
-    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
-                           QwenImageTransformer2DModel)
-
-    from pixrl.models.tiny_parts import qwen2_tokenizer, qwen25_vl_text_encoder
-
-    tok = qwen2_tokenizer(workdir / "tokenizer")
-    with torch.device(device):  # 20B parameters: created where they run
-        transformer = QwenImageTransformer2DModel(num_layers=layers or 60).to(torch.bfloat16)  # defaults: real shapes
-    sched = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
-                                            base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
-                                            time_shift_type="exponential")
-    return QwenImagePipeline(scheduler=sched, vae=AutoencoderKLQwenImage(), transformer=transformer, tokenizer=tok,
-                             text_encoder=qwen25_vl_text_encoder(tok, hidden=3584, layers=2))
-
-
 FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
     "sd3": lambda tiny: ["model.max_sequence_length=0" if tiny else "model.max_sequence_length=256"],
     "flux1": lambda tiny: ["model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
                            "sampling.guidance_scale=3.5", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
     "qwen_image": lambda tiny: ["model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
                                 "sampling.guidance_scale=4.0", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
+    "sana": lambda tiny: ["model.max_sequence_length=64" if tiny else "model.max_sequence_length=300",
+                          "sampling.guidance_scale=4.5", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
+    "flux2": lambda tiny: ["model.max_sequence_length=96" if tiny else "model.max_sequence_length=512",
+                           "sampling.guidance_scale=4.0", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
+    "wan": lambda tiny: ["model.max_sequence_length=64" if tiny else "model.max_sequence_length=226",
+                         "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=5.0",
+                         *([] if tiny else ["algorithm=flow_grpo_wan"])],
 }
 
 
@@ -127,14 +64,19 @@ def build_model(out: Path, tiny: bool, resolution: int, family: str = "sd3", lay
 
             get_family(family).write_tiny(out)
             return out
-        build = {"flux1": flux1_dev_pipeline, "qwen_image": qwen_image_pipeline}[family]
-        pipe = build(layers, device, out.parent)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from real_shapes import BUILDERS
+
+        pipe = BUILDERS[family](layers, device, out.parent)
         return save_pipeline(pipe, out)
     if tiny:
         spec = MiniSpec(image_size=16, vae_channels=(8, 16), latent_channels=4, text_hidden=16, text_layers=2,
                         num_layers=1, heads=2, head_dim=16)
         return build_random_checkpoint(out, spec, seed=0)
     import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from real_shapes import sd35_medium_pipeline
 
     pipe = sd35_medium_pipeline(resolution, 0, out.parent)
     pipe.to(torch.bfloat16)
@@ -187,7 +129,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", default="sd3", choices=sorted(FAMILY_OVERRIDES))
     ap.add_argument("--tiny", action="store_true", help="a tiny random model instead of the family's real shapes")
-    ap.add_argument("--layers", type=int, default=None, help="flux1/qwen_image: fewer transformer blocks")
+    ap.add_argument("--layers", type=int, default=None, help="flux1/qwen_image/sana/flux2/wan: fewer transformer blocks")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--resolution", type=int, default=512)

@@ -91,6 +91,9 @@ def main() -> None:
     print(f"\norchestration overhead (median): {100 * statistics.median(ov):.1f}% ; "
           f"generate throughput: {statistics.median(ips):.1f} images/s ; "
           f"process wall incl. start-up: {total:.0f} s")
+    compute = {s: hist(f"{s}_compute_s")[skip:] for s in ("generate", "decode", "score", "update")}
+    print("compute inside the stages (median s): " + ", ".join(
+        f"{s} {statistics.median(v):.2f}" for s, v in compute.items() if v))
     print_storage(wd, info["run_id"], a.iterations)
     if not a.existing and not a.no_bare:
         report_bare(statistics.median(it), bare_before, bare_phase(a, a.iterations, 0, None),
@@ -102,8 +105,15 @@ def bare_phase(a, k: int, start: int, init) -> list[float]:
     it builds the model, as the pipeline's first measured iteration loads it)."""
     from bare_loop import run_bare
 
-    walls = run_bare(["run.eval_every=0", *a.overrides], k, start=start, init_checkpoint=init)
-    return walls[1:] if k > 1 else walls
+    phases: dict[str, list[float]] = {}
+    walls = run_bare(["run.eval_every=0", *a.overrides], k, start=start, init_checkpoint=init, phases=phases)
+    skip = 1 if k > 1 else 0
+    for name, secs in phases.items():
+        BARE_PHASES.setdefault(name, []).extend(secs[skip:])
+    return walls[skip:]
+
+
+BARE_PHASES: dict[str, list[float]] = {}  # the bare loop's per-phase seconds, both phases pooled
 
 
 def report_bare(pipeline_median: float, before: list[float], after: list[float], work: str, measured: str) -> None:
@@ -115,6 +125,9 @@ def report_bare(pipeline_median: float, before: list[float], after: list[float],
           f"the pipeline, {statistics.median(after):.2f} after (phase drift "
           f"{100 * (statistics.median(after) / statistics.median(before) - 1):+.1f}%), pooled {pooled:.2f}; "
           f"{measured} {pipeline_median:.2f} / bare = **{pipeline_median / pooled:.3f}**")
+    if BARE_PHASES:  # where a gap is: the same compute slower, or work the pipeline adds around it
+        print("bare loop per phase (median s, both phases): " + ", ".join(
+            f"{name} {statistics.median(secs):.2f}" for name, secs in BARE_PHASES.items()))
 
 RUN = "bench"
 FAULT = "generate@1:raise"

@@ -131,6 +131,21 @@ def test_incomplete_checkout_names_the_missing_component(tiny_flux, tmp_path):
         FluxFamily.load(broken, max_sequence_length=64)
 
 
+def test_a_component_from_another_checkpoint_is_named_before_any_work(tiny_flux, tmp_path):
+    """A mismatched text encoder (CLIP where the pipeline declares T5) fails in preflight, naming it."""
+    import shutil
+
+    broken = tmp_path / "flux"
+    shutil.copytree(tiny_flux[0], broken)
+    shutil.rmtree(broken / "text_encoder_2")
+    shutil.copytree(broken / "text_encoder", broken / "text_encoder_2")
+    with pytest.raises(ModelLoadError, match=r"text_encoder_2/ holds a clip_text_model model.*T5EncoderModel \(t5\)"):
+        FluxFamily.load(broken, max_sequence_length=64)
+    res = CliRunner().invoke(app, ["train", "--iterations", "1", "--workdir", str(tmp_path / "wd"),
+                                   "model.family=flux1", f"model.path={broken}", "model.max_sequence_length=64"])
+    assert res.exit_code == 2 and "text_encoder_2/" in res.output and not (tmp_path / "wd").exists()
+
+
 def test_tiny_cli_writes_a_loadable_checkpoint_and_never_overwrites(tmp_path):
     out = tmp_path / "flux"
     res = CliRunner().invoke(app, ["tiny", "flux1", "--out", str(out)])

@@ -36,3 +36,63 @@ def decode_png(data: bytes) -> np.ndarray:
     from PIL import Image
 
     return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+def clip_bytes(frames: np.ndarray, fps: int = 16, compress_level: int = 6) -> bytes:
+    """uint8 clip [F, H, W, 3] → one animated PNG (APNG): lossless like the image rows, so the
+    scored frames are the stored frames; browsers and MLflow's artifact view play it. The APNG
+    writer stores only each frame's changed region and folds a repeated frame into the previous
+    one's duration (a clip that never moves becomes a plain PNG); the frame time and count are
+    kept in text chunks, so `decode_media` unfolds them and gives back exactly F frames."""
+    import io
+
+    from PIL import Image
+    from PIL.PngImagePlugin import PngInfo
+
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
+        raise ValueError(f"a clip is uint8 [F, H, W, 3]; got {frames.dtype} {frames.shape}")
+    ms = max(1, round(1000 / fps))
+    info = PngInfo()
+    info.add_text(_FRAME_MS, str(ms))
+    info.add_text(_FRAMES, str(len(frames)))
+    imgs = [Image.fromarray(f) for f in frames]
+    buf = io.BytesIO()
+    imgs[0].save(buf, format="PNG", save_all=True, append_images=imgs[1:], duration=ms, loop=0, pnginfo=info,
+                 compress_level=compress_level)
+    return buf.getvalue()
+
+
+_FRAME_MS, _FRAMES = "pixrl:frame_ms", "pixrl:frames"
+
+
+def decode_media(data: bytes) -> np.ndarray:
+    """A stored image (PNG → [H, W, 3]) or clip (APNG → [F, H, W, 3], folded repeats unfolded)."""
+    import io
+
+    from PIL import Image, ImageSequence
+
+    im = Image.open(io.BytesIO(data))
+    count = int(im.info.get(_FRAMES, 0))
+    if not count and not getattr(im, "is_animated", False):
+        return np.asarray(im.convert("RGB"))  # an image
+    ms = float(im.info.get(_FRAME_MS, 0)) or None
+    frames = []
+    for f in ImageSequence.Iterator(im):
+        rgb = np.asarray(f.convert("RGB"))
+        repeat = max(1, round(f.info.get("duration", ms) / ms)) if ms and count else 1
+        frames.extend([rgb] * repeat)
+    if count and len(frames) == 1:
+        frames *= count  # a still clip, written as one frame
+    if count and len(frames) != count:
+        raise ValueError(f"stored clip decodes to {len(frames)} frames, its header says {count}; the row is corrupt")
+    return np.stack(frames)
+
+
+def media_bytes(sample: np.ndarray) -> bytes:
+    """What a trajectory row stores for one decoded sample: PNG for an image, APNG for a clip."""
+    return png_bytes(sample) if sample.ndim == 3 else clip_bytes(sample)
+
+
+def clip_grid(clips: np.ndarray, cols: int, pad: int = 2, scale: int = 1) -> np.ndarray:
+    """uint8 clips [N, F, H, W, 3] → one animated grid [F, GH, GW, 3] (frame f of every clip side by side)."""
+    return np.stack([image_grid(clips[:, f], cols, pad, scale) for f in range(clips.shape[1])])

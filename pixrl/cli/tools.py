@@ -155,7 +155,8 @@ def generate(
     steps: Optional[int] = typer.Option(None, "--steps"),
     workdir: str = typer.Option("work", "--workdir"),
 ) -> None:
-    """Write one PNG per prompt and sample (prompt in a sidecar JSON), with the eval sampler."""
+    """Write one PNG per prompt and sample — an animated PNG per clip for a video family — with
+    the prompt in a sidecar JSON, using the eval sampler."""
     texts = list(prompt or [])
     if prompts:
         p = Path(prompts)
@@ -164,8 +165,7 @@ def generate(
         texts += [ln.strip() for ln in p.read_text().splitlines() if ln.strip()]
     if not texts:
         _fail("no prompts: pass --prompt TEXT (repeatable) or --prompts FILE")
-    from PIL import Image
-
+    from ..artifacts.media import media_bytes
     from ..datasets.shapes.evaluate import generate_images
 
     policy, recipe = _policy(checkpoint, run, workdir, steps)
@@ -175,10 +175,10 @@ def generate(
     od.mkdir(parents=True, exist_ok=True)
     for n, ((text, s), img) in enumerate(zip(pairs, imgs)):
         stem = od / f"{n // samples:04d}_{n % samples:02d}"
-        Image.fromarray(img).save(stem.with_suffix(".png"))
+        stem.with_suffix(".png").write_bytes(media_bytes(img))
         stem.with_suffix(".json").write_text(json.dumps({"prompt": text, "seed": s, "steps": recipe.steps,
                                                          "guidance_scale": recipe.guidance_scale}))
-    console.print(f"wrote {len(pairs)} images to {od}")
+    console.print(f"wrote {len(pairs)} {'clips' if imgs.ndim == 5 else 'images'} to {od}")
 
 
 @app.command()

@@ -19,6 +19,7 @@ class ModelConfig(_Section):
     device: str = "cpu"
     max_sequence_length: int = Field(0, ge=0, description="T5 tokens (256 for SD3.5; 0 when there is no T5)")
     resolution: int | None = Field(None, ge=8, description="image side in pixels; None: the checkpoint's default")
+    frames: int | None = Field(None, ge=1, description="video families: frames per clip; None: the family's default")
 
 
 class SamplingConfig(_Section):

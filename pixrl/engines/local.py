@@ -56,7 +56,8 @@ class LocalEngine:
     def describe(self) -> dict:
         fam = self.policy.family
         return {"family": fam.name, "semantics": fam.semantics, "latent_shape": tuple(fam.latent_shape()),
-                "engine": "local", "torch": torch.__version__, **fam.describe()}
+                "video": bool(getattr(fam, "video", False)), "engine": "local", "torch": torch.__version__,
+                **fam.describe()}
 
     def use(self, policy: PolicySource) -> None:
         self.policy.load_version(policy.checkpoint_dir, policy.checkpoint_id)

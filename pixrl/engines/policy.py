@@ -23,7 +23,8 @@ class TrainablePolicy:
         fam_cls = get_family(cfg.model.family)
         self.family = fam_cls.load(resolve_model_path(cfg.model.path), dtype=cfg.model.dtype,
                                    device=cfg.model.device, max_sequence_length=cfg.model.max_sequence_length,
-                                   resolution=cfg.model.resolution)
+                                   resolution=cfg.model.resolution,
+                                   **({"frames": cfg.model.frames} if cfg.model.frames else {}))
         self.module: torch.nn.Module = self.family.trainable_module()
         self.lora = cfg.algorithm.lora.enabled
         if self.lora:

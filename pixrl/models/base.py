@@ -52,7 +52,43 @@ def check_layout(path: str | Path, pipeline_class: str, family: str) -> Path:
         raise ModelLoadError(f"{str(p)!r} lacks {', '.join(missing)}, which its model_index.json lists for the "
                              f"{family} family's {pipeline_class}; the checkout is incomplete (copy the missing "
                              f"component folders)")
+    for name, entry in spec.items():
+        if isinstance(entry, list) and len(entry) == 2 and entry[0] is not None:
+            found_kind = _component_kind(p / name)
+            want_kind = _declared_kind(*entry) if found_kind else None
+            if found_kind and want_kind and found_kind != want_kind:
+                raise ModelLoadError(f"{str(p)!r}: component {name}/ holds a {found_kind[1]} model, but "
+                                     f"model_index.json declares a {entry[1]} ({want_kind[1]}) for the {family} "
+                                     f"family's {pipeline_class}; the folder comes from another checkpoint "
+                                     f"(copy {name}/ from a matching {pipeline_class} checkout)")
     return p
+
+
+def _component_kind(folder: Path) -> tuple[str, str] | None:
+    """What a saved model component is: ("diffusers", class name) or ("transformers", model_type)."""
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        return None  # tokenizers, schedulers, processors: nothing to compare
+    cfg = json.loads(cfg_file.read_text())
+    if "_class_name" in cfg:
+        return "diffusers", cfg["_class_name"]
+    return ("transformers", cfg["model_type"]) if "model_type" in cfg else None
+
+
+def _declared_kind(library: str, class_name: str) -> tuple[str, str] | None:
+    """The kind model_index.json declares: a diffusers class by name, a transformers class by its model_type."""
+    if library == "diffusers":
+        return "diffusers", class_name
+    if library == "transformers":
+        import transformers
+
+        try:
+            config_class = getattr(getattr(transformers, class_name, None), "config_class", None)
+        except ImportError:  # a class whose optional backend is absent: nothing to compare against
+            return None
+        model_type = getattr(config_class, "model_type", None)
+        return ("transformers", model_type) if model_type else None
+    return None
 
 
 @runtime_checkable

@@ -21,27 +21,29 @@ class PipelineFamily:
     pipeline_class: str  # the diffusers class, as model_index.json names it
     guidance: str = "cfg"
     text_tokens: tuple[int, int] = (1, 512)  # the prompt lengths the family's text encoder reads (model.max_sequence_length)
+    video: bool = False  # decode gives clips [B, F, H, W, 3] (model.frames applies)
 
     def __init__(self, pipe, path: str, dtype: torch.dtype, max_sequence_length: int = 0,
-                 resolution: int | None = None):
+                 resolution: int | None = None, frames: int | None = None):
         self.pipe, self.path, self.dtype = pipe, path, dtype
-        self.max_sequence_length = max_sequence_length
+        self.max_sequence_length, self.frames = max_sequence_length, frames
         self.transformer, self.vae, self.scheduler = pipe.transformer, pipe.vae, pipe.scheduler
-        # the pipeline's default height/width unless set
-        self.resolution = resolution or pipe.default_sample_size * pipe.vae_scale_factor
+        self.resolution = resolution or self.default_resolution(pipe)
 
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", max_sequence_length: int = 512,
-             resolution: int | None = None):
+             resolution: int | None = None, frames: int | None = None):
         lo, hi = cls.text_tokens
         if not lo <= max_sequence_length <= hi:
             raise ModelLoadError(f"model.max_sequence_length={max_sequence_length}: the {cls.name} family reads "
                                  f"{lo}–{hi} prompt tokens")
-        return cls.from_directory(path, dtype, device, max_sequence_length, resolution)
+        if frames is not None and not cls.video:
+            raise ModelLoadError(f"model.frames={frames}: the {cls.name} family makes images; unset model.frames")
+        return cls.from_directory(path, dtype, device, max_sequence_length, resolution, frames)
 
     @classmethod
     def from_directory(cls, path: str | Path, dtype: str, device: str, max_sequence_length: int,
-                       resolution: int | None):
+                       resolution: int | None, frames: int | None = None):
         """Load `path` with the family's diffusers pipeline class: every component except the
         transformer frozen, progress bars off; the resolution checked against the checkpoint."""
         import diffusers
@@ -52,8 +54,12 @@ class PipelineFamily:
         # components saved as [null, null] (e.g. SD3 without T5) must be passed as None explicitly
         absent = {k: None for k, v in json.loads((p / "model_index.json").read_text()).items()
                   if isinstance(v, list) and v[0] is None}
+        swapped = cls.swap_components(p)
         try:
-            pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(str(p), dtype=torch_dtype(dtype), **absent)
+            pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(
+                str(p), dtype=torch_dtype(dtype), **absent, **{k: None for k in swapped})
+            for name, load in swapped.items():
+                setattr(pipe, name, load())
         except Exception as exc:  # diffusers raises many types; name the path and the cause
             raise ModelLoadError(f"could not load the {cls.pipeline_class} from {str(p)!r}: {exc}") from exc
         pipe.to(device)
@@ -61,12 +67,22 @@ class PipelineFamily:
         for key, module in pipe.components.items():
             if isinstance(module, torch.nn.Module) and key != "transformer":
                 module.requires_grad_(False)
-        fam = cls(pipe, str(p), torch_dtype(dtype), max_sequence_length, resolution)
+        fam = cls(pipe, str(p), torch_dtype(dtype), max_sequence_length, resolution, frames)
         step = cls.resolution_multiple(pipe)
         if fam.resolution % step:
             raise ModelLoadError(f"model.resolution={fam.resolution}: this {cls.name} checkpoint needs a multiple of "
-                                 f"{step} (its VAE downsamples ×{pipe.vae_scale_factor}, then 2×2 patches)")
+                                 f"{step} (the VAE's downsampling times the transformer's patch size)")
         return fam
+
+    @staticmethod
+    def swap_components(path: Path) -> dict:
+        """Components the family loads itself instead of the pipeline ({name: loader}); none by default."""
+        return {}
+
+    @staticmethod
+    def default_resolution(pipe) -> int:
+        """The pipeline's default image side (its `default_sample_size` latents)."""
+        return pipe.default_sample_size * pipe.vae_scale_factor
 
     @staticmethod
     def resolution_multiple(pipe) -> int:
@@ -125,6 +141,22 @@ class PackedLatentsFamily(PipelineFamily):
         else:
             sched.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), device=self.device, **kwargs)
         return sched.sigmas.float().clone(), sched.timesteps.float().clone()
+
+
+def scheduler_grid(scheduler, steps: int, device, family: str, path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(σ [T+1] ending at 0, timesteps [T]) exactly as a checkpoint's own scheduler sets them for
+    its pipeline — a multistep flow solver too (DPMSolver, UniPC with `use_flow_sigmas`: SANA,
+    Wan), whose grid the Euler/SDE kernels then step."""
+    from copy import deepcopy
+
+    sched = deepcopy(scheduler)
+    sched.set_timesteps(steps, device=device)
+    sigmas, timesteps = sched.sigmas.float().clone(), sched.timesteps.float().clone()
+    if len(sigmas) != steps + 1 or float(sigmas[-1]) != 0.0 or len(timesteps) != steps:
+        raise ValueError(f"the {type(sched).__name__} of {path!r} does not give a flow-matching σ grid ending at 0 "
+                         f"for {steps} steps; {family} rollouts need a flow scheduler (use_flow_sigmas with "
+                         f"final_sigmas_type='zero', or FlowMatchEulerDiscreteScheduler)")
+    return sigmas.to(device), timesteps.to(device)
 
 
 def dynamic_shift_mu(scheduler, image_seq_len: int, max_shift: float = 1.15) -> float:

@@ -137,3 +137,131 @@ def qwen25_vl_text_encoder(tokenizer, hidden: int = 32, layers: int = 1):
                            out_hidden_size=hidden, fullatt_block_indexes=[0]),
         **special)
     return Qwen2_5_VLForConditionalGeneration(cfg)
+
+
+def gemma_tokenizer(out_dir: Path, extra_words: list[str] = ()):
+    """A Gemma BPE tokenizer (`GemmaTokenizer`: spaces as "▁", byte fallback, `<bos>` prepended,
+    `<pad>` = 0) whose merges make each tiny-vocabulary word — and `extra_words`, e.g. a prompt
+    template's — one token, with and without its leading "▁", as Gemma/Gemma-2 checkpoints ship it."""
+    from transformers import GemmaTokenizer
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"])}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for c in "▁" + _CHARS:
+        vocab.setdefault(c, len(vocab))
+    merges: dict[tuple[str, str], None] = {}
+    for word in sorted(set(tiny_vocabulary()) | set(extra_words)):
+        for piece in (word, "▁" + word):
+            cur, *rest = piece
+            for sym in rest:
+                vocab.setdefault(sym, len(vocab))
+                merges[(cur, sym)] = None
+                cur += sym
+                vocab.setdefault(cur, len(vocab))
+    tok = GemmaTokenizer(vocab=vocab, merges=list(merges), add_bos_token=True, add_eos_token=False)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(str(out_dir))
+    return GemmaTokenizer.from_pretrained(str(out_dir))
+
+
+def gemma2_text_encoder(tokenizer, hidden: int = 32, layers: int = 2):
+    """A tiny Gemma-2 decoder (`Gemma2Model`, the SANA text encoder class: grouped-query attention,
+    logit soft-capping, alternating sliding-window layers) whose special ids match `tokenizer`."""
+    from transformers import Gemma2Config, Gemma2Model
+
+    cfg = Gemma2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
+                       query_pre_attn_scalar=hidden // 2, sliding_window=64, max_position_embeddings=4096,
+                       pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id)
+    return Gemma2Model(cfg)
+
+
+# a Mistral-Small-3-style chat template (system prompt block, [INST] turns; text parts of list
+# contents; an image part as [IMG]) — the structure the FLUX.2 pipeline's prompt encoding expects
+_MISTRAL3_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['content'] is string %}{%- set text = message['content'] %}"
+    "{%- else %}{%- set text = namespace(v='') %}"
+    "{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{%- set text.v = text.v + part['text'] %}"
+    "{%- elif part['type'] in ['image', 'image_url'] %}{%- set text.v = text.v + '[IMG]' %}{%- endif %}"
+    "{%- endfor %}{%- set text = text.v %}{%- endif %}"
+    "{%- if message['role'] == 'system' %}{{- '[SYSTEM_PROMPT]' + text + '[/SYSTEM_PROMPT]' }}"
+    "{%- elif message['role'] == 'user' %}{{- '[INST]' + text + '[/INST]' }}"
+    "{%- else %}{{- text + eos_token }}{%- endif %}"
+    "{%- endfor %}")
+
+
+def mistral3_tokenizer(out_dir: Path, extra_words: list[str] = ()):
+    """The FLUX.2-dev `tokenizer` folder's tokenizer: byte-level BPE with Mistral's control tokens
+    (`<s>`, `</s>`, `<pad>`, `[INST]`, `[SYSTEM_PROMPT]`, `[IMG]`, …) whose merges keep the tiny
+    vocabulary and `extra_words` (the pipeline's system message) whole, with the chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]",
+                "[IMG_BREAK]", "[IMG_END]", "<pad>"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    for c in sorted(ByteLevel.alphabet()):
+        vocab[c] = len(vocab)
+    merges: dict[tuple[str, str], None] = {}
+    for word in sorted(set(tiny_vocabulary()) | set(extra_words)):
+        for piece in (word, "Ġ" + word):  # "Ġ": byte-level's visible space
+            cur, *rest = piece
+            for sym in rest:
+                merges[(cur, sym)] = None
+                cur += sym
+                vocab.setdefault(cur, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=list(merges)))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>", additional_special_tokens=specials[3:10],
+                                   chat_template=_MISTRAL3_CHAT_TEMPLATE)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out_dir))
+    return PreTrainedTokenizerFast.from_pretrained(str(out_dir))
+
+
+def as_pixtral_processor(pipeline_dir: Path, component: str = "tokenizer") -> None:
+    """Turn a saved tokenizer component into the PixtralProcessor layout FLUX.2-dev ships (its
+    processor and image-processor configs beside the tokenizer files, declared as a
+    PixtralProcessor in model_index.json). Written as files: instantiating PixtralProcessor needs
+    torchvision, which this project does not install."""
+    import json
+
+    folder = pipeline_dir / component
+    (folder / "processor_config.json").write_text(json.dumps(
+        {"processor_class": "PixtralProcessor", "patch_size": 8, "spatial_merge_size": 2, "image_token": "[IMG]",
+         "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}, indent=2))
+    (folder / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor", "patch_size": 8,
+         "size": {"longest_edge": 64}, "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
+         "do_normalize": True, "image_mean": [0.4815, 0.4578, 0.4082], "image_std": [0.2686, 0.2613, 0.2758],
+         "do_convert_rgb": True}, indent=2))
+    index = json.loads((pipeline_dir / "model_index.json").read_text())
+    index[component] = ["transformers", "PixtralProcessor"]
+    (pipeline_dir / "model_index.json").write_text(json.dumps(index, indent=2))
+
+
+def mistral3_text_encoder(tok, hidden: int = 16, layers: int = 30):
+    """A tiny Mistral-3 (`Mistral3ForConditionalGeneration`, the FLUX.2-dev text encoder class:
+    Mistral decoder + a one-layer Pixtral vision tower). 30 layers: the pipeline reads hidden
+    states 10, 20 and 30, as of the real 40-layer model."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    cfg = Mistral3Config(
+        text_config=dict(model_type="mistral", vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
+                         max_position_embeddings=4096, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id),
+        vision_config=dict(model_type="pixtral", hidden_size=hidden, intermediate_size=2 * hidden,
+                           num_hidden_layers=1, num_attention_heads=2, head_dim=hidden // 2, image_size=64,
+                           patch_size=8),
+        image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2)
+    return Mistral3ForConditionalGeneration(cfg)

@@ -4,6 +4,10 @@ A reward scores uint8 images [B, H, W, 3] with their prompts and prompt metadata
 float32 arrays of length B: its main value under its own name, optionally diagnostics under
 "<name>.<key>". It declares its range, direction and device needs. Nothing is ever zeroed:
 NaN, a missing key or a wrong length is a ScoringError naming the sample and the scorer.
+
+Video goes through the same contract: an image reward (`takes = "image"`) scores every frame of
+clips [B, F, H, W, 3] and the clip's score is the mean over its frames (RewardSet does this); a
+clip reward (`takes = "clip"`, e.g. temporal consistency) receives the clips whole.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class Reward(ABC):
     higher_is_better: bool = True
     device: str = "cpu"
     ready: bool = False
+    takes: str = "image"  # "image": frame-wise on clips (mean over frames); "clip": whole clips only
 
     def setup(self, device: str = "cpu") -> None:
         """Load whatever the scorer needs onto `device` (rule-based scorers need nothing)."""
@@ -46,7 +51,7 @@ class Reward(ABC):
 
 
 def _builtin() -> None:
-    from . import jpeg, shapes  # noqa: F401
+    from . import jpeg, shapes, temporal  # noqa: F401
 
 
 REWARDS: Registry[type[Reward]] = Registry("reward", "rewards", _builtin)

@@ -31,7 +31,7 @@ class RewardSet:
         for name, reward in self.rewards.items():
             try:
                 reward.ensure_setup(self.device)
-                scores = reward.score(images, prompts, metadata)
+                scores = self._score_one(reward, images, prompts, metadata)
             except ScoringError:
                 raise
             except Exception as exc:
@@ -51,4 +51,31 @@ class RewardSet:
                 out[key] = vals
             total += self.weights[name] * out[name]
         out["reward"] = total
+        return out
+
+    def check_media(self, video: bool) -> None:
+        """Refuse, before a run starts, a clip-only reward on a family that makes images."""
+        clip_only = [n for n, r in self.rewards.items() if r.takes == "clip"]
+        if clip_only and not video:
+            raise ValueError(f"reward(s) {clip_only} score clips, and this model family makes images; remove them "
+                             "from reward.weights or choose a video family")
+
+    @staticmethod
+    def _score_one(reward: Reward, images: np.ndarray, prompts: list[str], metadata: list[dict]) -> dict:
+        """One reward's scores: clips go whole to a clip reward; an image reward scores every frame
+        and each key is averaged over the clip's frames."""
+        if images.ndim == 4 or reward.takes == "clip":
+            if images.ndim == 4 and reward.takes == "clip":
+                raise ScoringError(f"scorer {reward.name!r} scores clips [B, F, H, W, 3]; got images {images.shape}")
+            return reward.score(images, prompts, metadata)
+        b, f = images.shape[:2]
+        frames = images.reshape(b * f, *images.shape[2:])
+        scores = reward.score(frames, [p for p in prompts for _ in range(f)], [m for m in metadata for _ in range(f)])
+        out = {}
+        for key, vals in scores.items():
+            vals = np.asarray(vals, dtype=np.float32)
+            if vals.shape != (b * f,):
+                raise ScoringError(f"scorer {reward.name!r} key {key!r}: expected {b * f} frame scores, got shape "
+                                   f"{vals.shape}")
+            out[key] = vals.reshape(b, f).mean(axis=1)
         return out

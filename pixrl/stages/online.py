@@ -21,7 +21,7 @@ from ..algorithms.recipe import rollout_recipe
 from ..algorithms.sampling import SamplerRecipe
 from ..artifacts.batch import RolloutBatch
 from ..artifacts.checkpoints import CheckpointRef, save_checkpoint
-from ..artifacts.media import decode_png, png_bytes
+from ..artifacts.media import decode_media, media_bytes, png_bytes
 from ..artifacts.retention import RunRetention
 from ..artifacts.store_maintenance import maintain_store
 from ..artifacts.tracking import PolicyRef
@@ -87,7 +87,7 @@ class OnlineStages:
         n, sem = len(rows), info["semantics"]
         recipe_json = json.dumps({**recipe.to_dict(), "resolution": list(info["latent_shape"]), "dtype": cfg.model.dtype,
                                   "engine": cfg.run.engine, "torch": info["torch"], "micro_batch": s.micro_batch,
-                                  "shift": info.get("shift")})
+                                  "shift": info.get("shift"), **({"frames": info["frames"]} if info.get("video") else {})})
         batch = batch.with_columns(
             run_id=[self.spec.run_id] * n, iteration=[iteration] * n,
             sample_id=[f"{iteration:05d}-{slot:03d}-{g:02d}" for slot, g, _ in rows],
@@ -98,7 +98,7 @@ class OnlineStages:
             recipe=[recipe_json] * n)
         dims = {"S": len(recipe.train_steps), "T": recipe.steps, "T1": recipe.steps + 1,
                 "latent": tuple(info["latent_shape"])}
-        table = batch.to_arrow(dims)
+        table = batch.to_arrow(dims, optional=("poster",) if info.get("video") else ())
         metrics = self.records.before_commit("generate", iteration,
                                              {"images_per_s": n / seconds, "generate_compute_s": seconds})
         ref = self.table.append(table)
@@ -115,11 +115,12 @@ class OnlineStages:
         t = self._read(ref, iteration, ["run_id", "iteration", "sample_id", "final_latent"])
         batch = RolloutBatch.from_arrow(t.select(["final_latent"]))
         t0 = time.perf_counter()
-        imgs = self.engine.decode(batch["final_latent"])
-        pngs = [png_bytes(im) for im in imgs]
+        imgs = self.engine.decode(batch["final_latent"])  # images [B, H, W, 3] or clips [B, F, H, W, 3]
+        cols = {"image": pa.array([media_bytes(im) for im in imgs], pa.binary())}
+        if imgs.ndim == 5:
+            cols["poster"] = pa.array([png_bytes(clip[0]) for clip in imgs], pa.binary())
         seconds = time.perf_counter() - t0  # the sample grid is logged by the iteration's report
-        upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"],
-                        "image": pa.array(pngs, pa.binary())})
+        upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"], **cols})
         metrics = self.records.before_commit("decode", iteration, {"decode_compute_s": seconds})
         return self.table.merge(upd), metrics
 
@@ -134,7 +135,7 @@ class OnlineStages:
         missing = [sid for sid, im in zip(t["sample_id"].to_pylist(), t["image"].to_pylist()) if im is None]
         if missing:
             raise RuntimeError(f"samples {missing[:3]} have no decoded image; run decode for iteration {iteration} first")
-        imgs = np.stack([decode_png(b) for b in t["image"].to_pylist()])
+        imgs = np.stack([decode_media(b) for b in t["image"].to_pylist()])
         t0 = time.perf_counter()
         scores = self.engine.score(imgs, t["prompt"].to_pylist(), [json.loads(m) for m in t["prompt_meta"].to_pylist()],
                                    t["sample_id"].to_pylist())

@@ -32,10 +32,13 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
             if lacking:
                 raise ValueError(f"algorithm {algo.name!r} needs trajectory field(s) {lacking}, which "
                                  f"{cfg.model.family!r} rollouts ({family.semantics.step.value} steps) do not store")
+        if cfg.model.frames and not getattr(family, "video", False):
+            raise ValueError(f"model.frames={cfg.model.frames}: the {family.name} family makes images, not clips; "
+                             "unset model.frames (or choose a video family such as wan)")
         check_layout(resolve_model_path(cfg.model.path), family.pipeline_class, family.name)
         select_categories(load_prompt_set(resolve_asset(cfg.dataset.path), cfg.dataset.name),
                           cfg.dataset.categories)
-        RewardSet(cfg.reward.weights, cfg.reward.options)
+        RewardSet(cfg.reward.weights, cfg.reward.options).check_media(getattr(family, "video", False))
     except (KeyError, ValueError, FileNotFoundError, ModelLoadError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
         raise PreflightError(msg) from None

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 
-from ..artifacts.media import decode_png, image_grid, png_bytes
+from ..artifacts.media import clip_bytes, clip_grid, decode_media, image_grid, png_bytes
 from ..artifacts.trajectories import TrajectoryStore
 
 
@@ -38,16 +38,23 @@ def grid_path(iteration: int) -> str:
 def log_sample_grid(stores, run_id: str, iteration: int, group_size: int) -> bool:
     """The decoded iteration's sample grid in MLflow — one row per prompt (the first 8), one
     column per group member — in the per-step image viewer (key `samples`) and at
-    samples/it_NNNN.png (what the Prefect artifact links to). Logged once: False when it already
-    is. Not part of the decode stage's commit: the reporting that calls it runs beside the next
-    iteration (MLflow's image logging took 0.1–0.25 s)."""
+    samples/it_NNNN.png (what the Prefect artifact links to). Clips make an animated grid (APNG at
+    the same path, which browsers and MLflow's artifact view play; the image viewer shows its
+    first frame). Logged once: False when it already is. Not part of the decode stage's commit:
+    the reporting that calls it runs beside the next iteration (MLflow's image logging took
+    0.1–0.25 s)."""
     path = grid_path(iteration)
     if stores.tracker.has_artifact(run_id, path):
         return False
     pngs = stores.table.read(stores.latest(), run_id, iteration, ["image"])["image"].to_pylist()
     g = group_size
-    imgs = np.stack([decode_png(b) for b in pngs[: min(8, len(pngs) // g) * g]])
-    grid = image_grid(imgs, cols=g, scale=max(1, 64 // imgs.shape[1]))
+    samples = np.stack([decode_media(b) for b in pngs[: min(8, len(pngs) // g) * g]])
+    if samples.ndim == 5:  # clips [N, F, H, W, 3]
+        frames = clip_grid(samples, cols=g, scale=max(1, 64 // samples.shape[2]))
+        stores.tracker.log_image(run_id, frames[0], key="samples", step=iteration)
+        stores.tracker.log_png_file(run_id, clip_bytes(frames, compress_level=1), path)  # last: the "logged" mark
+        return True
+    grid = image_grid(samples, cols=g, scale=max(1, 64 // samples.shape[1]))
     stores.tracker.log_image(run_id, grid, key="samples", step=iteration)
     stores.tracker.log_png_file(run_id, png_bytes(grid, compress_level=1), path)  # last: the "logged" mark
     return True

@@ -44,9 +44,10 @@ def evaluate(family, split: str, recipe: SamplerRecipe, per_category: int = 48) 
     per: dict[str, list[float]] = {}
     partial: list[float] = []
     for (p, _), img in zip(items, imgs):
-        r = judge(img, p)
-        per.setdefault(p["category"], []).append(r["correct"])
-        partial.append(r["partial"])
+        frames = img if img.ndim == 4 else img[None]  # a clip is judged frame by frame, then averaged
+        rs = [judge(f, p) for f in frames]
+        per.setdefault(p["category"], []).append(float(np.mean([r["correct"] for r in rs])))
+        partial.append(float(np.mean([r["partial"] for r in rs])))
     cats = {k: float(np.mean(v)) for k, v in per.items()}
     return {"accuracy": float(np.mean(list(cats.values()))),
             "sample_accuracy": float(np.mean([x for v in per.values() for x in v])),

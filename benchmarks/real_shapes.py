@@ -1,0 +1,177 @@
+"""Random pipelines of each family's real shapes (layer counts, widths, heads, VAEs), built on
+the device that runs them, for `gpu_smoke.py`: nothing is downloaded, so the figures measure
+memory and speed at the real sizes, not images. Where a text encoder would dominate memory
+without mattering to the RL step it is shortened (fewer layers), and the docstring says so."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def sd35_medium_pipeline(resolution: int, seed: int, workdir: Path):
+    """A random StableDiffusion3Pipeline with SD3.5-Medium's transformer, VAE and CLIP shapes."""
+    import torch
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
+                           StableDiffusion3Pipeline)
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    from pixrl.models.mini.build import shapes_vocabulary
+    from pixrl.models.mini.tokenizer import write_word_tokenizer
+
+    torch.manual_seed(seed)
+    tok = write_word_tokenizer(shapes_vocabulary(), workdir / "tokenizer", 77)
+
+    def clip(hidden: int, layers: int, heads: int) -> CLIPTextModelWithProjection:
+        return CLIPTextModelWithProjection(CLIPTextConfig(
+            vocab_size=len(tok), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+            num_attention_heads=heads, projection_dim=hidden, max_position_embeddings=77, hidden_act="gelu",
+            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+
+    transformer = SD3Transformer2DModel(
+        sample_size=resolution // 8, patch_size=2, in_channels=16, out_channels=16, num_layers=24,
+        attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+        pooled_projection_dim=2048, pos_embed_max_size=384, qk_norm="rms_norm",
+        dual_attention_layers=tuple(range(13)))
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+        latent_channels=16, sample_size=resolution, scaling_factor=1.5305, shift_factor=0.0609,
+        use_quant_conv=False, use_post_quant_conv=False)
+    return StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+        text_encoder=clip(768, 12, 12), tokenizer=tok, text_encoder_2=clip(1280, 32, 20), tokenizer_2=tok,
+        text_encoder_3=None, tokenizer_3=None)
+
+
+def flux1_dev_pipeline(layers: int | None, device: str, workdir: Path):
+    """A random FluxPipeline with FLUX.1-dev's transformer and VAE shapes (T5 shortened)."""
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    from pixrl.models.tiny_parts import clip_text_model, clip_tokenizer, t5_encoder, t5_tokenizer
+
+    tok, tok2 = clip_tokenizer(workdir / "tokenizer"), t5_tokenizer(workdir / "tokenizer_2", 512)
+    with torch.device(device):  # 12B parameters: created where they run
+        transformer = FluxTransformer2DModel(
+            patch_size=1, in_channels=64, num_layers=layers or 19, num_single_layers=38 if layers is None else 2 * layers,
+            attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+            guidance_embeds=True, axes_dims_rope=(16, 56, 56)).to(torch.bfloat16)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512),
+                        layers_per_block=2, latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159,
+                        use_quant_conv=False, use_post_quant_conv=False)
+    sched = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                            base_image_seq_len=256, max_image_seq_len=4096)
+    return FluxPipeline(scheduler=sched, vae=vae, text_encoder=clip_text_model(tok, hidden=768, layers=12),
+                        tokenizer=tok, text_encoder_2=t5_encoder(tok2, d_model=4096, layers=2), tokenizer_2=tok2,
+                        transformer=transformer)
+
+
+def qwen_image_pipeline(layers: int | None, device: str, workdir: Path):
+    """A random QwenImagePipeline with Qwen-Image's transformer and VAE shapes (text encoder shortened)."""
+    import torch
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
+
+    from pixrl.models.tiny_parts import qwen2_tokenizer, qwen25_vl_text_encoder
+
+    tok = qwen2_tokenizer(workdir / "tokenizer")
+    with torch.device(device):  # 20B parameters: created where they run
+        transformer = QwenImageTransformer2DModel(num_layers=layers or 60).to(torch.bfloat16)  # defaults: real shapes
+    sched = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                                            base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
+                                            time_shift_type="exponential")
+    return QwenImagePipeline(scheduler=sched, vae=AutoencoderKLQwenImage(), transformer=transformer, tokenizer=tok,
+                             text_encoder=qwen25_vl_text_encoder(tok, hidden=3584, layers=2))
+
+
+def sana_1600m_pipeline(layers: int | None, device: str, workdir: Path):
+    """A random SanaPipeline with SANA-1600M's transformer (20 linear-attention blocks, 70×32 heads,
+    cross-attention 20×112) and the DC-AE f32c32 VAE; Gemma-2-2B at its real width (2304) with 2
+    of its 26 layers."""
+    import inspect
+    import re
+
+    import torch
+    from diffusers import AutoencoderDC, DPMSolverMultistepScheduler, SanaPipeline, SanaTransformer2DModel
+    from transformers import Gemma2Config, Gemma2Model
+
+    from pixrl.models.tiny_parts import gemma_tokenizer
+
+    instruction = inspect.signature(SanaPipeline.__call__).parameters["complex_human_instruction"].default
+    tok = gemma_tokenizer(workdir / "tokenizer", re.findall(r"[A-Za-z]+", " ".join(instruction)))
+    text_encoder = Gemma2Model(Gemma2Config(
+        vocab_size=len(tok), hidden_size=2304, intermediate_size=9216, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id))
+    with torch.device(device):
+        transformer = SanaTransformer2DModel(
+            in_channels=32, out_channels=32, num_attention_heads=70, attention_head_dim=32, num_layers=layers or 20,
+            num_cross_attention_heads=20, cross_attention_head_dim=112, cross_attention_dim=2240,
+            caption_channels=2304, mlp_ratio=2.5, sample_size=32, patch_size=1).to(torch.bfloat16)
+    vit = ("ResBlock",) * 3 + ("EfficientViTBlock",) * 3
+    vae = AutoencoderDC(encoder_block_types=vit, decoder_block_types=vit, downsample_block_type="Conv",
+                        upsample_block_type="interpolate", decoder_norm_types=("batch_norm",) * 3 + ("rms_norm",) * 3,
+                        decoder_act_fns=("relu",) * 3 + ("silu",) * 3, scaling_factor=0.41407)
+    sched = DPMSolverMultistepScheduler(algorithm_type="dpmsolver++", solver_order=2, prediction_type="flow_prediction",
+                                        use_flow_sigmas=True, flow_shift=3.0)
+    return SanaPipeline(tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=sched)
+
+
+def flux2_dev_pipeline(layers: int | None, device: str, workdir: Path):
+    """A random Flux2Pipeline with FLUX.2-dev's transformer (8 double + 48 single blocks, 48×128
+    heads, text width 15360; 32B) and VAE; the Mistral-3 text encoder at its real width (5120)
+    with the 30 layers the pipeline reads and a narrow MLP (the 24B encoder is frozen and runs
+    once per prompt). `--layers N`: N double and 6·N single blocks."""
+    import re
+
+    import torch
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    from pixrl.models.tiny_parts import mistral3_tokenizer
+
+    tok = mistral3_tokenizer(workdir / "tokenizer", re.findall(r"[A-Za-z]+", SYSTEM_MESSAGE))
+    with torch.device(device):
+        text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(
+            text_config=dict(model_type="mistral", vocab_size=len(tok), hidden_size=5120, intermediate_size=1024,
+                             num_hidden_layers=30, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                             pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                             eos_token_id=tok.eos_token_id),
+            vision_config=dict(model_type="pixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                               num_attention_heads=2, head_dim=32, image_size=64, patch_size=8),
+            image_token_index=tok.convert_tokens_to_ids("[IMG]"))).to(torch.bfloat16)
+        transformer = Flux2Transformer2DModel(
+            num_layers=layers or 8, num_single_layers=48 if layers is None else 6 * layers).to(torch.bfloat16)
+    sched = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                            base_image_seq_len=256, max_image_seq_len=4096, time_shift_type="exponential")
+    return Flux2Pipeline(scheduler=sched, vae=AutoencoderKLFlux2(), text_encoder=text_encoder, tokenizer=tok,
+                         transformer=transformer)
+
+
+def wan21_1_3b_pipeline(layers: int | None, device: str, workdir: Path):
+    """A random WanPipeline with Wan2.1-T2V-1.3B's transformer (30 blocks, 12×128 heads, FFN 8960)
+    and its causal video VAE; UMT5-XXL at its real width (4096) with 2 of its 24 layers."""
+    import torch
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from pixrl.models.tiny_parts import t5_tokenizer
+
+    tok = t5_tokenizer(workdir / "tokenizer", 512)
+    text_encoder = UMT5EncoderModel(UMT5Config(
+        vocab_size=len(tok), d_model=4096, d_kv=64, d_ff=10240, num_layers=2, num_heads=64,
+        feed_forward_proj="gated-gelu", is_encoder_decoder=False, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id, decoder_start_token_id=0))
+    with torch.device(device):
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+            text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=layers or 30).to(torch.bfloat16)
+    sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    return WanPipeline(tokenizer=tok, text_encoder=text_encoder, vae=AutoencoderKLWan(), transformer=transformer,
+                       scheduler=sched)
+
+
+BUILDERS = {"flux1": flux1_dev_pipeline, "qwen_image": qwen_image_pipeline, "sana": sana_1600m_pipeline,
+            "flux2": flux2_dev_pipeline, "wan": wan21_1_3b_pipeline}

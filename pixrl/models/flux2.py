@@ -1,0 +1,169 @@
+"""FLUX.2 family (dev): diffusers Flux2Transformer2DModel + AutoencoderKLFlux2 (32 channels,
+2×2 patchified and batch-normalised latents) + FlowMatchEulerDiscreteScheduler with FLUX.2's
+empirical shift μ(sequence length, steps) + a Mistral-Small-3 text encoder (hidden states of
+layers 10, 20 and 30 stacked, under the pipeline's system message).
+
+Loads any directory in the diffusers Flux2Pipeline layout and reuses the pipeline's own
+`encode_prompt`, latent ids and (de)normalisation, so conditioning, velocity and decode are what
+the pipeline computes. Latents are the pipeline's patchified latents [4·C, H/2, W/2] — the
+shape it draws noise in — and `velocity` flattens them into the token sequence the transformer
+reads (packing is a reshape; the 4-D position ids place each token).
+
+Guidance is FLUX.2-dev's distilled guidance: the scale is a transformer input
+(`guidance_embeds`), no negative prompt is encoded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .pipelines import PipelineFamily, to_uint8
+from .registry import register_family
+from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
+
+__all__ = ["Flux2Conditioning", "Flux2Family"]
+
+
+@dataclass
+class Flux2Conditioning:
+    """Mistral-3 hidden states (three layers, concatenated per token) and the text position ids."""
+
+    prompt_embeds: torch.Tensor  # [B, L, 3·D]
+    text_ids: torch.Tensor  # [B, L, 4]
+
+    def select(self, idx) -> "Flux2Conditioning":
+        return Flux2Conditioning(self.prompt_embeds[idx], self.text_ids[idx])
+
+    def expand(self, n: int) -> "Flux2Conditioning":
+        return Flux2Conditioning(self.prompt_embeds.expand(n, -1, -1), self.text_ids.expand(n, -1, -1))
+
+
+@register_family("flux2")
+class Flux2Family(PipelineFamily):
+    name = "flux2"
+    pipeline_class = "Flux2Pipeline"
+    semantics = PolicySemantics(regime=Regime.full_sequence, step=PolicyStep.denoise, action=Action.continuous)
+    guidance = "embedded"  # the scale is a transformer input; no negative prompt is encoded
+    text_tokens = (1, 512)
+
+    @property
+    def lora_targets(self) -> list[str]:
+        """diffusers' FLUX.2 LoRA training targets: the double blocks' attention projections, the
+        single blocks' fused qkv+MLP input and, by full name (its suffix would also name the
+        double blocks' `to_out` container), each single block's output projection."""
+        n = self.transformer.config.num_single_layers
+        return ["to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj",
+                *[f"single_transformer_blocks.{i}.attn.to_out" for i in range(n)]]
+
+    @staticmethod
+    def swap_components(path: Path) -> dict:
+        """FLUX.2-dev declares its tokenizer as a PixtralProcessor, which transformers will not build
+        without torchvision; the pipeline only renders text prompts through its chat template, so
+        then the folder's tokenizer (same files, same template) is loaded on its own."""
+        import importlib.util
+        import json
+
+        declared = json.loads((path / "model_index.json").read_text()).get("tokenizer", [None, None])[1] or ""
+        if declared.endswith("Processor") and importlib.util.find_spec("torchvision") is None:
+            from transformers import AutoTokenizer
+
+            return {"tokenizer": lambda: AutoTokenizer.from_pretrained(str(path / "tokenizer"))}
+        return {}
+
+    def describe(self) -> dict:
+        _, h, w = self.latent_shape()
+        return {"resolution": [self.resolution, self.resolution], "guidance": self.guidance,
+                "shift": "flux2 empirical μ", "image_seq_len": h * w}
+
+    # --- conditioning -------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> Flux2Conditioning:
+        embeds, text_ids = self.pipe.encode_prompt(prompt=prompts, device=self.device,
+                                                   max_sequence_length=self.max_sequence_length)
+        return Flux2Conditioning(embeds, text_ids)
+
+    # --- dynamics -----------------------------------------------------------------------------
+    def latent_shape(self) -> tuple[int, int, int]:
+        side = self.resolution // (self.pipe.vae_scale_factor * 2)
+        return self.transformer.config.in_channels, side, side
+
+    def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(σ [T+1] ending at 0, timesteps [T]) as Flux2Pipeline sets them: linspace(1, 1/T) with
+        the empirical μ of its image sequence length and step count."""
+        from copy import deepcopy
+
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+        _, h, w = self.latent_shape()
+        sched = deepcopy(self.scheduler)
+        sigmas = None if sched.config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
+        sched.set_timesteps(steps, device=self.device, sigmas=sigmas, mu=compute_empirical_mu(h * w, steps))
+        return sched.sigmas.float().clone(), sched.timesteps.float().clone()
+
+    def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: Flux2Conditioning,
+                 guidance_scale: float = 1.0, neg: Flux2Conditioning | None = None) -> torch.Tensor:
+        """v_θ(x, t | c) on patchified latents [B, C, H, W]; the scale as FLUX.2-dev's guidance embedding."""
+        b, c, h, w = x.shape
+        t = timestep.reshape(-1).to(x.device, x.dtype)
+        t = t.expand(b) if t.numel() == 1 else t
+        guidance = (torch.full((b,), float(guidance_scale), device=x.device, dtype=torch.float32)
+                    if self.transformer.config.guidance_embeds else None)
+        tokens = self.pipe._pack_latents(x).to(self.transformer.dtype)
+        ids = self.pipe._prepare_latent_ids(x).to(x.device)
+        out = self.transformer(hidden_states=tokens, timestep=t / 1000, guidance=guidance,
+                               encoder_hidden_states=cond.prompt_embeds, txt_ids=cond.text_ids, img_ids=ids,
+                               return_dict=False)[0][:, : h * w]
+        return out.permute(0, 2, 1).reshape(b, c, h, w)
+
+    # --- pixels -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> np.ndarray:
+        """Final latents → uint8 [B, H, W, 3]: the VAE's batch-norm statistics undone, unpatchify, decode."""
+        vae = self.vae
+        z = latents.to(vae.dtype)
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z.device, z.dtype)
+        z = self.pipe._unpatchify_latents(z * std + mean)
+        return to_uint8(vae.decode(z, return_dict=False)[0])
+
+    # --- a tiny random checkpoint in the real layout --------------------------------------------
+    @classmethod
+    def write_tiny(cls, out_dir: Path, seed: int = 0) -> dict:
+        """A random FLUX.2-dev-shaped pipeline (Mistral-3 encoder with 30 layers and a Pixtral
+        processor, batch-normalised 2×2-patchified VAE latents, guidance embedding, 4-axis RoPE)
+        with tiny widths, saved with `save_pretrained`. Returns the overrides that run it (32 px)."""
+        import re
+        import shutil
+
+        from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+        from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+        from .tiny_parts import as_pixtral_processor, mistral3_text_encoder, mistral3_tokenizer
+
+        torch.manual_seed(seed)
+        build = out_dir.parent / (out_dir.name + "_build")
+        tok = mistral3_tokenizer(build / "tokenizer", re.findall(r"[A-Za-z]+", SYSTEM_MESSAGE))
+        text_encoder = mistral3_text_encoder(tok)
+        z = 4
+        vae = AutoencoderKLFlux2(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                                 up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=z,
+                                 norm_num_groups=8, mid_block_add_attention=False)
+        with torch.no_grad():  # non-trivial statistics, so decode exercises the de-normalisation
+            vae.bn.running_mean.copy_(torch.randn(4 * z) * 0.3)
+            vae.bn.running_var.copy_(torch.rand(4 * z) + 0.5)
+        transformer = Flux2Transformer2DModel(in_channels=4 * z, num_layers=1, num_single_layers=2,
+                                              attention_head_dim=16, num_attention_heads=2,
+                                              joint_attention_dim=3 * 16, timestep_guidance_channels=32,
+                                              axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True)
+        sched = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=256, max_image_seq_len=4096)
+        Flux2Pipeline(scheduler=sched, vae=vae, text_encoder=text_encoder, tokenizer=tok,
+                      transformer=transformer).save_pretrained(str(out_dir), safe_serialization=True)
+        as_pixtral_processor(out_dir)
+        shutil.rmtree(build, ignore_errors=True)
+        return {"model.family": cls.name, "model.path": str(out_dir), "model.resolution": 32,
+                "model.max_sequence_length": 96}

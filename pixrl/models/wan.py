@@ -1,0 +1,175 @@
+"""Wan2.1 / Wan2.2 text-to-video family: diffusers WanTransformer3DModel (3-D patches 1×2×2,
+video latents [C, F, H, W]) + AutoencoderKLWan (causal video VAE: ×4 in time, ×8 or ×16 in
+space, per-channel latent mean/std) + a UMT5 text encoder + the checkpoint's flow scheduler
+(UniPCMultistep with flow sigmas and `flow_shift`, as the Wan checkpoints ship it).
+
+Loads any directory in the diffusers WanPipeline layout and reuses the pipeline's own
+`encode_prompt` (prompt cleaning, UMT5, zero past each prompt's length). Clips have
+`model.frames` frames (4k+1; the pipeline's 81 by default); latents are the pipeline's
+[C, (F−1)/4 + 1, H/8, W/8]. Wan2.2-TI2V-5B (`expand_timesteps`: a timestep per latent token)
+runs the same way; the two-expert Wan2.2-A14B (`transformer_2`) is refused — which expert to
+train is a recipe decision this family does not make yet.
+
+Sampling: rollouts step the σ grid of the checkpoint's scheduler with the shared Euler/SDE
+kernels (flow_grpo samples Wan with its SDE; a multistep solver step carries no log-prob).
+Guidance is the pipeline's CFG: a conditional and an unconditional pass, combined.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .base import ModelLoadError
+from .pipelines import PipelineFamily, scheduler_grid
+from .registry import register_family
+from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
+
+__all__ = ["WanConditioning", "WanFamily", "video_to_uint8"]
+
+
+@dataclass
+class WanConditioning:
+    """UMT5 hidden states of the prompts, zeroed past each prompt's length (no mask, as the pipeline)."""
+
+    prompt_embeds: torch.Tensor  # [B, L, D]
+
+    def select(self, idx) -> "WanConditioning":
+        return WanConditioning(self.prompt_embeds[idx])
+
+    def expand(self, n: int) -> "WanConditioning":
+        return WanConditioning(self.prompt_embeds.expand(n, -1, -1))
+
+
+@register_family("wan")
+class WanFamily(PipelineFamily):
+    name = "wan"
+    pipeline_class = "WanPipeline"
+    semantics = PolicySemantics(regime=Regime.full_sequence, step=PolicyStep.denoise, action=Action.continuous)
+    guidance = "cfg"
+    video = True
+    text_tokens = (1, 512)  # the pipeline's 226 by default (UMT5)
+    # the attention projections of self- and cross-attention in every block (the suffixes of
+    # flow_grpo's LoRA target list that exist in a Wan text-to-video transformer)
+    lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
+    default_frames = 81  # the pipeline's num_frames
+
+    def __init__(self, pipe, *args, **kwargs):
+        super().__init__(pipe, *args, **kwargs)
+        if getattr(pipe, "transformer_2", None) is not None:
+            raise ModelLoadError(f"{self.path!r} is a two-expert Wan2.2 checkpoint (transformer_2, boundary "
+                                 f"{pipe.config.boundary_ratio}); the wan family trains single-transformer "
+                                 "checkpoints (Wan2.1, Wan2.2-TI2V-5B)")
+        self.frames = self.frames or self.default_frames
+        step = pipe.vae_scale_factor_temporal
+        if (self.frames - 1) % step:
+            raise ModelLoadError(f"model.frames={self.frames}: this Wan VAE compresses time ×{step}, so a clip has "
+                                 f"{step}k+1 frames (e.g. {self.default_frames}, or {(self.frames // step) * step + 1})")
+
+    @staticmethod
+    def default_resolution(pipe) -> int:
+        return 480  # the pipeline's default height (its default clip is 480×832)
+
+    @staticmethod
+    def resolution_multiple(pipe) -> int:
+        return pipe.vae_scale_factor_spatial * pipe.transformer.config.patch_size[1]
+
+    def describe(self) -> dict:
+        c = self.scheduler.config
+        return {"resolution": [self.resolution, self.resolution], "frames": self.frames,
+                "shift": c.get("flow_shift", c.get("shift")), "scheduler": type(self.scheduler).__name__,
+                "guidance": self.guidance}
+
+    # --- conditioning -------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> WanConditioning:
+        embeds, _ = self.pipe.encode_prompt(prompts, do_classifier_free_guidance=False, device=self.device,
+                                            max_sequence_length=self.max_sequence_length)
+        return WanConditioning(embeds)
+
+    # --- dynamics -----------------------------------------------------------------------------
+    def latent_shape(self) -> tuple[int, int, int, int]:
+        side = self.resolution // self.pipe.vae_scale_factor_spatial
+        frames = (self.frames - 1) // self.pipe.vae_scale_factor_temporal + 1
+        return self.transformer.config.in_channels, frames, side, side
+
+    def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return scheduler_grid(self.scheduler, steps, self.device, self.name, self.path)
+
+    def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: WanConditioning,
+                 guidance_scale: float = 1.0, neg: WanConditioning | None = None) -> torch.Tensor:
+        """v_θ(x, t | c) on video latents [B, C, F, H, W]; guidance_scale > 1: the pipeline's CFG
+        (conditional pass, then unconditional)."""
+        b, _, f, h, w = x.shape
+        t = timestep.reshape(-1).to(x.device)
+        t = t.expand(b) if t.numel() == 1 else t
+        if self.pipe.config.expand_timesteps:  # Wan2.2-TI2V: one timestep per latent token
+            _, ph, pw = self.transformer.config.patch_size
+            t = t[:, None].expand(b, f * (h // ph) * (w // pw))
+        v = self._predict(x, t, cond)
+        if guidance_scale > 1.0:
+            if neg is None:
+                raise ValueError("guidance_scale > 1 needs the negative-prompt conditioning")
+            v_u = self._predict(x, t, neg)
+            v = v_u + guidance_scale * (v - v_u)
+        return v
+
+    def _predict(self, x, t, cond: WanConditioning) -> torch.Tensor:
+        dtype = self.transformer.dtype
+        return self.transformer(hidden_states=x.to(dtype), timestep=t, encoder_hidden_states=cond.prompt_embeds.to(dtype),
+                                return_dict=False)[0]
+
+    # --- pixels -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> np.ndarray:
+        """Final latents [B, C, F', H', W'] → uint8 clips [B, F, H, W, 3]: the latent mean/std undone, decode."""
+        cfg = self.vae.config
+        z = latents.to(self.vae.dtype)
+        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
+        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
+        return video_to_uint8(self.vae.decode(z / inv_std + mean, return_dict=False)[0])
+
+    # --- a tiny random checkpoint in the real layout --------------------------------------------
+    @classmethod
+    def write_tiny(cls, out_dir: Path, seed: int = 0) -> dict:
+        """A random Wan2.1-shaped pipeline (UMT5 with a SentencePiece-Unigram tokenizer, causal video
+        VAE ×2 in time and ×4 in space with latent mean/std, 3-D-patch DiT, UniPC with flow sigmas
+        and flow_shift 3) with tiny widths. Returns the overrides that run it (32 px, 5 frames)."""
+        import shutil
+
+        from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+        from transformers import UMT5Config, UMT5EncoderModel
+
+        from .tiny_parts import t5_tokenizer
+
+        torch.manual_seed(seed)
+        build = out_dir.parent / (out_dir.name + "_build")
+        tok = t5_tokenizer(build / "tokenizer", 512)
+        text_encoder = UMT5EncoderModel(UMT5Config(
+            vocab_size=len(tok), d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+            relative_attention_num_buckets=8, relative_attention_max_distance=32, feed_forward_proj="gated-gelu",
+            is_encoder_decoder=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+            decoder_start_token_id=0))
+        z = 4
+        vae = AutoencoderKLWan(base_dim=8, z_dim=z, dim_mult=[1, 2, 2], num_res_blocks=1,
+                               temperal_downsample=[False, True], latents_mean=[0.1, -0.2, 0.05, 0.0],
+                               latents_std=[1.5, 2.0, 1.2, 1.8], scale_factor_temporal=2, scale_factor_spatial=4)
+        transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8,
+                                            in_channels=z, out_channels=z, text_dim=32, freq_dim=32, ffn_dim=32,
+                                            num_layers=2, rope_max_seq_len=32)
+        sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
+                                        num_train_timesteps=1000)
+        WanPipeline(tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                    scheduler=sched).save_pretrained(str(out_dir), safe_serialization=True)
+        shutil.rmtree(build, ignore_errors=True)
+        return {"model.family": cls.name, "model.path": str(out_dir), "model.resolution": 32, "model.frames": 5,
+                "model.max_sequence_length": 64}
+
+
+def video_to_uint8(video: torch.Tensor) -> np.ndarray:
+    """VAE output in [-1, 1], [B, 3, F, H, W] → uint8 [B, F, H, W, 3], as the video processor postprocesses."""
+    v = (video.float() / 2 + 0.5).clamp(0, 1)
+    return (v.permute(0, 2, 3, 4, 1).cpu().numpy() * 255).round().astype(np.uint8)

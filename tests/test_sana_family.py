@@ -1,0 +1,147 @@
+"""The SANA family on a tiny random checkpoint written by `pixrl tiny sana` in the diffusers
+layout: prompt encoding with the pipeline's instruction prefix, the σ grid of the shipped
+DPMSolver flow scheduler, ODE parity with diffusers' SanaPipeline with and without CFG (on an
+Euler scheduler, the one solver both can run), decode parity (DC-AE), the on-policy ratio, LoRA
+targets and two RL iterations through the unchanged flow."""
+
+import json
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import two_iterations
+from pixrl.algorithms.sampling import SamplerRecipe, replay_step, sample
+from pixrl.models.base import ModelLoadError, uses_negative_prompt
+from pixrl.models.registry import get_family
+from pixrl.models.sana import SanaFamily
+
+PROMPTS = ["a red circle", "two blue squares in the sky"]  # different lengths: a padding mask
+
+
+@pytest.fixture(scope="module")
+def family(tiny_sana):
+    path, overrides = tiny_sana
+    return SanaFamily.load(path, max_sequence_length=overrides["model.max_sequence_length"],
+                           resolution=overrides["model.resolution"])
+
+
+@contextmanager
+def euler(family):
+    """The pipeline and the family on a FlowMatchEulerDiscreteScheduler with the checkpoint's shift."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    shipped = family.scheduler
+    family.scheduler = family.pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=shipped.config.flow_shift)
+    try:
+        yield
+    finally:
+        family.scheduler = family.pipe.scheduler = shipped
+
+
+def _gens(seeds):
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+def _pipeline(family, cond, neg, cfg: float, seeds, output_type: str):
+    kw = {"prompt_embeds": cond.prompt_embeds, "prompt_attention_mask": cond.mask}
+    if neg is not None:
+        kw.update(negative_prompt=None, negative_prompt_embeds=neg.prompt_embeds, negative_prompt_attention_mask=neg.mask)
+    return family.pipe(num_inference_steps=6, guidance_scale=cfg, generator=_gens(seeds), output_type=output_type,
+                       height=family.resolution, width=family.resolution, use_resolution_binning=False,
+                       max_sequence_length=family.max_sequence_length, **kw).images
+
+
+def test_registered_and_guided_by_a_negative_prompt(family):
+    assert get_family("sana") is SanaFamily
+    assert uses_negative_prompt(SanaFamily, 4.5) and not uses_negative_prompt(SanaFamily, 1.0)
+    assert family.latent_shape() == (4, 16, 16) and family.describe()["shift"] == 3.0
+
+
+def test_encoding_is_the_pipelines_with_its_instruction_prefix(family):
+    """The pipeline's `__call__` prepends its default instruction; BOS + the last L−1 tokens are kept."""
+    cond = family.encode_prompts(PROMPTS)
+    instruction = family._instruction()
+    assert instruction and "User Prompt: " in instruction[-1]
+    embeds, mask, _, _ = family.pipe.encode_prompt(PROMPTS, do_classifier_free_guidance=False, device=family.device,
+                                                   max_sequence_length=family.max_sequence_length,
+                                                   complex_human_instruction=instruction)
+    assert torch.equal(cond.prompt_embeds, embeds) and torch.equal(cond.mask, mask)
+    assert cond.prompt_embeds.shape[:2] == (2, family.max_sequence_length)
+    bare, _, _, _ = family.pipe.encode_prompt(PROMPTS, do_classifier_free_guidance=False, device=family.device,
+                                              max_sequence_length=family.max_sequence_length)
+    assert not torch.equal(bare, embeds)  # the prefix reaches the encoding
+    assert cond.mask[0].sum() < cond.mask[1].sum()
+
+
+def test_schedule_is_the_shipped_dpm_solver_flow_grid(family):
+    from copy import deepcopy
+
+    sigmas, timesteps = family.schedule(6)
+    ref = deepcopy(family.pipe.scheduler)
+    ref.set_timesteps(6)
+    assert type(ref).__name__ == "DPMSolverMultistepScheduler" and ref.config.use_flow_sigmas
+    assert torch.equal(sigmas, ref.sigmas.float()) and torch.equal(timesteps, ref.timesteps.float())
+    assert sigmas[-1] == 0 and bool((sigmas[:-1] > sigmas[1:]).all())
+    assert torch.equal(timesteps, timesteps.round())  # DPMSolver feeds integer timesteps, as the pipeline does
+
+
+@pytest.mark.parametrize("cfg", [1.0, 4.5])
+def test_ode_sampling_equals_sana_pipeline(family, cfg):
+    seeds = [11, 12]
+    cond = family.encode_prompts(PROMPTS)
+    neg = family.encode_prompts([""]).expand(2) if cfg > 1 else None
+    with euler(family):
+        ref = _pipeline(family, cond, neg, cfg, seeds, "latent")
+        traj = sample(family, cond, neg, _gens(seeds), SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
+    assert traj.final.shape == ref.shape == (2, 4, 16, 16)
+    assert (traj.final - ref).abs().max().item() <= 1e-5
+    if cfg > 1:
+        with euler(family):
+            plain = sample(family, cond, None, _gens(seeds), SamplerRecipe(6, 0.0, train_steps=()))
+        assert (plain.final - traj.final).abs().max().item() > 1e-4
+
+
+def test_decode_equals_the_pipeline_images(family):
+    cond, neg = family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2)
+    with euler(family):
+        ref = _pipeline(family, cond, neg, 4.5, [3, 4], "np")
+        traj = sample(family, cond, neg, _gens([3, 4]), SamplerRecipe(6, 0.0, guidance_scale=4.5, train_steps=()))
+    imgs = family.decode(traj.final)
+    assert imgs.shape == (2, 32, 32, 3) and imgs.dtype == np.uint8
+    assert np.abs(imgs.astype(int) - (ref * 255).round().astype(int)).max() <= 1
+
+
+@pytest.mark.parametrize("sde_type,window", [("sde", None), ("cps", None), ("sde", (1, 2))])
+def test_replayed_log_probs_equal_stored_with_cfg(family, sde_type, window):
+    """SDE at every step, CPS, and an SDE window (ODE outside steps 1–2): ratio exactly 1."""
+    recipe = SamplerRecipe(steps=4, noise_level=0.7, sde_type=sde_type, guidance_scale=4.5, sde_steps=window,
+                           train_steps=window or (0, 1, 2))
+    cond, neg = family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2)
+    traj = sample(family, cond, neg, _gens([0, 1]), recipe)
+    assert list(traj.stored_steps) == list(window or (0, 1, 2))
+    for j, k in enumerate(traj.stored_steps):
+        out = replay_step(family, traj.latents[:, j], traj.next_latents[:, j], k, traj.sigmas, traj.timesteps,
+                          cond, neg, recipe)
+        assert torch.equal(out.log_prob.detach(), traj.log_probs[:, j])
+        out.log_prob.sum().backward()
+    assert any(p.grad is not None for p in family.transformer.parameters())
+    family.transformer.zero_grad(set_to_none=True)
+
+
+def test_lora_targets_and_layout_errors(family, tiny_flux):
+    names = [n for n, _ in family.transformer.named_modules()]
+    for target in SanaFamily.lora_targets:
+        assert any(n.endswith(target) for n in names), f"LoRA target {target} matches no module"
+    with pytest.raises(ModelLoadError, match="FluxPipeline, not a SanaPipeline"):
+        SanaFamily.load(tiny_flux[0])
+    with pytest.raises(ModelLoadError, match="resolution=33.*multiple of 2"):
+        SanaFamily.load(family.path, max_sequence_length=64, resolution=33)
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_two_rl_iterations_through_the_unchanged_flow(tiny_sana, tmp_path, prefect_harness, mode):
+    """LoRA on the family's targets (adapter weights only) and full fine-tuning: both train."""
+    out, t = two_iterations(tiny_sana, tmp_path, "sana", mode, "sampling.guidance_scale=4.5")
+    assert json.loads(t["recipe"][0].as_py())["guidance_scale"] == 4.5

@@ -1,0 +1,161 @@
+"""The Wan text-to-video family on a tiny random checkpoint written by `pixrl tiny wan` in the
+diffusers layout: prompt encoding, the shipped UniPC flow σ grid, 5-D latents, ODE parity with
+diffusers' WanPipeline with and without CFG (on an Euler scheduler, the one solver both run),
+decoded clips equal to the pipeline's frames, the on-policy ratio, frame-count errors, and two RL
+iterations through the unchanged flow with clips stored as lossless APNG plus a poster frame."""
+
+import json
+from contextlib import contextmanager
+
+import lance
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import tiny_overrides, two_iterations
+from pixrl.algorithms.sampling import SamplerRecipe, replay_step, sample
+from pixrl.artifacts.media import decode_media
+from pixrl.cli import app
+from pixrl.models.base import ModelLoadError
+from pixrl.models.registry import get_family
+from pixrl.models.wan import WanFamily
+
+PROMPTS = ["a red circle", "two blue squares in the sky"]
+
+
+@pytest.fixture(scope="module")
+def family(tiny_wan):
+    path, o = tiny_wan
+    return WanFamily.load(path, max_sequence_length=o["model.max_sequence_length"], resolution=o["model.resolution"],
+                          frames=o["model.frames"])
+
+
+@contextmanager
+def euler(family):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    shipped = family.scheduler
+    family.scheduler = family.pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=shipped.config.flow_shift)
+    try:
+        yield
+    finally:
+        family.scheduler = family.pipe.scheduler = shipped
+
+
+def _gens(seeds):
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+def _pipeline(family, cond, neg, cfg: float, seeds, output_type: str):
+    return family.pipe(prompt_embeds=cond.prompt_embeds, negative_prompt_embeds=None if neg is None else neg.prompt_embeds,
+                       guidance_scale=cfg, num_inference_steps=6, generator=_gens(seeds), output_type=output_type,
+                       height=family.resolution, width=family.resolution, num_frames=family.frames,
+                       max_sequence_length=family.max_sequence_length).frames
+
+
+def test_registered_as_a_video_family(family):
+    assert get_family("wan") is WanFamily and WanFamily.video
+    assert family.latent_shape() == (4, 3, 8, 8)  # 5 frames → (5−1)/2 + 1 latent frames; 32 px / 4
+    assert family.describe()["frames"] == 5 and family.describe()["shift"] == 3.0
+
+
+def test_encoding_is_the_pipelines(family):
+    cond = family.encode_prompts(PROMPTS)
+    ref, _ = family.pipe.encode_prompt(PROMPTS, do_classifier_free_guidance=False, device=family.device,
+                                       max_sequence_length=family.max_sequence_length)
+    assert torch.equal(cond.prompt_embeds, ref)
+    assert cond.prompt_embeds[0, -1].abs().sum() == 0  # zero past the prompt, as the pipeline pads
+
+
+def test_schedule_is_the_shipped_unipc_flow_grid(family):
+    from copy import deepcopy
+
+    sigmas, timesteps = family.schedule(6)
+    ref = deepcopy(family.pipe.scheduler)
+    ref.set_timesteps(6)
+    assert type(ref).__name__ == "UniPCMultistepScheduler"
+    assert torch.equal(sigmas, ref.sigmas.float()) and torch.equal(timesteps, ref.timesteps.float())
+    assert sigmas[-1] == 0
+
+
+@pytest.mark.parametrize("cfg", [1.0, 5.0])
+def test_ode_sampling_equals_wan_pipeline(family, cfg):
+    seeds = [11, 12]
+    cond = family.encode_prompts(PROMPTS)
+    neg = family.encode_prompts([""]).expand(2) if cfg > 1 else None
+    with euler(family):
+        ref = _pipeline(family, cond, neg, cfg, seeds, "latent")
+        traj = sample(family, cond, neg, _gens(seeds), SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
+    assert traj.final.shape == ref.shape == (2, 4, 3, 8, 8)
+    assert (traj.final - ref).abs().max().item() <= 1e-5
+
+
+def test_decoded_clips_equal_the_pipeline_frames(family):
+    cond, neg = family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2)
+    with euler(family):
+        ref = _pipeline(family, cond, neg, 5.0, [3, 4], "np")  # [B, F, H, W, 3] in [0, 1]
+        traj = sample(family, cond, neg, _gens([3, 4]), SamplerRecipe(6, 0.0, guidance_scale=5.0, train_steps=()))
+    clips = family.decode(traj.final)
+    assert clips.shape == (2, 5, 32, 32, 3) and clips.dtype == np.uint8
+    assert np.abs(clips.astype(int) - (np.asarray(ref) * 255).round().astype(int)).max() <= 1
+
+
+@pytest.mark.parametrize("sde_type,window", [("sde", None), ("cps", None), ("sde", (1, 2))])
+def test_replayed_log_probs_equal_stored_with_cfg(family, sde_type, window):
+    """SDE at every step, CPS, and an SDE window (ODE outside steps 1–2): ratio exactly 1."""
+    recipe = SamplerRecipe(steps=4, noise_level=0.7, sde_type=sde_type, guidance_scale=5.0, sde_steps=window,
+                           train_steps=window or (0, 1, 2))
+    cond, neg = family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2)
+    traj = sample(family, cond, neg, _gens([0, 1]), recipe)
+    assert list(traj.stored_steps) == list(window or (0, 1, 2))
+    for j, k in enumerate(traj.stored_steps):
+        out = replay_step(family, traj.latents[:, j], traj.next_latents[:, j], k, traj.sigmas, traj.timesteps,
+                          cond, neg, recipe)
+        assert torch.equal(out.log_prob.detach(), traj.log_probs[:, j])
+        out.log_prob.sum().backward()
+    assert any(p.grad is not None for p in family.transformer.parameters())
+    family.transformer.zero_grad(set_to_none=True)
+
+
+def test_frame_count_and_image_family_errors(tiny_wan, tiny_flux):
+    path, o = tiny_wan
+    with pytest.raises(ModelLoadError, match="model.frames=4.*2k\\+1 frames"):
+        WanFamily.load(path, max_sequence_length=64, resolution=32, frames=4)
+    with pytest.raises(ModelLoadError, match="model.frames=5: the flux1 family makes images"):
+        get_family("flux1").load(tiny_flux[0], max_sequence_length=64, frames=5)
+    names = [n for n, _ in WanFamily.load(path, max_sequence_length=64, resolution=32, frames=5)
+             .transformer.named_modules()]
+    for target in WanFamily.lora_targets:
+        assert any(n.endswith(target) for n in names), target
+
+
+def test_two_rl_iterations_store_clips_through_the_unchanged_flow(tiny_wan, tmp_path, prefect_harness):
+    """Frame-wise shapes judge + temporal consistency; rows keep lossless clips and a poster."""
+    from mlflow.tracking import MlflowClient
+
+    path, o = tiny_wan
+    extra = {k: v for k, v in o.items() if k != "model.path"}
+    args = ["train", "--iterations", "2", "--run", "wan", "reward=shapes_video", "algorithm=flow_grpo_lora",
+            "algorithm.lora.rank=4", "algorithm.lora.alpha=8", *tiny_overrides(path, tmp_path, **extra),
+            "sampling.guidance_scale=5.0"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    t = lance.dataset(out["table_uri"]).to_table()
+    assert t.num_rows == 16 and set(t["family"].to_pylist()) == {"wan"}
+    assert json.loads(t["recipe"][0].as_py())["frames"] == 5
+    clip = decode_media(t["image"][0].as_py())
+    assert clip.shape == (5, 32, 32, 3)
+    assert np.array_equal(decode_media(t["poster"][0].as_py()), clip[0])
+    assert t["final_latent"].type.shape == [4, 3, 8, 8]
+    c = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    metrics = c.get_run(out["run_id"]).data.metrics
+    assert 0 < metrics["reward/temporal_consistency/mean"] <= 1 and "reward/shapes/mean" in metrics
+    versions = c.search_model_versions(f"name='{out['model_name']}'")
+    assert sorted(int(v.version) for v in versions) == [1, 2]
+
+
+def test_two_rl_iterations_full_fine_tune(tiny_wan, tmp_path, prefect_harness):
+    out, t = two_iterations(tiny_wan, tmp_path, "wan-full", "full", "sampling.guidance_scale=5.0")
+    assert decode_media(t["image"][3].as_py()).shape == (5, 32, 32, 3)
