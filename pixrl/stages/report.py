@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 
-from ..artifacts.media import clip_bytes, clip_grid, decode_media, image_grid, png_bytes
+from ..artifacts.media import animated_png, clip_grid, decode_media, image_grid, png_bytes
 from ..artifacts.trajectories import TrajectoryStore
 
 
@@ -52,7 +52,7 @@ def log_sample_grid(stores, run_id: str, iteration: int, group_size: int) -> boo
     if samples.ndim == 5:  # clips [N, F, H, W, 3]
         frames = clip_grid(samples, cols=g, scale=max(1, 64 // samples.shape[2]))
         stores.tracker.log_image(run_id, frames[0], key="samples", step=iteration)
-        stores.tracker.log_png_file(run_id, clip_bytes(frames, compress_level=1), path)  # last: the "logged" mark
+        stores.tracker.log_png_file(run_id, animated_png(frames, compress_level=1), path)  # last: the "logged" mark
         return True
     grid = image_grid(samples, cols=g, scale=max(1, 64 // samples.shape[1]))
     stores.tracker.log_image(run_id, grid, key="samples", step=iteration)
