@@ -111,22 +111,16 @@ class BareLoop:
         return t_end - t0
 
 
-def run_bare(overrides: list[str], iterations: int, start: int = 0, init_checkpoint=None,
-             phases: dict[str, list[float]] | None = None) -> list[float]:
+def run_bare(overrides: list[str], iterations: int, start: int = 0, init_checkpoint=None) -> list[float]:
     """Wall seconds of iterations start..start+iterations-1 (their prompts and seeds), from the
-    base weights or from `init_checkpoint`'s (the weights the pipeline's iteration `start` used).
-    `phases`, if given, receives each phase's seconds per iteration (generate, decode, score, update)."""
+    base weights or from `init_checkpoint`'s (the weights the pipeline's iteration `start` used)."""
     init = None
     if init_checkpoint is not None:
         from pixrl.artifacts.checkpoints import load_weights
 
         init = load_weights(init_checkpoint)
     loop = BareLoop(load_config(None, overrides), init)
-    walls = [loop.iteration(it) for it in range(start, start + iterations)]
-    if phases is not None:
-        for name, secs in loop.phases.items():
-            phases.setdefault(name, []).extend(secs)
-    return walls
+    return [loop.iteration(it) for it in range(start, start + iterations)]
 
 
 def main() -> None:

@@ -1,13 +1,14 @@
 """Benchmark of the online loop: per-stage seconds and orchestration overhead
-(1 − Σ stage seconds / iteration wall time) on the default recipe, read back from MLflow; then,
-in the same invocation, the bare loop (benchmarks/bare_loop.py: the same iteration as plain torch, run
-once before and once after the pipeline, pooled: a drift of the machine's speed cancels)
-and the ratio of median iteration wall times, pipeline / bare; and the bytes the run keeps per
-iteration (checkpoints + MLflow artifacts; the trajectory table against its rows' payload).
+(1 − Σ stage seconds / iteration wall time) on the default recipe, read back from MLflow; the
+ratio of median iteration wall times against the bare loop (benchmarks/bare_loop.py: the same
+iteration as plain torch) run in the same invocation over the same iterations, interleaved with
+the pipeline in chunks (benchmarks/interleave.py: the machine's speed wanders too much for a
+run-then-run comparison); and the bytes the run keeps per iteration (checkpoints + MLflow
+artifacts; the trajectory table against its rows' payload).
 
-    .venv/bin/python benchmarks/online_loop.py --iterations 21 [key=value ...]
+    .venv/bin/python benchmarks/online_loop.py --iterations 25 [--chunk 6] [key=value ...]
     .venv/bin/python benchmarks/online_loop.py --existing WORKDIR RUN_NAME   # figures of a finished run
-    .venv/bin/python benchmarks/online_loop.py --history 300 [--iterations-measured 20] [key=value ...]
+    .venv/bin/python benchmarks/online_loop.py --history 300 [--iterations-measured 24] [key=value ...]
 
 `--history N` measures the loop late in a long run (issue 14: ≤ 1.10 × the bare loop at
 iteration 300) without running N iterations: `pixrl train --iterations N+K` runs iteration 0 for
@@ -15,18 +16,17 @@ real and fails at iteration 1 before its first commit (PIXRL_FAULT=generate@1:ra
 are checked to hold nothing of iteration 1; `synthetic_history.py` writes iterations 1..N-1 into
 the run's trajectory table, checkpoint store and registry the way the pipeline does (from
 iteration 0's rows and checkpoint); `pixrl resume` then fast-forwards the N published iterations
-and runs iterations N..N+K-1 for real. Reported: pre-fill and fast-forward seconds, the median
-`time/iteration_s` over iterations N+1..N+K-1 (iteration N loads the model and is left out),
-the bare loop's median over K iterations (K+1 run, the first left out), their ratio, the bytes
+and runs iterations N..N+K-1 for real, chunk by chunk, interleaved with the bare loop from the
+weights of iteration N-1. Reported: pre-fill and fast-forward seconds, the medians over the
+measured iterations (each chunk's first loads the model and is left out), the ratio, the bytes
 kept, and checks that the resume started at iteration N (MLflow steps, Lance rows, registry).
 
-Prints a markdown table for the README. Not a test: timings depend on the machine.
+Prints markdown for the README. Not a test: timings depend on the machine.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -36,6 +36,9 @@ import time
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from interleave import bare_loop, measured_iterations, report, run_interleaved  # noqa: E402
 
 STAGES = ("generate", "decode", "score", "replay", "update", "publish")
 
@@ -50,6 +53,8 @@ def main() -> None:
                     help="measure at iteration N of a synthetic history (iterations 1..N-1 pre-filled); 0: off")
     ap.add_argument("--iterations-measured", type=int, default=20, metavar="K",
                     help="with --history: iterations run for real after the history (N..N+K-1)")
+    ap.add_argument("--chunk", type=int, default=6,
+                    help="iterations per chunk when the pipeline and the bare loop are interleaved")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     if a.history:
@@ -63,71 +68,42 @@ def main() -> None:
                             order_by=["attributes.start_time DESC"], max_results=1)[0]
         info = {"run_id": run.info.run_id}
         a.iterations = len(c.get_metric_history(run.info.run_id, "time/iteration_s"))
+        measured = list(range(1 if a.iterations > 1 else 0, a.iterations))  # iteration 0 loads the model
     else:
         wd = Path(a.workdir or tempfile.mkdtemp(prefix="pixrl-bench-"))
-        bare_before = [] if a.no_bare else bare_phase(a, a.iterations, 0, None)
+        if (wd / "mlflow.db").exists():
+            sys.exit(f"{wd} already holds a pixrl work directory; the benchmark needs a new one")
+        env = {k_: v for k_, v in os.environ.items() if k_ != "PIXRL_FAULT"}
         cmd = [sys.executable, "-m", "pixrl.cli", "train", "--iterations", str(a.iterations), "--workdir", str(wd),
-               "--run", "bench", "run.eval_every=0", *a.overrides]
+               "--run", RUN, "run.eval_every=0", *a.overrides]
+        resume = [sys.executable, "-m", "pixrl.cli", "resume", RUN, "--workdir", str(wd)]
         t0 = time.perf_counter()
-        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ}, check=False)
+        inter = run_interleaved(cmd, resume, env, 0, a.iterations, a.chunk,
+                                None if a.no_bare else bare_loop(a.overrides, None))
         total = time.perf_counter() - t0
-        if out.returncode:
-            sys.exit(out.stderr[-3000:])
-        info = json.loads(out.stdout.strip().splitlines()[-1])
+        info = inter.info
         c = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
+        measured = measured_iterations(inter, 0, a.iterations)
 
     def hist(key: str) -> list[float]:
-        return [m.value for m in sorted(c.get_metric_history(info["run_id"], key), key=lambda m: m.step)]
+        by_step = {m.step: m.value for m in c.get_metric_history(info["run_id"], key)}
+        return [by_step[s] for s in measured if s in by_step]
 
-    skip = 1 if a.iterations > 1 else 0  # iteration 0 includes model loading
-    rows = {s: hist(f"time/{s}_s")[skip:] for s in STAGES}
-    it = hist("time/iteration_s")[skip:]
-    ov = hist("orchestration_overhead")[skip:]
-    ips = hist("images_per_s")[skip:]
-    print(f"{a.iterations} iterations\n\n| stage | median s/iteration |\n|---|---|")
+    rows = {s: hist(f"time/{s}_s") for s in STAGES}
+    it = hist("time/iteration_s")
+    ov = hist("orchestration_overhead")
+    ips = hist("images_per_s")
+    print(f"{a.iterations} iterations, medians over {len(measured)} of them\n\n| stage | median s/iteration |\n|---|---|")
     for s in STAGES:
         print(f"| {s} | {statistics.median(rows[s]):.2f} |")
     print(f"| **iteration (wall)** | {statistics.median(it):.2f} |")
     print(f"\norchestration overhead (median): {100 * statistics.median(ov):.1f}% ; "
           f"generate throughput: {statistics.median(ips):.1f} images/s ; "
-          f"process wall incl. start-up: {total:.0f} s")
-    compute = {s: hist(f"{s}_compute_s")[skip:] for s in ("generate", "decode", "score", "update")}
-    print("compute inside the stages (median s): " + ", ".join(
-        f"{s} {statistics.median(v):.2f}" for s, v in compute.items() if v))
+          f"benchmark wall: {total:.0f} s")
     print_storage(wd, info["run_id"], a.iterations)
-    if not a.existing and not a.no_bare:
-        report_bare(statistics.median(it), bare_before, bare_phase(a, a.iterations, 0, None),
-                    f"iterations 0–{a.iterations - 1} from the base weights", f"pipeline at iterations {skip}–{a.iterations - 1}")
+    if not a.existing:
+        report(c, info["run_id"], inter, measured)
 
-
-def bare_phase(a, k: int, start: int, init) -> list[float]:
-    """One phase of the bare loop: iterations start..start+k-1 (the first left out when k > 1:
-    it builds the model, as the pipeline's first measured iteration loads it)."""
-    from bare_loop import run_bare
-
-    phases: dict[str, list[float]] = {}
-    walls = run_bare(["run.eval_every=0", *a.overrides], k, start=start, init_checkpoint=init, phases=phases)
-    skip = 1 if k > 1 else 0
-    for name, secs in phases.items():
-        BARE_PHASES.setdefault(name, []).extend(secs[skip:])
-    return walls[skip:]
-
-
-BARE_PHASES: dict[str, list[float]] = {}  # the bare loop's per-phase seconds, both phases pooled
-
-
-def report_bare(pipeline_median: float, before: list[float], after: list[float], work: str, measured: str) -> None:
-    """The ratio against the bare loop run both before and after the pipeline in this invocation:
-    on a shared machine compute speed drifts by a few percent over minutes, and pooling the two
-    phases cancels a drift that is linear in time. Both phases are printed, so drift shows."""
-    pooled = statistics.median(before + after)
-    print(f"\nbare loop (plain torch, same work: {work}): median {statistics.median(before):.2f} s/iteration before "
-          f"the pipeline, {statistics.median(after):.2f} after (phase drift "
-          f"{100 * (statistics.median(after) / statistics.median(before) - 1):+.1f}%), pooled {pooled:.2f}; "
-          f"{measured} {pipeline_median:.2f} / bare = **{pipeline_median / pooled:.3f}**")
-    if BARE_PHASES:  # where a gap is: the same compute slower, or work the pipeline adds around it
-        print("bare loop per phase (median s, both phases): " + ", ".join(
-            f"{name} {statistics.median(secs):.2f}" for name, secs in BARE_PHASES.items()))
 
 RUN = "bench"
 FAULT = "generate@1:raise"
@@ -190,20 +166,13 @@ def run_history(a) -> None:
           f"{len(stores.tracker.run_versions(stores.spec.model_name, run_id))} registered versions; "
           f"registry query `published(it)`: median {statistics.median(q_s) * 1e3:.1f} ms over iterations {queries}")
 
-    # the bare loop's first phase: the same iterations N..N+K-1, before the pipeline runs them
-    init = stores.layout.checkpoint(n - 1)  # the weights the pipeline's iteration n rolls out with
+    # 3. resume: fast-forward 0..N-1, iterations N..N+K-1 for real, in chunks interleaved with the
+    #    bare loop over the same iterations from the weights the pipeline's iteration N rolls out with
+    init = stores.layout.checkpoint(n - 1)
     init = init if (init / "trainable.safetensors").is_file() else None
-    bare_before = [] if a.no_bare else bare_phase(a, k, n, init)
-
-    # 3. resume: fast-forward 0..N-1, iterations N..N+K-1 for real
-    t_resume = time.time()
-    t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "pixrl.cli", "resume", RUN, "--workdir", str(wd)],
-                         capture_output=True, text=True, env=env, check=False)
-    resume_s = time.perf_counter() - t0
-    if out.returncode:
-        sys.exit(f"`pixrl resume {RUN}` failed:\n{out.stderr[-3000:]}")
-    info = json.loads(out.stdout.strip().splitlines()[-1])
+    resume = [sys.executable, "-m", "pixrl.cli", "resume", RUN, "--workdir", str(wd)]
+    inter = run_interleaved(resume, resume, env, n, n + k, a.chunk, None if a.no_bare else bare_loop(a.overrides, init))
+    t_resume, resume_s, info = inter.first_start, inter.first_s, inter.info
     checks.append((info["run_id"] == run_id, f"resume continued MLflow run {run_id}"))
     c = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
 
@@ -220,17 +189,16 @@ def run_history(a) -> None:
           f"{per_ff:.3f} s per iteration (policy_version timestamps, iterations {ff[0] if ff else '–'}–"
           f"{ff[-1] if ff else '–'})")
 
-    # 4. figures of iterations N+1..N+K-1
-    skip = 1 if k > 1 else 0  # iteration N loads the model
-    steps = list(range(n + skip, n + k))
+    # 4. figures of the measured iterations (the first of each chunk loads the model)
+    steps = measured_iterations(inter, n, n + k)
     stage = {s: hist(f"time/{s}_s") for s in STAGES}
     ov, ips = hist("orchestration_overhead"), hist("images_per_s")
 
     def med(h: dict) -> float:
         return statistics.median(h[s].value for s in steps if s in h)
 
-    print(f"\niterations {_ranges(steps)} after a history of {n} (iteration {n} "
-          f"{'left out: it loads the model' if skip else 'included'})\n\n| stage | median s/iteration |\n|---|---|")
+    print(f"\niterations {_ranges(steps)} after a history of {n} (the first iteration of each chunk, "
+          f"{inter.chunk_starts}, left out: it loads the model)\n\n| stage | median s/iteration |\n|---|---|")
     for s in STAGES:
         print(f"| {s} | {med(stage[s]):.2f} |")
     it_med = med(walls)
@@ -238,12 +206,7 @@ def run_history(a) -> None:
     print(f"\norchestration overhead (median): {100 * med(ov):.1f}% ; generate throughput: {med(ips):.1f} images/s ; "
           f"iteration {n} (with model load): {walls[n].value:.2f} s")
     print_storage(wd, run_id, n + k)
-    if not a.no_bare:
-        bare_after = bare_phase(a, k, n, init)
-        report_bare(it_med, bare_before, bare_after,
-                    f"iterations {_ranges(list(range(n, n + k)))}, their prompts and seeds, from "
-                    f"{'the weights of iteration ' + str(n - 1) if init else 'the base weights'}",
-                    f"pipeline at iterations {_ranges(steps)}")
+    report(c, run_id, inter, steps)
 
     # 5. the resume started at iteration N and the stores hold N+K iterations
     checks += check_history(c, stores, n, k)

@@ -168,3 +168,46 @@ def test_two_rl_iterations_store_clips_through_the_unchanged_flow(tiny_wan, tmp_
 def test_two_rl_iterations_full_fine_tune(tiny_wan, tmp_path, prefect_harness):
     out, t = two_iterations(tiny_wan, tmp_path, "wan-full", "full", "sampling.guidance_scale=5.0")
     assert decode_media(t["image"][3].as_py()).shape == (5, 32, 32, 3)
+
+
+@pytest.fixture(scope="module")
+def ti2v(tmp_path_factory):
+    """A tiny Wan2.2-TI2V-5B-shaped pipeline: `expand_timesteps` (a timestep per latent token) and
+    the residual, 2×2-patchified VAE of the 5B model (×8 in space here, ×16 in the real one)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+
+    src = WanFamily.write_tiny(tmp_path_factory.mktemp("ckpt") / "base", seed=1)
+    base = WanFamily.load(src["model.path"], max_sequence_length=64, resolution=32, frames=5)
+    torch.manual_seed(2)
+    z = 4
+    vae = AutoencoderKLWan(base_dim=8, decoder_base_dim=8, z_dim=z, dim_mult=[1, 2, 2], num_res_blocks=1,
+                           temperal_downsample=[False, True], is_residual=True, patch_size=2, in_channels=12,
+                           out_channels=12, latents_mean=[0.0] * z, latents_std=[1.0] * z, scale_factor_temporal=2,
+                           scale_factor_spatial=8)
+    transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8,
+                                        in_channels=z, out_channels=z, text_dim=32, freq_dim=32, ffn_dim=32,
+                                        num_layers=1, rope_max_seq_len=32)
+    out = tmp_path_factory.mktemp("ckpt") / "tiny-wan22-ti2v"
+    WanPipeline(tokenizer=base.pipe.tokenizer, text_encoder=base.pipe.text_encoder, vae=vae, transformer=transformer,
+                scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                                  flow_shift=5.0),
+                expand_timesteps=True).save_pretrained(str(out), safe_serialization=True)
+    return WanFamily.load(out, max_sequence_length=64, resolution=32, frames=5)
+
+
+def test_wan22_ti2v_timestep_per_token_equals_the_pipeline(ti2v):
+    assert ti2v.pipe.config.expand_timesteps and ti2v.latent_shape() == (4, 3, 4, 4)
+    cond, neg = ti2v.encode_prompts(PROMPTS), ti2v.encode_prompts([""]).expand(2)
+    with euler(ti2v):
+        ref = _pipeline(ti2v, cond, neg, 5.0, [5, 6], "latent")
+        traj = sample(ti2v, cond, neg, _gens([5, 6]), SamplerRecipe(6, 0.0, guidance_scale=5.0, train_steps=()))
+        frames = _pipeline(ti2v, cond, neg, 5.0, [5, 6], "np")
+    assert (traj.final - ref).abs().max().item() <= 1e-5
+    clips = ti2v.decode(traj.final)
+    assert clips.shape == (2, 5, 32, 32, 3)
+    assert np.abs(clips.astype(int) - (np.asarray(frames) * 255).round().astype(int)).max() <= 1
+    recipe = SamplerRecipe(steps=4, noise_level=0.7, guidance_scale=5.0, train_steps=(0, 1))
+    traj = sample(ti2v, cond, neg, _gens([0, 1]), recipe)
+    out = replay_step(ti2v, traj.latents[:, 1], traj.next_latents[:, 1], 1, traj.sigmas, traj.timesteps, cond, neg,
+                      recipe)
+    assert torch.equal(out.log_prob.detach(), traj.log_probs[:, 1])
