@@ -175,7 +175,7 @@ def test_prefect_artifacts_per_iteration(trained):
 
 
 def test_sample_grid_logged_once_per_iteration(trained):
-    """The grid is logged by the iteration's report (beside the next iteration), once: a report
+    """The grid is logged by the iteration's report (after publish), once: a report
     run again (a resumed rollouts run re-reports its iterations) logs nothing twice."""
     from types import SimpleNamespace
 

@@ -10,6 +10,7 @@ issue 14 (≤ 1.05) cannot carry. benchmarks/prefect_overhead.py measures both."
 
 from __future__ import annotations
 
+import gc
 import time
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from ..stages.completion import RunStores
 from ..stages.lineage import seed_fork_rows
 from ..stages.preflight import preflight
 from ..stages.runs import existing_run, fork_tags, reopen_run, start_run, tracker_for
-from ..tasks.report import Background, report_iteration, start_progress, update_progress
+from ..tasks.report import report_iteration, start_progress, update_progress
 from ..tasks.retry import with_retries
 from ..tasks.stages import decode, evaluate, generate, publish, replay, score, update
 from .interrupts import end_status
@@ -98,7 +99,6 @@ def _train(cfg: ExperimentConfig, workdir: str, resume_run_id: str | None, fork:
         policy, start = fork["policy"], fork["iteration"]
     every = cfg.run.eval_every if has_evaluator(cfg.dataset.name) else 0
     progress_id = start_progress(spec)
-    reporting = Background()
     yield_to_compute()  # the run's API-heavy opening is over; the server's background work now yields
     try:
         if every and start == 0:
@@ -116,10 +116,11 @@ def _train(cfg: ExperimentConfig, workdir: str, resume_run_id: str | None, fork:
             else:
                 t0 = time.perf_counter()
                 policy = rl_iteration(spec, it, policy)
-                reporting.wait()  # the previous iteration's report: at most one in flight
-                reporting.submit(report_iteration.with_options(task_run_name=f"report[it={it}]"),
-                                 spec, it, progress_id, cfg.run.iterations)
-                wall = time.perf_counter() - t0  # the whole iteration, Prefect included (reporting overlaps the next)
+                report_iteration.with_options(task_run_name=f"report[it={it}]")(spec, it, progress_id,
+                                                                                cfg.run.iterations)
+                wall = time.perf_counter() - t0  # the whole iteration, Prefect and reporting included
+                if gc.get_freeze_count() == 0:  # once the model, stores and caches are loaded: the
+                    gc.freeze()  # cyclic GC stops re-scanning them on every full collection
                 stage_s = progress.stage_seconds(spec.run_id, it)
                 if stage_s:  # an iteration found complete in the stores logs nothing again
                     tracker.log_metrics(spec.run_id, {"time/iteration_s": wall,
@@ -127,9 +128,7 @@ def _train(cfg: ExperimentConfig, workdir: str, resume_run_id: str | None, fork:
                                         step=it)
             if every and ((it + 1) % every == 0 or it + 1 == cfg.run.iterations):
                 evaluate.with_options(task_run_name=f"evaluate[after={it + 1}]")(spec, it + 1, policy)
-        reporting.wait()
     except BaseException as exc:
-        reporting.abandon()
         tracker.end_run(spec.run_id, end_status(exc))
         raise
     tracker.end_run(spec.run_id)

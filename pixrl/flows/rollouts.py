@@ -17,7 +17,7 @@ from ..artifacts.tracking import PolicyRef, Tracker, default_tracking_uri, polic
 from ..config.schema import ExperimentConfig
 from ..errors import ExpectedError
 from ..stages.preflight import preflight
-from ..tasks.report import Background, report_iteration, start_progress
+from ..tasks.report import report_iteration, start_progress
 from ..tasks.retry import with_retries
 from ..tasks.stages import decode, generate, score
 from .interrupts import end_status
@@ -70,17 +70,12 @@ def _rollouts(cfg: ExperimentConfig, workdir: str, policy: PolicyRef, resume_run
     tracker = Tracker(spec.tracking_uri)
     tracker.set_tags(spec.run_id, {"pixrl.mode": "rollouts", "pixrl.policy_version": str(policy.version)})
     progress_id = start_progress(spec)
-    reporting = Background()
     yield_to_compute()  # the run's API-heavy opening is over; the server's background work now yields
     try:
         for it in range(cfg.run.iterations):
             rollout_iteration(spec, it, policy.to_dict())
-            reporting.wait()
-            reporting.submit(report_iteration.with_options(task_run_name=f"report[it={it}]"),
-                             spec, it, progress_id, cfg.run.iterations)
-        reporting.wait()
+            report_iteration.with_options(task_run_name=f"report[it={it}]")(spec, it, progress_id, cfg.run.iterations)
     except BaseException as exc:
-        reporting.abandon()
         tracker.end_run(spec.run_id, end_status(exc))
         raise
     tracker.end_run(spec.run_id)

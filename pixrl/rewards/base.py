@@ -51,7 +51,7 @@ class Reward(ABC):
 
 
 def _builtin() -> None:
-    from . import jpeg, shapes, temporal  # noqa: F401
+    from . import aesthetic, clip_score, jpeg, shapes, temporal  # noqa: F401
 
 
 REWARDS: Registry[type[Reward]] = Registry("reward", "rewards", _builtin)

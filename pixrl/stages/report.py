@@ -41,8 +41,7 @@ def log_sample_grid(stores, run_id: str, iteration: int, group_size: int) -> boo
     samples/it_NNNN.png (what the Prefect artifact links to). Clips make an animated grid (APNG at
     the same path, which browsers and MLflow's artifact view play; the image viewer shows its
     first frame). Logged once: False when it already is. Not part of the decode stage's commit:
-    the reporting that calls it runs beside the next iteration (MLflow's image logging took
-    0.1–0.25 s)."""
+    the iteration's report logs it after publish, so a resumed run logs a missing grid again."""
     path = grid_path(iteration)
     if stores.tracker.has_artifact(run_id, path):
         return False

@@ -21,9 +21,10 @@ def artifact_key(*parts: str) -> str:
 
 @task(name="report", persist_result=False)
 def report_iteration(spec: RunSpec, iteration: int, progress_id: str | None = None, total: int = 0) -> None:
-    """The iteration's sample grid (MLflow), reward table and grid link, and the run's progress bar. The loop
-    submits it to the flow's thread pool and goes on with the next iteration: its reads and API
-    calls (≈0.1–0.2 s) overlap the next generate instead of standing between iterations."""
+    """The iteration's sample grid (MLflow), reward table and grid link, and the run's progress bar,
+    after the iteration is published (≈0.1 s). Inline on purpose: run in a thread beside the next
+    iteration it slowed that iteration's generate by ≈0.45 s on 2 cores — its Python work holds
+    the GIL between the sampler's many small ops (benchmarks/interleave.py, 2026-12-01)."""
     stages = online_stages(spec)
     stores = stages.stores  # the run's open stores: no new table handle or MLflow client per iteration
     log_sample_grid(stores, spec.run_id, iteration, stages.cfg.sampling.group_size)
@@ -45,25 +46,3 @@ def start_progress(spec: RunSpec) -> str:
 
 def update_progress(artifact_id: str, done: int, total: int) -> None:
     update_progress_artifact(artifact_id, progress=100.0 * done / max(total, 1))
-
-
-class Background:
-    """At most one reporting task in flight, run by the flow's task runner (a thread) while the
-    loop goes on. `wait` surfaces its failure as the old inline call did; `abandon` (on the way
-    out of a failed or interrupted run) gives it a few seconds and never masks the first error."""
-
-    def __init__(self) -> None:
-        self._future = None
-
-    def submit(self, report_task, *args) -> None:
-        self._future = report_task.submit(*args)
-
-    def wait(self) -> None:
-        future, self._future = self._future, None
-        if future is not None:
-            future.result()
-
-    def abandon(self, timeout: float = 3.0) -> None:
-        future, self._future = self._future, None
-        if future is not None:
-            future.wait(timeout)

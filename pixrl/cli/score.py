@@ -1,0 +1,96 @@
+"""`pixrl score`: score a folder of images (or clips) with any registered rewards before
+training with them — one JSON line per file with every component, the prompt taken from
+--prompt or from each file's sidecar JSON (as `pixrl generate` writes them)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .app import _fail, app
+
+MEDIA = {".png", ".jpg", ".jpeg", ".webp", ".mp4"}
+
+
+@app.command()
+def score(
+    reward: str = typer.Option(..., "--reward", help="reward name(s), comma-separated, e.g. clip_score,jpeg_compressibility"),
+    images: str = typer.Option(..., "--images", help="folder of images (PNG/JPEG/WebP) or clips (MP4)"),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="the prompt of every file (else each file's sidecar JSON)"),
+    options: Optional[list[str]] = typer.Argument(None, help="reward options, e.g. clip_score.path=/ckpt/clip"),
+    device: str = typer.Option("cpu", "--device"),
+    dataset: Optional[str] = typer.Option(None, "--dataset",
+                                          help="parse prompt metadata with this dataset's parser (e.g. shapes)"),
+) -> None:
+    """Score every file in --images; nothing is written but the JSON lines on stdout."""
+    import numpy as np
+
+    from ..artifacts.media import decode_media
+    from ..rewards.base import ScoringError
+    from ..rewards.compose import RewardSet
+
+    folder = Path(images)
+    if not folder.is_dir():
+        _fail(f"--images {images!r} is not a folder")
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in MEDIA)
+    if not files:
+        _fail(f"no images or clips ({', '.join(sorted(MEDIA))}) in {images!r}")
+    names = [n.strip() for n in reward.split(",") if n.strip()]
+    opts: dict[str, dict] = {}
+    for item in options or []:
+        key, sep, value = item.partition("=")
+        name, dot, opt = key.partition(".")
+        if not sep or not dot:
+            _fail(f"reward option {item!r}: expected REWARD.OPTION=VALUE, e.g. clip_score.path=/ckpt/clip")
+        opts.setdefault(name, {})[opt] = _value(value)
+    try:
+        rewards = RewardSet({n: 1.0 for n in names}, opts, device=device)
+    except (KeyError, ValueError) as exc:
+        _fail(exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc), exc=exc)
+    parse = None
+    if dataset:
+        from ..datasets.registry import prompt_parser
+
+        parse = prompt_parser(dataset)
+        if parse is None:
+            _fail(f"dataset {dataset!r} has no prompt-metadata parser")
+    for path in files:
+        text, meta = _prompt_of(path, prompt)
+        if parse is not None and not meta:
+            meta = parse(text)
+        sample = decode_media(path.read_bytes()) if path.suffix.lower() in {".png", ".mp4"} else _read_image(path)
+        try:
+            scores = rewards.score(sample[None], [text], [meta], [path.name])
+        except ScoringError as exc:
+            _fail(f"{path.name}: {exc}", exc=exc)
+        print(json.dumps({"file": path.name, "prompt": text,
+                          **{k: float(np.asarray(v)[0]) for k, v in scores.items() if k != "reward"}}))
+
+
+def _prompt_of(path: Path, prompt: str | None) -> tuple[str, dict]:
+    side = path.with_suffix(".json")
+    meta = json.loads(side.read_text()) if side.is_file() else {}
+    text = prompt if prompt is not None else meta.get("prompt")
+    if text is None:
+        _fail(f"{path.name}: no prompt — pass --prompt TEXT or put {side.name} with a \"prompt\" key beside it")
+    return text, meta.get("prompt_meta", {})
+
+
+def _read_image(path: Path):
+    import numpy as np
+    from PIL import Image
+
+    return np.asarray(Image.open(path).convert("RGB"))
+
+
+def _value(text: str):
+    """An option value as YAML reads it (numbers, booleans, lists), else the string."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text

@@ -1,0 +1,50 @@
+"""A CLIP model loaded from a local directory in the transformers layout (CLIPModel + its
+processor: `save_pretrained` output, or a Hugging Face snapshot such as
+openai/clip-vit-large-patch14 copied to disk), shared by the CLIP-based rewards. Loading happens
+in the reward's `setup()`, once per process, on the reward's device; nothing is downloaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .base import ScoringError
+
+
+def check_clip_dir(path: str, reward: str) -> None:
+    """Refuse (in preflight, before anything is written) a path that is not a CLIP checkpoint."""
+    if not path or not (Path(path) / "config.json").is_file():
+        raise ValueError(f"reward {reward}: {path!r} is not a CLIP checkpoint in the transformers layout (no "
+                         f"config.json); set reward.options.{reward}.path to a local CLIPModel directory (e.g. "
+                         "openai/clip-vit-large-patch14 saved with save_pretrained)")
+
+
+class ClipBackbone:
+    def __init__(self, path: str, device: str = "cpu", reward: str = "clip"):
+        from transformers import CLIPModel, CLIPProcessor
+
+        p = Path(path)
+        try:
+            self.model = CLIPModel.from_pretrained(str(p)).to(device).eval().requires_grad_(False)
+            self.processor = CLIPProcessor.from_pretrained(str(p))
+        except Exception as exc:  # transformers raises many types; name the path and the cause
+            raise ScoringError(f"reward {reward!r}: could not load CLIP from {str(p)!r}: {exc}") from exc
+        self.device = device
+
+    @torch.no_grad()
+    def image_embeds(self, images: np.ndarray) -> torch.Tensor:
+        """uint8 [B, H, W, 3] → L2-normalised image embeddings [B, D]."""
+        pixels = self.processor(images=list(images), return_tensors="pt")["pixel_values"].to(self.device)
+        emb = self.model.get_image_features(pixel_values=pixels)
+        emb = getattr(emb, "pooler_output", emb)
+        return torch.nn.functional.normalize(emb.float(), dim=-1)
+
+    @torch.no_grad()
+    def text_embeds(self, prompts: list[str]) -> torch.Tensor:
+        """Prompts → L2-normalised text embeddings [B, D] (truncated to the tower's context)."""
+        tok = self.processor.tokenizer(prompts, padding=True, truncation=True, return_tensors="pt").to(self.device)
+        emb = self.model.get_text_features(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"])
+        emb = getattr(emb, "pooler_output", emb)
+        return torch.nn.functional.normalize(emb.float(), dim=-1)

@@ -1,0 +1,120 @@
+"""Model-based rewards on tiny random checkpoints written in the upstream layouts: `clip_score`
+(a transformers CLIPModel directory with its processor) and `aesthetic` (that CLIP tower plus the
+LAION predictor head as a released-style .pth). Real loaders, finite scores in range, the same
+image twice gives the same score, a batch equals one by one, the cosine equals the one computed
+from the model's own features, and bad paths fail in preflight naming the setting."""
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from pixrl.cli import app
+from pixrl.rewards.aesthetic import aesthetic_head
+from pixrl.rewards.compose import RewardSet
+
+
+@pytest.fixture(scope="module")
+def tiny_clip(tmp_path_factory):
+    """A tiny CLIPModel + CLIPProcessor saved with save_pretrained, and a predictor head for it."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    from pixrl.models.tiny_parts import clip_tokenizer
+
+    out = tmp_path_factory.mktemp("clip")
+    tok = clip_tokenizer(out / "tok")
+    torch.manual_seed(0)
+    cfg = CLIPConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, max_position_embeddings=77, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=32, patch_size=8),
+        projection_dim=24)
+    CLIPModel(cfg).save_pretrained(str(out / "clip"))
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    CLIPProcessor(image_processor=image_processor, tokenizer=tok).save_pretrained(str(out / "clip"))
+    head = aesthetic_head(24)
+    torch.save({f"layers.{k}": v for k, v in head.state_dict().items()}, str(out / "head.pth"))
+    return out / "clip", out / "head.pth"
+
+
+def _images(n=4, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, (n, 48, 40, 3), dtype=np.uint8)
+
+
+PROMPTS = ["a red circle", "two blue squares", "a photo of a cat", "a sign that says hello"]
+
+
+def test_clip_score_is_the_models_cosine_and_batch_invariant(tiny_clip):
+    from transformers import CLIPModel, CLIPProcessor
+
+    path, _ = tiny_clip
+    rs = RewardSet({"clip_score": 1.0}, {"clip_score": {"path": str(path), "batch_size": 3}})
+    imgs = _images()
+    out = rs.score(imgs, PROMPTS, [{}] * 4, list("abcd"))
+    c = out["clip_score"]
+    assert c.shape == (4,) and np.isfinite(c).all() and (np.abs(c) <= 1).all()
+    assert np.allclose(out["clip_score.clipscore"], 2.5 * np.maximum(c, 0))
+    model, proc = CLIPModel.from_pretrained(str(path)), CLIPProcessor.from_pretrained(str(path))
+    with torch.no_grad():
+        inputs = proc(text=PROMPTS, images=list(imgs), return_tensors="pt", padding=True)
+        o = model(**inputs)
+    ref = torch.nn.functional.cosine_similarity(o.image_embeds, o.text_embeds).numpy()
+    assert np.allclose(c, ref, atol=1e-5)
+    one = np.concatenate([rs.score(imgs[i:i + 1], PROMPTS[i:i + 1], [{}], ["x"])["clip_score"] for i in range(4)])
+    assert np.allclose(one, c, atol=1e-5)
+    assert np.array_equal(rs.score(imgs, PROMPTS, [{}] * 4, list("abcd"))["clip_score"], c)
+
+
+def test_aesthetic_loads_the_released_head_layout(tiny_clip):
+    path, head = tiny_clip
+    rs = RewardSet({"aesthetic": 1.0}, {"aesthetic": {"path": str(path), "head": str(head)}})
+    imgs = _images(5, seed=1)
+    a = rs.score(imgs, ["x"] * 5, [{}] * 5, list("abcde"))["aesthetic"]
+    assert a.shape == (5,) and np.isfinite(a).all() and np.ptp(a) > 0
+    reward = rs.rewards["aesthetic"]
+    with torch.no_grad():
+        ref = reward.head(reward.clip.image_embeds(imgs)).squeeze(-1).numpy()
+    assert np.allclose(a, ref)
+    one = np.concatenate([rs.score(imgs[i:i + 1], ["x"], [{}], ["x"])["aesthetic"] for i in range(5)])
+    assert np.allclose(one, a, atol=1e-5)
+
+
+def test_bad_paths_fail_in_preflight_naming_the_setting(tiny_clip, tmp_path):
+    path, _ = tiny_clip
+    for args, msg in ((["reward.weights={clip_score: 1.0}", f"reward.options.clip_score.path={tmp_path}"],
+                       "reward.options.clip_score.path"),
+                      (["reward.weights={aesthetic: 1.0}", f"reward.options.aesthetic.path={path}",
+                        f"reward.options.aesthetic.head={tmp_path / 'missing.pth'}"], "reward.options.aesthetic.head")):
+        res = CliRunner().invoke(app, ["train", "--iterations", "1", "--workdir", str(tmp_path / "wd"), *args])
+        assert res.exit_code == 2, res.output
+        assert msg in " ".join(res.output.split()) and not (tmp_path / "wd").exists()
+
+
+def test_pixrl_score_scores_a_folder_with_its_sidecar_prompts(tiny_clip, tmp_path):
+    import json
+
+    from PIL import Image
+
+    path, _ = tiny_clip
+    imgs = _images(2, seed=3)
+    for i, im in enumerate(imgs):
+        Image.fromarray(im).save(tmp_path / f"{i:04d}.png")
+        (tmp_path / f"{i:04d}.json").write_text(json.dumps({"prompt": PROMPTS[i], "seed": i}))
+    res = CliRunner().invoke(app, ["score", "--reward", "clip_score,jpeg_compressibility", "--images", str(tmp_path),
+                                   f"clip_score.path={path}"])
+    assert res.exit_code == 0, res.output
+    lines = [json.loads(ln) for ln in res.stdout.strip().splitlines()]
+    assert [ln["file"] for ln in lines] == ["0000.png", "0001.png"] and lines[1]["prompt"] == PROMPTS[1]
+    direct = RewardSet({"clip_score": 1.0}, {"clip_score": {"path": str(path)}}).score(imgs, PROMPTS[:2], [{}] * 2,
+                                                                                       ["a", "b"])
+    assert np.allclose([ln["clip_score"] for ln in lines], direct["clip_score"], atol=1e-6)
+    assert all("jpeg_compressibility" in ln for ln in lines)
+    (tmp_path / "0001.json").unlink()
+    res = CliRunner().invoke(app, ["score", "--reward", "jpeg_compressibility", "--images", str(tmp_path)])
+    assert res.exit_code == 2 and "0001.png: no prompt" in " ".join(res.output.split())
+    res = CliRunner().invoke(app, ["score", "--reward", "shapes", "--images", str(tmp_path), "--prompt", "a red circle",
+                                   "--dataset", "shapes"])
+    assert res.exit_code == 0, res.output
+    assert all(0 <= json.loads(ln)["shapes"] <= 1 for ln in res.stdout.strip().splitlines())
