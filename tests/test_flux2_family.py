@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from family_checks import assert_replay_is_on_policy, gens
 from conftest import two_iterations
-from pixrl.algorithms.sampling import SamplerRecipe, replay_step, sample
+from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.models.base import ModelLoadError, uses_negative_prompt
 from pixrl.models.flux2 import Flux2Family
 from pixrl.models.registry import get_family
@@ -26,12 +27,8 @@ def family(tiny_flux2):
                             resolution=overrides["model.resolution"])
 
 
-def _gens(seeds):
-    return [torch.Generator().manual_seed(s) for s in seeds]
-
-
 def _pipeline(family, guidance: float, seeds, output_type: str):
-    return family.pipe(prompt=PROMPTS, num_inference_steps=6, guidance_scale=guidance, generator=_gens(seeds),
+    return family.pipe(prompt=PROMPTS, num_inference_steps=6, guidance_scale=guidance, generator=gens(seeds),
                        output_type=output_type, height=family.resolution, width=family.resolution,
                        max_sequence_length=family.max_sequence_length).images
 
@@ -70,18 +67,18 @@ def test_schedule_uses_the_empirical_mu(family):
 def test_ode_sampling_equals_flux2_pipeline(family, guidance):
     seeds = [11, 12]
     ref = _pipeline(family, guidance, seeds, "latent")  # packed [B, H·W, C]
-    traj = sample(family, family.encode_prompts(PROMPTS), None, _gens(seeds),
+    traj = sample(family, family.encode_prompts(PROMPTS), None, gens(seeds),
                   SamplerRecipe(6, 0.0, guidance_scale=guidance, train_steps=()))
     assert traj.final.shape == (2, 16, 8, 8)
     assert (family.pipe._pack_latents(traj.final) - ref).abs().max().item() <= 1e-5
     if guidance > 1:  # the embedded guidance reaches the model
-        plain = sample(family, family.encode_prompts(PROMPTS), None, _gens(seeds), SamplerRecipe(6, 0.0, train_steps=()))
+        plain = sample(family, family.encode_prompts(PROMPTS), None, gens(seeds), SamplerRecipe(6, 0.0, train_steps=()))
         assert (plain.final - traj.final).abs().max().item() > 1e-4
 
 
 def test_decode_equals_the_pipeline_images(family):
     ref = _pipeline(family, 4.0, [3, 4], "np")
-    traj = sample(family, family.encode_prompts(PROMPTS), None, _gens([3, 4]),
+    traj = sample(family, family.encode_prompts(PROMPTS), None, gens([3, 4]),
                   SamplerRecipe(6, 0.0, guidance_scale=4.0, train_steps=()))
     imgs = family.decode(traj.final)
     assert imgs.shape == (2, 32, 32, 3) and imgs.dtype == np.uint8
@@ -92,15 +89,7 @@ def test_decode_equals_the_pipeline_images(family):
 def test_replayed_log_probs_equal_stored(family, sde_type, window):
     recipe = SamplerRecipe(steps=4, noise_level=0.9, sde_type=sde_type, guidance_scale=4.0, sde_steps=window,
                            train_steps=window or (0, 1, 2))
-    cond = family.encode_prompts(PROMPTS)
-    traj = sample(family, cond, None, _gens([0, 1]), recipe)
-    for j, k in enumerate(traj.stored_steps):
-        out = replay_step(family, traj.latents[:, j], traj.next_latents[:, j], k, traj.sigmas, traj.timesteps,
-                          cond, None, recipe)
-        assert torch.equal(out.log_prob.detach(), traj.log_probs[:, j])
-        out.log_prob.sum().backward()
-    assert any(p.grad is not None for p in family.transformer.parameters())
-    family.transformer.zero_grad(set_to_none=True)
+    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), None, recipe)
 
 
 def test_lora_targets_name_linear_layers_only(family, tiny_qwen_image):

@@ -11,7 +11,8 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import tiny_overrides
-from pixrl.algorithms.sampling import SamplerRecipe, replay_step, sample
+from family_checks import assert_replay_is_on_policy
+from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.cli import app
 from pixrl.models.base import ModelLoadError, uses_negative_prompt
 from pixrl.models.qwen_image import QwenImageFamily
@@ -81,15 +82,7 @@ def test_decode_equals_the_pipeline_images(family):
 
 def test_replayed_log_probs_equal_stored_with_cfg(family):
     recipe = SamplerRecipe(steps=4, noise_level=1.2, guidance_scale=4.0, train_steps=(0, 1, 2))
-    cond, neg = family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2)
-    traj = sample(family, cond, neg, _gens([0, 1]), recipe)
-    for j, k in enumerate(traj.stored_steps):
-        out = replay_step(family, traj.latents[:, j], traj.next_latents[:, j], k, traj.sigmas, traj.timesteps,
-                          cond, neg, recipe)
-        assert torch.equal(out.log_prob.detach(), traj.log_probs[:, j])
-        out.log_prob.sum().backward()
-    assert any(p.grad is not None for p in family.transformer.parameters())
-    family.transformer.zero_grad(set_to_none=True)
+    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2), recipe)
 
 
 def test_lora_targets_and_layout_errors(family, tiny_flux):

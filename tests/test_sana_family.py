@@ -5,14 +5,14 @@ Euler scheduler, the one solver both can run), decode parity (DC-AE), the on-pol
 targets and two RL iterations through the unchanged flow."""
 
 import json
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
 import torch
 
+from family_checks import assert_replay_is_on_policy, euler, gens
 from conftest import two_iterations
-from pixrl.algorithms.sampling import SamplerRecipe, replay_step, sample
+from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.models.base import ModelLoadError, uses_negative_prompt
 from pixrl.models.registry import get_family
 from pixrl.models.sana import SanaFamily
@@ -27,28 +27,11 @@ def family(tiny_sana):
                            resolution=overrides["model.resolution"])
 
 
-@contextmanager
-def euler(family):
-    """The pipeline and the family on a FlowMatchEulerDiscreteScheduler with the checkpoint's shift."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    shipped = family.scheduler
-    family.scheduler = family.pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=shipped.config.flow_shift)
-    try:
-        yield
-    finally:
-        family.scheduler = family.pipe.scheduler = shipped
-
-
-def _gens(seeds):
-    return [torch.Generator().manual_seed(s) for s in seeds]
-
-
 def _pipeline(family, cond, neg, cfg: float, seeds, output_type: str):
     kw = {"prompt_embeds": cond.prompt_embeds, "prompt_attention_mask": cond.mask}
     if neg is not None:
         kw.update(negative_prompt=None, negative_prompt_embeds=neg.prompt_embeds, negative_prompt_attention_mask=neg.mask)
-    return family.pipe(num_inference_steps=6, guidance_scale=cfg, generator=_gens(seeds), output_type=output_type,
+    return family.pipe(num_inference_steps=6, guidance_scale=cfg, generator=gens(seeds), output_type=output_type,
                        height=family.resolution, width=family.resolution, use_resolution_binning=False,
                        max_sequence_length=family.max_sequence_length, **kw).images
 
@@ -94,12 +77,12 @@ def test_ode_sampling_equals_sana_pipeline(family, cfg):
     neg = family.encode_prompts([""]).expand(2) if cfg > 1 else None
     with euler(family):
         ref = _pipeline(family, cond, neg, cfg, seeds, "latent")
-        traj = sample(family, cond, neg, _gens(seeds), SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
+        traj = sample(family, cond, neg, gens(seeds), SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
     assert traj.final.shape == ref.shape == (2, 4, 16, 16)
     assert (traj.final - ref).abs().max().item() <= 1e-5
     if cfg > 1:
         with euler(family):
-            plain = sample(family, cond, None, _gens(seeds), SamplerRecipe(6, 0.0, train_steps=()))
+            plain = sample(family, cond, None, gens(seeds), SamplerRecipe(6, 0.0, train_steps=()))
         assert (plain.final - traj.final).abs().max().item() > 1e-4
 
 
@@ -107,7 +90,7 @@ def test_decode_equals_the_pipeline_images(family):
     cond, neg = family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2)
     with euler(family):
         ref = _pipeline(family, cond, neg, 4.5, [3, 4], "np")
-        traj = sample(family, cond, neg, _gens([3, 4]), SamplerRecipe(6, 0.0, guidance_scale=4.5, train_steps=()))
+        traj = sample(family, cond, neg, gens([3, 4]), SamplerRecipe(6, 0.0, guidance_scale=4.5, train_steps=()))
     imgs = family.decode(traj.final)
     assert imgs.shape == (2, 32, 32, 3) and imgs.dtype == np.uint8
     assert np.abs(imgs.astype(int) - (ref * 255).round().astype(int)).max() <= 1
@@ -118,16 +101,7 @@ def test_replayed_log_probs_equal_stored_with_cfg(family, sde_type, window):
     """SDE at every step, CPS, and an SDE window (ODE outside steps 1–2): ratio exactly 1."""
     recipe = SamplerRecipe(steps=4, noise_level=0.7, sde_type=sde_type, guidance_scale=4.5, sde_steps=window,
                            train_steps=window or (0, 1, 2))
-    cond, neg = family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2)
-    traj = sample(family, cond, neg, _gens([0, 1]), recipe)
-    assert list(traj.stored_steps) == list(window or (0, 1, 2))
-    for j, k in enumerate(traj.stored_steps):
-        out = replay_step(family, traj.latents[:, j], traj.next_latents[:, j], k, traj.sigmas, traj.timesteps,
-                          cond, neg, recipe)
-        assert torch.equal(out.log_prob.detach(), traj.log_probs[:, j])
-        out.log_prob.sum().backward()
-    assert any(p.grad is not None for p in family.transformer.parameters())
-    family.transformer.zero_grad(set_to_none=True)
+    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2), recipe)
 
 
 def test_lora_targets_and_layout_errors(family, tiny_flux):

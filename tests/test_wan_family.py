@@ -6,7 +6,6 @@ iterations through the unchanged flow with clips stored as lossless MP4 plus a p
 read back with plain `lance` and PyAV."""
 
 import json
-from contextlib import contextmanager
 
 import lance
 import numpy as np
@@ -14,8 +13,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from family_checks import assert_replay_is_on_policy, euler, gens
 from conftest import tiny_overrides, two_iterations
-from pixrl.algorithms.sampling import SamplerRecipe, replay_step, sample
+from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.artifacts.media import decode_media
 from pixrl.cli import app
 from pixrl.models.base import ModelLoadError
@@ -32,25 +32,9 @@ def family(tiny_wan):
                           frames=o["model.frames"])
 
 
-@contextmanager
-def euler(family):
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    shipped = family.scheduler
-    family.scheduler = family.pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=shipped.config.flow_shift)
-    try:
-        yield
-    finally:
-        family.scheduler = family.pipe.scheduler = shipped
-
-
-def _gens(seeds):
-    return [torch.Generator().manual_seed(s) for s in seeds]
-
-
 def _pipeline(family, cond, neg, cfg: float, seeds, output_type: str):
     return family.pipe(prompt_embeds=cond.prompt_embeds, negative_prompt_embeds=None if neg is None else neg.prompt_embeds,
-                       guidance_scale=cfg, num_inference_steps=6, generator=_gens(seeds), output_type=output_type,
+                       guidance_scale=cfg, num_inference_steps=6, generator=gens(seeds), output_type=output_type,
                        height=family.resolution, width=family.resolution, num_frames=family.frames,
                        max_sequence_length=family.max_sequence_length).frames
 
@@ -87,7 +71,7 @@ def test_ode_sampling_equals_wan_pipeline(family, cfg):
     neg = family.encode_prompts([""]).expand(2) if cfg > 1 else None
     with euler(family):
         ref = _pipeline(family, cond, neg, cfg, seeds, "latent")
-        traj = sample(family, cond, neg, _gens(seeds), SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
+        traj = sample(family, cond, neg, gens(seeds), SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
     assert traj.final.shape == ref.shape == (2, 4, 3, 8, 8)
     assert (traj.final - ref).abs().max().item() <= 1e-5
 
@@ -96,7 +80,7 @@ def test_decoded_clips_equal_the_pipeline_frames(family):
     cond, neg = family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2)
     with euler(family):
         ref = _pipeline(family, cond, neg, 5.0, [3, 4], "np")  # [B, F, H, W, 3] in [0, 1]
-        traj = sample(family, cond, neg, _gens([3, 4]), SamplerRecipe(6, 0.0, guidance_scale=5.0, train_steps=()))
+        traj = sample(family, cond, neg, gens([3, 4]), SamplerRecipe(6, 0.0, guidance_scale=5.0, train_steps=()))
     clips = family.decode(traj.final)
     assert clips.shape == (2, 5, 32, 32, 3) and clips.dtype == np.uint8
     assert np.abs(clips.astype(int) - (np.asarray(ref) * 255).round().astype(int)).max() <= 1
@@ -107,16 +91,7 @@ def test_replayed_log_probs_equal_stored_with_cfg(family, sde_type, window):
     """SDE at every step, CPS, and an SDE window (ODE outside steps 1–2): ratio exactly 1."""
     recipe = SamplerRecipe(steps=4, noise_level=0.7, sde_type=sde_type, guidance_scale=5.0, sde_steps=window,
                            train_steps=window or (0, 1, 2))
-    cond, neg = family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2)
-    traj = sample(family, cond, neg, _gens([0, 1]), recipe)
-    assert list(traj.stored_steps) == list(window or (0, 1, 2))
-    for j, k in enumerate(traj.stored_steps):
-        out = replay_step(family, traj.latents[:, j], traj.next_latents[:, j], k, traj.sigmas, traj.timesteps,
-                          cond, neg, recipe)
-        assert torch.equal(out.log_prob.detach(), traj.log_probs[:, j])
-        out.log_prob.sum().backward()
-    assert any(p.grad is not None for p in family.transformer.parameters())
-    family.transformer.zero_grad(set_to_none=True)
+    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2), recipe)
 
 
 def test_frame_count_and_image_family_errors(tiny_wan, tiny_flux):
@@ -200,14 +175,11 @@ def test_wan22_ti2v_timestep_per_token_equals_the_pipeline(ti2v):
     cond, neg = ti2v.encode_prompts(PROMPTS), ti2v.encode_prompts([""]).expand(2)
     with euler(ti2v):
         ref = _pipeline(ti2v, cond, neg, 5.0, [5, 6], "latent")
-        traj = sample(ti2v, cond, neg, _gens([5, 6]), SamplerRecipe(6, 0.0, guidance_scale=5.0, train_steps=()))
+        traj = sample(ti2v, cond, neg, gens([5, 6]), SamplerRecipe(6, 0.0, guidance_scale=5.0, train_steps=()))
         frames = _pipeline(ti2v, cond, neg, 5.0, [5, 6], "np")
     assert (traj.final - ref).abs().max().item() <= 1e-5
     clips = ti2v.decode(traj.final)
     assert clips.shape == (2, 5, 32, 32, 3)
     assert np.abs(clips.astype(int) - (np.asarray(frames) * 255).round().astype(int)).max() <= 1
-    recipe = SamplerRecipe(steps=4, noise_level=0.7, guidance_scale=5.0, train_steps=(0, 1))
-    traj = sample(ti2v, cond, neg, _gens([0, 1]), recipe)
-    out = replay_step(ti2v, traj.latents[:, 1], traj.next_latents[:, 1], 1, traj.sigmas, traj.timesteps, cond, neg,
-                      recipe)
-    assert torch.equal(out.log_prob.detach(), traj.log_probs[:, 1])
+    assert_replay_is_on_policy(ti2v, cond, neg, SamplerRecipe(steps=4, noise_level=0.7, guidance_scale=5.0,
+                                                              train_steps=(0, 1)))
