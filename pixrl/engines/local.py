@@ -93,7 +93,8 @@ class LocalEngine:
     def decode(self, final_latents: np.ndarray) -> np.ndarray:
         fam = self.policy.family
         lat = torch.from_numpy(np.array(final_latents)).to(fam.device)
-        return np.concatenate([fam.decode(lat[i:i + 64]) for i in range(0, len(lat), 64)])
+        n = getattr(fam, "decode_batch", 64)  # a video VAE decodes a few clips at a time
+        return np.concatenate([fam.decode(lat[i:i + n]) for i in range(0, len(lat), n)])
 
     def score(self, images: np.ndarray, prompts: list[str], metadata: list[dict],
               sample_ids: list[str]) -> dict[str, np.ndarray]:

@@ -56,6 +56,7 @@ class WanFamily(PipelineFamily):
     # flow_grpo's LoRA target list that exist in a Wan text-to-video transformer)
     lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
     default_frames = 81  # the pipeline's num_frames
+    decode_batch = 2  # clips per VAE decode: 81 frames of 480² each hold gigabytes of activations
 
     def __init__(self, pipe, *args, **kwargs):
         super().__init__(pipe, *args, **kwargs)
