@@ -70,7 +70,7 @@ TRAJECTORY_FIELDS: tuple[FieldSpec, ...] = (
     F("means", pa.float32(), ("S", "*latent"), role="mean", optional=True),
     F("final_latent", pa.float32(), ("*latent",), role="observation"),
     F("tokens", pa.int32(), ("N",), role="action", optional=True),
-    F("image", pa.binary(), role="observation", filled_by="decode"),  # PNG; a clip: APNG (every frame, lossless)
+    F("image", pa.binary(), role="observation", filled_by="decode"),  # PNG; a clip: MP4, lossless H.264 RGB
     F("poster", pa.binary(), role="observation", filled_by="decode", optional=True),  # a clip's first frame, PNG
     F("rewards", pa.list_(REWARD_ITEM), role="reward", filled_by="score"),  # per component
     F("reward", pa.float32(), role="reward", filled_by="score"),  # weighted total
