@@ -78,46 +78,40 @@ def two_iterations(tiny: tuple[Path, dict], tmp_path: Path, run: str, mode: str,
     return out, t
 
 
+def _tiny_family(tmp_path_factory, family: str) -> tuple[Path, dict]:
+    """A tiny random checkpoint of `family` in its real layout (what `pixrl tiny FAMILY` writes) and
+    the overrides that run it."""
+    from pixrl.models.registry import get_family
+
+    out = tmp_path_factory.mktemp("ckpt") / f"tiny-{family}"
+    return out, get_family(family).write_tiny(out, seed=0)
+
+
 @pytest.fixture(scope="session")
 def tiny_flux(tmp_path_factory) -> tuple[Path, dict]:
-    """A tiny random FLUX.1-dev-shaped checkpoint (`pixrl tiny flux1`) and the overrides that run it."""
-    from pixrl.models.flux import FluxFamily
-
-    out = tmp_path_factory.mktemp("ckpt") / "tiny-flux1"
-    return out, FluxFamily.write_tiny(out, seed=0)
+    """FLUX.1-dev-shaped."""
+    return _tiny_family(tmp_path_factory, "flux1")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen_image(tmp_path_factory) -> tuple[Path, dict]:
-    """A tiny random Qwen-Image-shaped checkpoint (`pixrl tiny qwen_image`) and its overrides."""
-    from pixrl.models.qwen_image import QwenImageFamily
-
-    out = tmp_path_factory.mktemp("ckpt") / "tiny-qwen-image"
-    return out, QwenImageFamily.write_tiny(out, seed=0)
+    """Qwen-Image-shaped."""
+    return _tiny_family(tmp_path_factory, "qwen_image")
 
 
 @pytest.fixture(scope="session")
 def tiny_sana(tmp_path_factory) -> tuple[Path, dict]:
-    """A tiny random SANA-shaped checkpoint (`pixrl tiny sana`) and its overrides."""
-    from pixrl.models.sana import SanaFamily
-
-    out = tmp_path_factory.mktemp("ckpt") / "tiny-sana"
-    return out, SanaFamily.write_tiny(out, seed=0)
+    """SANA-shaped."""
+    return _tiny_family(tmp_path_factory, "sana")
 
 
 @pytest.fixture(scope="session")
 def tiny_flux2(tmp_path_factory) -> tuple[Path, dict]:
-    """A tiny random FLUX.2-dev-shaped checkpoint (`pixrl tiny flux2`) and its overrides."""
-    from pixrl.models.flux2 import Flux2Family
-
-    out = tmp_path_factory.mktemp("ckpt") / "tiny-flux2"
-    return out, Flux2Family.write_tiny(out, seed=0)
+    """FLUX.2-dev-shaped."""
+    return _tiny_family(tmp_path_factory, "flux2")
 
 
 @pytest.fixture(scope="session")
 def tiny_wan(tmp_path_factory) -> tuple[Path, dict]:
-    """A tiny random Wan2.1-shaped text-to-video checkpoint (`pixrl tiny wan`) and its overrides."""
-    from pixrl.models.wan import WanFamily
-
-    out = tmp_path_factory.mktemp("ckpt") / "tiny-wan"
-    return out, WanFamily.write_tiny(out, seed=0)
+    """Wan2.1-shaped text-to-video."""
+    return _tiny_family(tmp_path_factory, "wan")

@@ -30,14 +30,6 @@ def png_bytes(image: np.ndarray, compress_level: int = 6) -> bytes:
     return buf.getvalue()
 
 
-def decode_png(data: bytes) -> np.ndarray:
-    import io
-
-    from PIL import Image
-
-    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-
-
 def clip_bytes(frames: np.ndarray, fps: int = 16) -> bytes:
     """uint8 clip [F, H, W, 3] → MP4 holding lossless H.264 in RGB (libx264rgb, crf 0): the stored
     frames are bit-for-bit the scored frames, as PNG is for images, at a fraction of an animated

@@ -88,6 +88,20 @@ def image_vae(latent_channels: int, channels: tuple[int, ...] = (8, 16), scaling
                          mid_block_add_attention=False)
 
 
+def whole_word_merges(vocab: dict[str, int], pieces: list[str]) -> list[tuple[str, str]]:
+    """BPE merges that build each piece left to right, so it becomes one token; its symbols and
+    every prefix are added to `vocab` (in place) where missing."""
+    merges: dict[tuple[str, str], None] = {}
+    for piece in pieces:
+        cur, *rest = piece
+        for sym in rest:
+            vocab.setdefault(sym, len(vocab))
+            merges[(cur, sym)] = None
+            cur += sym
+            vocab.setdefault(cur, len(vocab))
+    return list(merges)
+
+
 # the words of Qwen-Image's prompt template: whole tokens, so that its system part is 34 tokens as
 # with the real tokenizer (the pipeline drops exactly 34: with a character-level split it would
 # drop part of the system text and keep the rest as if it were the prompt)
@@ -103,14 +117,9 @@ def qwen2_tokenizer(out_dir: Path):
     from transformers import Qwen2Tokenizer
 
     vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
-    merges: dict[tuple[str, str], None] = {}
-    for word in ["Ġ" + w for w in tiny_vocabulary() + _QWEN_TEMPLATE_WORDS] + ["system", "Describe", "user", "assistant"]:
-        cur, *rest = word  # "Ġ": byte-level's visible space
-        for sym in rest:
-            merges[(cur, sym)] = None
-            cur += sym
-            vocab.setdefault(cur, len(vocab))
-    tok = Qwen2Tokenizer(vocab=vocab, merges=list(merges))
+    merges = whole_word_merges(vocab, ["Ġ" + w for w in tiny_vocabulary() + _QWEN_TEMPLATE_WORDS]  # "Ġ": a space
+                               + ["system", "Describe", "user", "assistant"])
+    tok = Qwen2Tokenizer(vocab=vocab, merges=merges)
     tok.add_special_tokens({"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
                             "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -150,16 +159,9 @@ def gemma_tokenizer(out_dir: Path, extra_words: list[str] = ()):
         vocab[f"<0x{b:02X}>"] = len(vocab)
     for c in "▁" + _CHARS:
         vocab.setdefault(c, len(vocab))
-    merges: dict[tuple[str, str], None] = {}
-    for word in sorted(set(tiny_vocabulary()) | set(extra_words)):
-        for piece in (word, "▁" + word):
-            cur, *rest = piece
-            for sym in rest:
-                vocab.setdefault(sym, len(vocab))
-                merges[(cur, sym)] = None
-                cur += sym
-                vocab.setdefault(cur, len(vocab))
-    tok = GemmaTokenizer(vocab=vocab, merges=list(merges), add_bos_token=True, add_eos_token=False)
+    words = sorted(set(tiny_vocabulary()) | set(extra_words))
+    merges = whole_word_merges(vocab, [piece for w in words for piece in (w, "▁" + w)])
+    tok = GemmaTokenizer(vocab=vocab, merges=merges, add_bos_token=True, add_eos_token=False)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(str(out_dir))
     return GemmaTokenizer.from_pretrained(str(out_dir))
@@ -208,15 +210,9 @@ def mistral3_tokenizer(out_dir: Path, extra_words: list[str] = ()):
     vocab = {t: i for i, t in enumerate(specials)}
     for c in sorted(ByteLevel.alphabet()):
         vocab[c] = len(vocab)
-    merges: dict[tuple[str, str], None] = {}
-    for word in sorted(set(tiny_vocabulary()) | set(extra_words)):
-        for piece in (word, "Ġ" + word):  # "Ġ": byte-level's visible space
-            cur, *rest = piece
-            for sym in rest:
-                merges[(cur, sym)] = None
-                cur += sym
-                vocab.setdefault(cur, len(vocab))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=list(merges)))
+    words = sorted(set(tiny_vocabulary()) | set(extra_words))
+    merges = whole_word_merges(vocab, [piece for w in words for piece in (w, "Ġ" + w)])  # "Ġ": a space
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
