@@ -66,7 +66,7 @@ def test_loss_is_ln2_at_init_and_a_step_prefers_the_winner(tiny_checkpoint):
     def errors():
         (xw, vw), (xl, vl) = noised(x_w, eps, sigma), noised(x_l, eps, sigma)
         x, v = torch.cat([xw, xl]), torch.cat([vw, vl])
-        return velocity_error(fam.velocity(x, t, cond), v), velocity_error(pol.reference_velocity(x, t, cond), v)
+        return velocity_error(fam.velocity(x, t, cond), v), velocity_error(pol.reference_call("velocity", x, t, cond), v)
 
     err, ref = errors()
     loss, m = dpo_loss(err[:4], err[4:], ref[:4], ref[4:], beta=100.0)

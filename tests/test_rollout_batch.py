@@ -50,13 +50,26 @@ def test_spec_reproduces_the_first_wave_table_layout():
     assert [(f.name, f.type) for f in got] == FIRST_WAVE
     assert [f.name for f in got if not f.nullable] == ["run_id", "iteration", "sample_id"]
     assert trajectory_schema(2, (4, 3, 3), 4) == got
-    with_opt = schema(DIMS | {"N": 7}, optional=["tokens", "means"])
-    assert with_opt.field("tokens").type == pa.list_(pa.int32(), 7)
+    with_opt = schema(DIMS, optional=["means"])
+    assert "tokens" not in with_opt.names
     assert with_opt.field("means").type == pa.fixed_shape_tensor(pa.float32(), [2, 4, 3, 3])
     roles = {f.name: f.role for f in TRAJECTORY_FIELDS}
     assert roles["next_latents"] == "action" and roles["log_probs"] == "old_log_prob" and roles["advantage"] == "advantage"
     with pytest.raises(BatchError, match="optional fields are"):
         schema(DIMS, optional=["logits"])
+
+
+def test_token_rollouts_store_tokens_and_log_probs_instead_of_transitions():
+    """A token family's table: the sampled tokens and their log-probs (S = image tokens), none of
+    the denoise fields; the dimensions come off the batch's own shapes."""
+    got = schema({"S": 16}, step="token")
+    assert got.field("tokens").type == pa.list_(pa.int32(), 16) and got.field("log_probs").type == pa.list_(pa.float32(), 16)
+    assert not {"latents", "next_latents", "final_latent", "timesteps", "sigmas", "stored_steps"} & set(got.names)
+    assert _batch(3).dims() == DIMS
+    tok = RolloutBatch({"tokens": np.zeros((2, 16), np.int32), "log_probs": np.zeros((2, 16), np.float32)})
+    assert tok.dims() == {"S": 16}
+    with pytest.raises(BatchError, match="step kinds"):
+        schema(DIMS, step="chunk")
 
 
 def test_arrow_round_trip_is_exact_and_later_stage_fields_start_null(tmp_path):

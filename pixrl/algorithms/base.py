@@ -90,7 +90,7 @@ def _own_settings(model: type[BaseModel], name: str, values: dict) -> BaseModel:
 
 
 def _builtin() -> None:
-    from . import diffusion_dpo, flow_grpo  # noqa: F401  (registers the built-in algorithms)
+    from . import diffusion_dpo, flow_grpo, token_grpo  # noqa: F401  (registers the built-in algorithms)
 
 
 ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm", "algorithms", _builtin)

@@ -4,6 +4,8 @@ Plain Flow-GRPO: every step is stochastic and the first int(T · timestep_fracti
 are trained (9 of 10: the last step to σ = 0 is excluded — its Gaussian is very sharp).
 Flow-GRPO-Fast: one window of W SDE steps inside window_range, drawn once per iteration from
 the run seed (so all members of a group share it); the other steps are ODE.
+Token families: the logit transform (guidance weight, temperature, top-k), the same in rollout,
+replay and evaluation.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ import numpy as np
 
 from ..config.schema import SamplingConfig
 from .sampling import SamplerRecipe
+from .token_sampling import TokenRecipe
 
 
-def rollout_recipe(s: SamplingConfig, rng: np.random.Generator) -> SamplerRecipe:
+def rollout_recipe(s: SamplingConfig, rng: np.random.Generator, step: str = "denoise") -> SamplerRecipe | TokenRecipe:
+    if step == "token":
+        return TokenRecipe(s.guidance_scale, s.temperature, s.top_k)
     if s.window_size:
         lo, hi = s.window_range or (0, s.steps // 2)
         if hi - lo < s.window_size or hi > s.steps:
@@ -27,6 +32,20 @@ def rollout_recipe(s: SamplingConfig, rng: np.random.Generator) -> SamplerRecipe
     return SamplerRecipe(s.steps, s.noise_level, s.sde_type, s.guidance_scale, None, tuple(range(n_train)))
 
 
-def eval_recipe(s: SamplingConfig) -> SamplerRecipe:
-    """Deterministic ODE sampling for evaluation (noise level 0, eval_steps)."""
+def eval_recipe(s: SamplingConfig, step: str = "denoise") -> SamplerRecipe | TokenRecipe:
+    """Deterministic ODE sampling for evaluation (noise level 0, eval_steps); a token family
+    samples with the rollout's transform (its policy is the categorical distribution itself)."""
+    if step == "token":
+        return TokenRecipe(s.guidance_scale, s.temperature, s.top_k)
     return SamplerRecipe(s.eval_steps, 0.0, "sde", s.guidance_scale, None, ())
+
+
+def stored_recipe(rec: dict, step: str, train_cfg: bool = True) -> SamplerRecipe | TokenRecipe:
+    """The recipe a rollout recorded (its row's `recipe` JSON), for replaying it; without
+    train_cfg the replay drops guidance (the conditional policy only, as T2I-R1 trains)."""
+    if step == "token":
+        return TokenRecipe(rec["guidance_scale"] if train_cfg else 1.0, rec["temperature"], rec["top_k"])
+    return SamplerRecipe(rec["steps"], rec["noise_level"], rec["sde_type"],
+                         rec["guidance_scale"] if train_cfg else 1.0,
+                         tuple(rec["sde_steps"]) if rec["sde_steps"] is not None else None,
+                         tuple(rec["train_steps"]))

@@ -1,7 +1,8 @@
-"""What an algorithm's loss sees of the policy: the shared replay step on stored transitions,
-with the iteration's conditioning, schedule and sampler recipe bound, for the trained model and
-(when the algorithm asks) the reference. Same step function, dtype and micro-batch geometry as
-the rollout, so the ratio before any update is exactly 1."""
+"""What an algorithm's loss sees of the policy: the shared replay step on stored transitions
+(denoise) or the teacher-forced scoring of stored tokens (token families), with the iteration's
+conditioning and sampler recipe bound, for the trained model and (when the algorithm asks) the
+reference. Same function, dtype and micro-batch geometry as the rollout, so the ratio before
+any update is exactly 1."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from .flow_sde import StepOut
 from .sampling import SamplerRecipe, replay_step
+from .token_sampling import TokenRecipe, sequence_log_probs
 
 
 @dataclass
@@ -37,3 +39,26 @@ class ReplayPolicy:
         if model is None:
             raise ValueError("the reference step was asked for, but the algorithm declared no reference")
         return replay_step(model, x, x_next, k, self.sigmas, self.timesteps, self.cond, self.neg, self.recipe)
+
+
+@dataclass
+class TokenReplayPolicy:
+    """What a token algorithm's loss sees: the micro-batch's prompts and the rollout's logit
+    transform bound to the trained family (and the reference), scoring stored token sequences
+    with the function that produced their stored log-probs."""
+
+    model: object  # a token family (trained weights)
+    reference: object | None  # the reference's view, when the algorithm needs it
+    cond: object  # the micro-batch's prompts, one row per batch row
+    recipe: TokenRecipe
+    device: torch.device
+
+    def tensor(self, values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.array(values, dtype=values.dtype, order="C")).to(self.device)
+
+    def log_probs(self, tokens: torch.Tensor, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log π(tokens) [B, N], entropy of π [B, N]) under the trained model (or the reference)."""
+        model = self.reference if reference else self.model
+        if model is None:
+            raise ValueError("the reference log-probs were asked for, but the algorithm declared no reference")
+        return sequence_log_probs(model, self.cond, tokens, self.recipe)

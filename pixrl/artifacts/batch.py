@@ -3,14 +3,17 @@ Lance schema, Arrow conversion in both directions, concatenation and slicing.
 
 A field with one axis is stored as a fixed-size list, with more as a fixed_shape_tensor (both
 readable by plain pyarrow/duckdb); axes are named so that the shapes come from the run's
-dimensions: S stored steps, T sampler steps, T1 = T + 1 sigmas, N tokens, and `*latent` for the
-family's latent shape ([C, H, W] for images, [C, F, H, W] for video). Roles follow visual-rl:
-key, meta, observation, action, old_log_prob, mean, reward, advantage. `filled_by` says which
-stage writes the field (generate writes all others; the rest start as nulls).
+dimensions: S stored steps (a token rollout: its image tokens), T sampler steps, T1 = T + 1
+sigmas, and `*latent` for the family's latent shape ([C, H, W] for images, [C, F, H, W] for
+video). Roles follow visual-rl: key, meta, observation, action, old_log_prob, mean, reward,
+advantage. `filled_by` says which stage writes the field (generate writes all others; the rest
+start as nulls).
 
-Optional fields (`means`, `tokens`) are in the spec but only in a table whose run needs them:
-`tokens` for token policies, `means` when an algorithm declares it. A run that needs neither
-gets exactly the first wave's table layout, so older tables, forks and DPO sources stay valid.
+A field's `step` says which rollouts store it: denoise families the transitions and final
+latents, token families the sampled `tokens`; both the per-step `log_probs` (S = stored steps, or
+image tokens). Optional fields (`means`, `poster`) are only in a table whose run needs them. A
+denoise run that needs none gets exactly the first wave's table layout, so older tables, forks
+and DPO sources stay valid.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class FieldSpec:
     filled_by: str = "generate"
     optional: bool = False
     nullable: bool = True
+    step: str | None = None  # "denoise" / "token": only rollouts of that step kind store it
 
     def arrow_type(self, dims: dict[str, Any]) -> pa.DataType:
         if not self.axes:
@@ -61,15 +65,15 @@ TRAJECTORY_FIELDS: tuple[FieldSpec, ...] = (
     F("regime", pa.string()),
     F("step_kind", pa.string()),
     F("recipe", pa.string()),  # JSON: sampler, steps, noise level, window, cfg, dtype, engine
-    F("timesteps", pa.float32(), ("T",)),
-    F("sigmas", pa.float32(), ("T1",)),
-    F("stored_steps", pa.int32(), ("S",)),
-    F("latents", pa.float32(), ("S", "*latent"), role="observation"),
-    F("next_latents", pa.float32(), ("S", "*latent"), role="action"),
+    F("timesteps", pa.float32(), ("T",), step="denoise"),
+    F("sigmas", pa.float32(), ("T1",), step="denoise"),
+    F("stored_steps", pa.int32(), ("S",), step="denoise"),
+    F("latents", pa.float32(), ("S", "*latent"), role="observation", step="denoise"),
+    F("next_latents", pa.float32(), ("S", "*latent"), role="action", step="denoise"),
     F("log_probs", pa.float32(), ("S",), role="old_log_prob"),
-    F("means", pa.float32(), ("S", "*latent"), role="mean", optional=True),
-    F("final_latent", pa.float32(), ("*latent",), role="observation"),
-    F("tokens", pa.int32(), ("N",), role="action", optional=True),
+    F("means", pa.float32(), ("S", "*latent"), role="mean", optional=True, step="denoise"),
+    F("final_latent", pa.float32(), ("*latent",), role="observation", step="denoise"),
+    F("tokens", pa.int32(), ("S",), role="action", step="token"),  # the sampled image tokens
     F("image", pa.binary(), role="observation", filled_by="decode"),  # PNG; a clip: MP4, lossless H.264 RGB
     F("poster", pa.binary(), role="observation", filled_by="decode", optional=True),  # a clip's first frame, PNG
     F("rewards", pa.list_(REWARD_ITEM), role="reward", filled_by="score"),  # per component
@@ -83,29 +87,29 @@ class BatchError(ExpectedError, ValueError):
     """A batch or table that does not match the field specification."""
 
 
-def fields_for(optional: Iterable[str] = ()) -> tuple[FieldSpec, ...]:
+STEP_KINDS = ("denoise", "token")
+#: the field the decode stage turns into images, per step kind
+DECODE_INPUT = {"denoise": "final_latent", "token": "tokens"}
+
+
+def fields_for(optional: Iterable[str] = (), step: str = "denoise") -> tuple[FieldSpec, ...]:
     want = set(optional)
     unknown = want - {f.name for f in TRAJECTORY_FIELDS if f.optional}
     if unknown:
         raise BatchError(f"unknown optional trajectory field(s) {sorted(unknown)}; optional fields are "
                          f"{[f.name for f in TRAJECTORY_FIELDS if f.optional]}")
-    return tuple(f for f in TRAJECTORY_FIELDS if not f.optional or f.name in want)
+    if step not in STEP_KINDS:
+        raise BatchError(f"unknown step kind {step!r}; step kinds: {', '.join(STEP_KINDS)}")
+    return tuple(f for f in TRAJECTORY_FIELDS if f.step in (None, step) and (not f.optional or f.name in want))
 
 
-def schema(dims: dict[str, Any], optional: Iterable[str] = ()) -> pa.Schema:
-    return pa.schema([pa.field(f.name, f.arrow_type(dims), nullable=f.nullable) for f in fields_for(optional)])
-
-
-#: the fields a rollout of each step kind stores (beyond the keys and metadata)
-_STEP_FIELDS = {"denoise": {"timesteps", "sigmas", "stored_steps", "latents", "next_latents", "log_probs",
-                            "final_latent", "means"},
-                "token": {"tokens", "log_probs"}}
+def schema(dims: dict[str, Any], optional: Iterable[str] = (), step: str = "denoise") -> pa.Schema:
+    return pa.schema([pa.field(f.name, f.arrow_type(dims), nullable=f.nullable) for f in fields_for(optional, step)])
 
 
 def rollout_fields(semantics) -> set[str]:
     """Every field a rollout of a family with these semantics can store (optional ones included)."""
-    always = {f.name for f in TRAJECTORY_FIELDS if f.role in ("key", "meta") or f.filled_by != "generate"}
-    return always | {"prompt"} | _STEP_FIELDS[semantics.step.value]
+    return {f.name for f in TRAJECTORY_FIELDS if f.step in (None, semantics.step.value)}
 
 
 def missing_fields(table_schema: pa.Schema, needed: Iterable[str]) -> list[str]:
@@ -178,12 +182,27 @@ class RolloutBatch:
         return RolloutBatch({k: np.concatenate([b[k] for b in batches]) if isinstance(batches[0][k], np.ndarray)
                              else [x for b in batches for x in b[k]] for k in names})
 
-    def to_arrow(self, dims: dict[str, Any], optional: Iterable[str] = ()) -> pa.Table:
+    def dims(self) -> dict[str, Any]:
+        """The run's dimensions (S, T, T1, latent, …) read off the shapes of the columns present."""
+        out: dict[str, Any] = {}
+        for name, col in self.columns.items():
+            spec = FIELDS[name]
+            if not spec.axes or not isinstance(col, np.ndarray):
+                continue
+            shape = col.shape[1:]
+            for i, axis in enumerate(spec.axes):
+                if axis.startswith("*"):  # a group of axes: the rest of the shape
+                    out[axis[1:]] = tuple(int(d) for d in shape[i:])
+                    break
+                out[axis] = int(shape[i])
+        return out
+
+    def to_arrow(self, dims: dict[str, Any], optional: Iterable[str] = (), step: str = "denoise") -> pa.Table:
         """The batch as rows of the trajectory table; fields later stages fill start as nulls, and
         a generate field that is missing is an error (a row is never stored half-built)."""
-        sch = schema(dims, optional)
+        sch = schema(dims, optional, step)
         n = len(self)
-        absent = [f.name for f in fields_for(optional) if f.filled_by == "generate" and f.name not in self.columns]
+        absent = [f.name for f in fields_for(optional, step) if f.filled_by == "generate" and f.name not in self.columns]
         if absent:
             raise BatchError(f"rollout batch lacks generate field(s) {absent}")
         arrays = [_to_arrow(FIELDS[f.name], self.columns.get(f.name), f.type, n) for f in sch]

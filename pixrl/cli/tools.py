@@ -93,7 +93,7 @@ def _policy(checkpoint: Optional[str], run: Optional[str], workdir: str, steps: 
     except (PolicyNotFound, ModelLoadError, ConfigError, FileNotFoundError) as exc:
         _fail(str(exc), exc=exc)
     s = cfg.sampling.model_copy(update={"eval_steps": steps} if steps else {})
-    return policy, eval_recipe(s)
+    return policy, eval_recipe(s, policy.family.semantics.step.value)
 
 
 @app.command("eval")

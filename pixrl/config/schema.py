@@ -34,6 +34,8 @@ class SamplingConfig(_Section):
     window_size: int | None = Field(None, ge=1, description="Flow-GRPO-Fast: SDE only in a window of this size")
     window_range: tuple[int, int] | None = None
     eval_steps: int = Field(20, ge=1)
+    temperature: float = Field(1.0, gt=0, description="token families: softmax temperature of the image tokens")
+    top_k: int = Field(0, ge=0, description="token families: sample among the k likeliest tokens (0: all)")
 
 
 class LoraConfig(_Section):

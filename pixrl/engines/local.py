@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 from ..algorithms.base import build_algorithm
-from ..algorithms.replay import ReplayPolicy
+from ..algorithms.replay import ReplayPolicy, TokenReplayPolicy
 from ..algorithms.sampling import SamplerRecipe, generators, sample
+from ..algorithms.token_sampling import TokenRecipe, sample_tokens
 from ..artifacts.batch import RolloutBatch
 from ..artifacts.checkpoints import load_weights
 from ..config.schema import ExperimentConfig
@@ -64,8 +65,10 @@ class LocalEngine:
 
     # --- rollout ------------------------------------------------------------------------------
     def rollout(self, policy: PolicySource, prompts: list[str], seeds: list[int],
-                recipe: SamplerRecipe) -> tuple[RolloutBatch, float]:
+                recipe: SamplerRecipe | TokenRecipe) -> tuple[RolloutBatch, float]:
         self.use(policy)
+        if isinstance(recipe, TokenRecipe):
+            return self._rollout_tokens(prompts, seeds, recipe)
         fam, mb = self.policy.family, self.cfg.sampling.micro_batch
         cond_all, pos = self._prompts.encode(prompts)
         neg = self._prompts.negative() if uses_negative_prompt(fam, recipe.guidance_scale) else None
@@ -89,8 +92,25 @@ class LocalEngine:
         })
         return batch, seconds
 
+    def _rollout_tokens(self, prompts: list[str], seeds: list[int], recipe: TokenRecipe) -> tuple[RolloutBatch, float]:
+        """A token family's rollout: the sampled image tokens and their teacher-forced log-probs,
+        per micro-batch (the geometry replay uses)."""
+        fam, mb = self.policy.family, self.cfg.sampling.micro_batch
+        cond_all, pos = self._prompts.encode(prompts)
+        self.policy.module.eval()
+        trajs = []
+        t0 = time.perf_counter()
+        for start in range(0, len(prompts), mb):
+            chunk = prompts[start:start + mb]
+            gens = generators(seeds[start:start + len(chunk)], fam.device)
+            trajs.append(sample_tokens(fam, cond_all.select([pos[p] for p in chunk]), gens, recipe))
+        seconds = time.perf_counter() - t0
+        return RolloutBatch({"tokens": _host(torch.cat([t.tokens for t in trajs])).astype(np.int32),
+                             "log_probs": _host(torch.cat([t.log_probs for t in trajs]))}), seconds
+
     # --- decode and score ---------------------------------------------------------------------
     def decode(self, final_latents: np.ndarray) -> np.ndarray:
+        """Final latents (or a token family's image tokens) → uint8 images/clips."""
         fam = self.policy.family
         lat = torch.from_numpy(np.array(final_latents)).to(fam.device)
         n = getattr(fam, "decode_batch", 64)  # a video VAE decodes a few clips at a time
@@ -122,12 +142,13 @@ class LocalEngine:
         on_device = lambda name: torch.from_numpy(batch[name][0].copy()).to(fam.device) if name in batch else None  # noqa: E731
         sigmas, timesteps = on_device("sigmas"), on_device("timesteps")
         gen = torch.Generator(device=fam.device).manual_seed(seed)
-        scale = float(fam.scheduler.config.num_train_timesteps)
 
-        def replay_policy(rows: list[int]) -> ReplayPolicy:
-            return ReplayPolicy(fam, reference, cond_all.select([pos[prompts[i]] for i in rows]),
-                                neg.expand(len(rows)) if neg else None, sigmas, timesteps, recipe, fam.device,
-                                gen, scale)
+        def replay_policy(rows: list[int]) -> ReplayPolicy | TokenReplayPolicy:
+            cond = cond_all.select([pos[prompts[i]] for i in rows])
+            if isinstance(recipe, TokenRecipe):
+                return TokenReplayPolicy(fam, reference, cond, recipe, fam.device)
+            return ReplayPolicy(fam, reference, cond, neg.expand(len(rows)) if neg else None, sigmas, timesteps,
+                                recipe, fam.device, gen, float(fam.scheduler.config.num_train_timesteps))
 
         pol.module.train()
         params = list(pol.trainable_parameters().values())

@@ -47,7 +47,8 @@ class TrainablePolicy:
     def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
         if self.lora:
             return {n: p for n, p in self.module.named_parameters() if "lora_" in n}
-        return dict(self.module.named_parameters())
+        frozen = tuple(getattr(self.family, "frozen_prefixes", ()))  # parts a family never trains
+        return {n: p for n, p in self.module.named_parameters() if not (frozen and n.startswith(frozen))}
 
     def state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.trainable_parameters().items()}
@@ -121,33 +122,39 @@ class TrainablePolicy:
         self._reference = ref
         self._explicit_reference = True
 
-    def reference_velocity(self, *args, **kwargs) -> torch.Tensor:
-        """Velocity of the reference policy: adapters disabled (LoRA) or a frozen base copy, unless
-        set_reference chose a checkpoint."""
+    def reference_call(self, method: str, *args, **kwargs) -> torch.Tensor:
+        """A family method (`velocity`, `sequence_logits`) under the reference policy: adapters
+        disabled (LoRA) or a frozen base copy, unless set_reference chose a checkpoint."""
         with torch.no_grad():
             if self.lora and not self._explicit_reference:
                 self.module.disable_adapters()
                 try:
-                    return self.family.velocity(*args, **kwargs)
+                    return getattr(self.family, method)(*args, **kwargs)
                 finally:
                     self.module.enable_adapters()
             if self._reference is None:
                 self._reference = copy.deepcopy(self.module).requires_grad_(False)
+                params = dict(self._reference.named_parameters())
                 with torch.no_grad():
-                    for k, p in self._reference.named_parameters():
-                        p.copy_(self._base_state[k])
+                    for k, base in self._base_state.items():
+                        params[k].copy_(base)
             live = self.family.transformer
             self.family.transformer = self._reference
             try:
-                return self.family.velocity(*args, **kwargs)
+                return getattr(self.family, method)(*args, **kwargs)
             finally:
                 self.family.transformer = live
 
 
 class _ReferenceView:
+    """The reference policy wherever the family is used: its model calls, the family's facts."""
+
     def __init__(self, policy: TrainablePolicy):
         self._policy = policy
         self.dtype = policy.family.dtype
 
     def velocity(self, *args, **kwargs) -> torch.Tensor:
-        return self._policy.reference_velocity(*args, **kwargs)
+        return self._policy.reference_call("velocity", *args, **kwargs)
+
+    def sequence_logits(self, *args, **kwargs) -> torch.Tensor:
+        return self._policy.reference_call("sequence_logits", *args, **kwargs)

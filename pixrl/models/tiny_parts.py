@@ -261,3 +261,57 @@ def mistral3_text_encoder(tok, hidden: int = 16, layers: int = 30):
                            patch_size=8),
         image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2)
     return Mistral3ForConditionalGeneration(cfg)
+
+
+# DeepSeek's special tokens as the Janus-Pro tokenizer names them (full-width bars, "▁" spaces)
+JANUS_BOS, JANUS_EOS, JANUS_PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
+JANUS_IMAGE_TOKENS = {"image_token": "<image_placeholder>", "boi_token": "<begin_of_image>",
+                      "eoi_token": "<end_of_image>"}
+
+
+def janus_tokenizer(out_dir: Path):
+    """The Janus-Pro tokenizer: DeepSeek's byte-level BPE with BOS prepended, its pad token, the
+    image tokens as `extra_special_tokens` (`image_token`, `boi_token`, `eoi_token`, which
+    JanusProcessor reads), over the tiny vocabulary. The chat roles (`<|User|>`) are plain text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [JANUS_BOS, JANUS_EOS, JANUS_PAD, *JANUS_IMAGE_TOKENS.values()]
+    vocab = {t: i for i, t in enumerate(specials)}
+    for c in sorted(ByteLevel.alphabet()):
+        vocab[c] = len(vocab)
+    words = tiny_vocabulary() + ["User", "Assistant"]
+    merges = whole_word_merges(vocab, [piece for w in words for piece in (w, "Ġ" + w)])  # "Ġ": a space
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single=f"{JANUS_BOS} $A", pair=f"{JANUS_BOS} $A $B",
+                                                       special_tokens=[(JANUS_BOS, 0)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=JANUS_BOS, eos_token=JANUS_EOS, pad_token=JANUS_PAD,
+                                   extra_special_tokens=JANUS_IMAGE_TOKENS,
+                                   padding_side="left", model_max_length=16384)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out_dir))
+    return PreTrainedTokenizerFast.from_pretrained(str(out_dir))
+
+
+def janus_chat_template() -> str:
+    """DeepSeek's chat format as Janus-Pro's processor renders it: `<|User|>: text` turns separated
+    by a blank line, `<|Assistant|>:` answers closed by the end-of-sentence token, images as
+    `<image_placeholder>`, and `<|Assistant|>:` as the generation prompt."""
+    return ("{%- for message in messages -%}"
+            "{%- set parts = message['content'] if message['content'] is not string "
+            "else [{'type': 'text', 'text': message['content']}] -%}"
+            "{%- set ns = namespace(text='') -%}"
+            "{%- for part in parts -%}"
+            "{%- if part['type'] == 'image' -%}{%- set ns.text = ns.text + '<image_placeholder>' -%}"
+            "{%- elif part['type'] == 'text' -%}"
+            "{%- set ns.text = ns.text + (' ' if ns.text and not ns.text.endswith('>') else '') + part['text'].strip() -%}"
+            "{%- endif -%}{%- endfor -%}"
+            "{%- if message['role'] | lower == 'user' -%}{{- '<|User|>: ' + ns.text + '\n\n' -}}"
+            "{%- elif message['role'] | lower == 'assistant' -%}"
+            "{{- '<|Assistant|>: ' + ns.text + '" + JANUS_EOS + "' -}}"
+            "{%- else -%}{{- message['role'] | capitalize + ': ' + ns.text + '\n\n' -}}{%- endif -%}"
+            "{%- endfor -%}"
+            "{%- if add_generation_prompt -%}{{- '<|Assistant|>:' -}}{%- endif -%}")

@@ -17,9 +17,8 @@ import numpy as np
 import pyarrow as pa
 
 from ..algorithms.base import build_algorithm
-from ..algorithms.recipe import rollout_recipe
-from ..algorithms.sampling import SamplerRecipe
-from ..artifacts.batch import RolloutBatch
+from ..algorithms.recipe import rollout_recipe, stored_recipe
+from ..artifacts.batch import DECODE_INPUT, RolloutBatch
 from ..artifacts.checkpoints import CheckpointRef, save_checkpoint
 from ..artifacts.media import decode_media, media_bytes, png_bytes
 from ..artifacts.retention import RunRetention
@@ -47,6 +46,14 @@ class OnlineStages:
         self.algorithm = build_algorithm(self.cfg.algorithm)
         self.retention = RunRetention(self.tracker, spec.model_name, spec.run_id, self.cfg.run.retention,
                                       spec.layout.checkpoints)
+
+    @cached_property
+    def step_kind(self) -> str:
+        """What one action of the configured family is ("denoise" or "token"): which fields its
+        rollouts store and which of them decode reads. A class attribute: nothing is loaded."""
+        from ..models.registry import get_family
+
+        return get_family(self.cfg.model.family).semantics.step.value
 
     @cached_property
     def prompt_items(self):
@@ -79,13 +86,17 @@ class OnlineStages:
             maintain_store(self.table, iteration)
         rng = np.random.default_rng(seed_of(cfg.run.seed, iteration, 0))
         prompts = choose_prompts(self.prompt_items, s.prompts_per_iteration, rng)
-        recipe = rollout_recipe(s, rng)
+        recipe = rollout_recipe(s, rng, self.step_kind)
         rows = [(slot, g, p) for slot, p in enumerate(prompts) for g in range(s.group_size)]
         seeds = [seed_of(cfg.run.seed, iteration, 1, slot, g) for slot, g, _ in rows]
         batch, seconds = self.engine.rollout(self.source(policy), [p.prompt for _, _, p in rows], seeds, recipe)
         info = self.engine.describe()
         n, sem = len(rows), info["semantics"]
-        recipe_json = json.dumps({**recipe.to_dict(), "resolution": list(info["latent_shape"]), "dtype": cfg.model.dtype,
+        if self.step_kind == "token":
+            geometry = {"resolution": info["resolution"], "image_tokens": info["image_tokens"]}
+        else:
+            geometry = {"resolution": list(info["latent_shape"])}
+        recipe_json = json.dumps({**recipe.to_dict(), **geometry, "dtype": cfg.model.dtype,
                                   "engine": cfg.run.engine, "torch": info["torch"], "micro_batch": s.micro_batch,
                                   "shift": info.get("shift"), **({"frames": info["frames"]} if info.get("video") else {})})
         batch = batch.with_columns(
@@ -96,9 +107,7 @@ class OnlineStages:
             sample_index=[g for _, g, _ in rows], seed=seeds, policy_version=[policy.version] * n,
             family=[info["family"]] * n, regime=[sem.regime.value] * n, step_kind=[sem.step.value] * n,
             recipe=[recipe_json] * n)
-        dims = {"S": len(recipe.train_steps), "T": recipe.steps, "T1": recipe.steps + 1,
-                "latent": tuple(info["latent_shape"])}
-        table = batch.to_arrow(dims, optional=("poster",) if info.get("video") else ())
+        table = batch.to_arrow(batch.dims(), optional=("poster",) if info.get("video") else (), step=self.step_kind)
         metrics = self.records.before_commit("generate", iteration,
                                              {"images_per_s": n / seconds, "generate_compute_s": seconds})
         ref = self.table.append(table)
@@ -112,10 +121,11 @@ class OnlineStages:
     def _decode(self, iteration: int, ref: TableRef):
         if self.stores.complete("decode", iteration):
             return self.stores.latest(), None
-        t = self._read(ref, iteration, ["run_id", "iteration", "sample_id", "final_latent"])
-        batch = RolloutBatch.from_arrow(t.select(["final_latent"]))
+        field = DECODE_INPUT[self.step_kind]  # final latents, or a token family's image tokens
+        t = self._read(ref, iteration, ["run_id", "iteration", "sample_id", field])
+        batch = RolloutBatch.from_arrow(t.select([field]))
         t0 = time.perf_counter()
-        imgs = self.engine.decode(batch["final_latent"])  # images [B, H, W, 3] or clips [B, F, H, W, 3]
+        imgs = self.engine.decode(batch[field])  # images [B, H, W, 3] or clips [B, F, H, W, 3]
         cols = {"image": pa.array([media_bytes(im) for im in imgs], pa.binary())}
         if imgs.ndim == 5:
             cols["poster"] = pa.array([png_bytes(clip[0]) for clip in imgs], pa.binary())
@@ -189,16 +199,12 @@ class OnlineStages:
         """The update of `iteration` from its stored rows into `out_dir` (the run's checkpoint, or
         a replay's scratch directory when record=False: nothing of the run's is written then)."""
         a = self.cfg.algorithm
-        cols = ["sample_id", "prompt", *sorted(self.algorithm.needs), "advantage", "timesteps", "sigmas",
-                "stored_steps", "recipe"]
-        batch = RolloutBatch.from_arrow(self._read(ref, iteration, cols))
+        schedule = ["timesteps", "sigmas", "stored_steps"] if self.step_kind == "denoise" else []
+        cols = ["sample_id", "prompt", *sorted(self.algorithm.needs), "advantage", *schedule, "recipe"]
+        batch = RolloutBatch.from_arrow(self._read(ref, iteration, list(dict.fromkeys(cols))))
         row = {sid: i for i, sid in enumerate(batch["sample_id"])}
         rows = [[[row[sid] for sid in mb] for mb in step] for step in plan.steps]
-        rec = json.loads(batch["recipe"][0])
-        recipe = SamplerRecipe(rec["steps"], rec["noise_level"], rec["sde_type"],
-                               rec["guidance_scale"] if a.train_cfg else 1.0,
-                               tuple(rec["sde_steps"]) if rec["sde_steps"] is not None else None,
-                               tuple(rec["train_steps"]))
+        recipe = stored_recipe(json.loads(batch["recipe"][0]), self.step_kind, a.train_cfg)
         result = self.engine.train(self.source(policy), batch, rows, recipe)
         counters = {"iteration": iteration, "optimizer_steps": len(plan.steps), "policy_version_in": policy.version,
                     "policy_model_in": policy.model_name}

@@ -35,9 +35,15 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
         if cfg.model.frames and not getattr(family, "video", False):
             raise ValueError(f"model.frames={cfg.model.frames}: the {family.name} family makes images, not clips; "
                              "unset model.frames (or choose a video family such as wan)")
-        check_layout(resolve_model_path(cfg.model.path), family.pipeline_class, family.name)
-        select_categories(load_prompt_set(resolve_asset(cfg.dataset.path), cfg.dataset.name),
-                          cfg.dataset.categories)
+        path = resolve_model_path(cfg.model.path)
+        if hasattr(family, "check_checkpoint"):  # not a diffusers pipeline (a transformers model)
+            family.check_checkpoint(path)
+        else:
+            check_layout(path, family.pipeline_class, family.name)
+        items = select_categories(load_prompt_set(resolve_asset(cfg.dataset.path), cfg.dataset.name),
+                                  cfg.dataset.categories)
+        if hasattr(family, "check_prompts"):  # a token family: prompt + image tokens within the context
+            family.check_prompts(path, [it.prompt for it in items], cfg.model.max_sequence_length)
         RewardSet(cfg.reward.weights, cfg.reward.options).check_media(getattr(family, "video", False))
     except (KeyError, ValueError, FileNotFoundError, ModelLoadError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)

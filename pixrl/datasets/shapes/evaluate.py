@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 from ...algorithms.recipe import eval_recipe
 from ...algorithms.sampling import SamplerRecipe, generators, sample
+from ...algorithms.token_sampling import TokenRecipe, sample_tokens
 from ...models.base import uses_negative_prompt
 from ..registry import register_evaluator
 from .judge import judge
@@ -24,9 +25,15 @@ def eval_set(split: str, per_category: int = 48, seed: int = 1234) -> list[tuple
     return out
 
 
-def generate_images(family, prompts: list[str], seeds: list[int], recipe: SamplerRecipe,
+def generate_images(family, prompts: list[str], seeds: list[int], recipe: SamplerRecipe | TokenRecipe,
                     batch: int = 64) -> np.ndarray:
-    """uint8 images for (prompt, seed) pairs with the shared sampler (same as `pixrl generate`)."""
+    """uint8 images for (prompt, seed) pairs with the shared sampler of the family's step kind
+    (same as `pixrl generate`)."""
+    if isinstance(recipe, TokenRecipe):
+        return np.concatenate([
+            family.decode(sample_tokens(family, family.encode_prompts(prompts[s:s + batch]),
+                                        generators(seeds[s:s + batch], family.device), recipe).tokens)
+            for s in range(0, len(prompts), batch)])
     neg = family.encode_prompts([""]) if uses_negative_prompt(family, recipe.guidance_scale) else None
     imgs = []
     for s in range(0, len(prompts), batch):
@@ -56,5 +63,6 @@ def evaluate(family, split: str, recipe: SamplerRecipe, per_category: int = 48) 
 
 @register_evaluator("shapes")
 def evaluate_heldout(family, split: str, sampling, per_category: int) -> dict:
-    """The registered shapes evaluator: the shared deterministic ODE recipe of `sampling`."""
-    return evaluate(family, split, eval_recipe(sampling), per_category)
+    """The registered shapes evaluator: the shared deterministic ODE recipe of `sampling` (a token
+    family: its sampling transform)."""
+    return evaluate(family, split, eval_recipe(sampling, family.semantics.step.value), per_category)
