@@ -39,11 +39,13 @@ def tiny_overrides(ckpt: Path, workdir: Path, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
-def two_iterations(tiny: tuple[Path, dict], tmp_path: Path, run: str, mode: str, *args: str):
+def two_iterations(tiny: tuple[Path, dict], tmp_path: Path, run: str, mode: str, *args: str,
+                   algorithm: str = "flow_grpo", base_weights: str = "transformer/diffusion_pytorch_model.safetensors"):
     """`pixrl train --iterations 2` on a tiny family checkpoint with LoRA (rank 4) or full fine-tuning
     (`mode`), through the real flow; checks what every family must show — 16 complete rows of that
-    family, two registered versions, trained weights that moved (LoRA: adapter tensors only) — and
-    returns (the run's summary, its Lance table)."""
+    family, two registered versions, trained weights that moved (LoRA: adapter tensors only;
+    full: against the checkpoint's `base_weights` file) — and returns (the run's summary, its
+    Lance table). `algorithm`: the algorithm preset (flow_grpo's LoRA mode uses its LoRA preset)."""
     import json
 
     import lance
@@ -55,7 +57,11 @@ def two_iterations(tiny: tuple[Path, dict], tmp_path: Path, run: str, mode: str,
 
     path, overrides = tiny
     extra = {k: v for k, v in overrides.items() if k != "model.path"}
-    algo = ["algorithm=flow_grpo_lora", "algorithm.lora.rank=4", "algorithm.lora.alpha=8"] if mode == "lora" else []
+    lora = ["algorithm.lora.enabled=true", "algorithm.lora.rank=4", "algorithm.lora.alpha=8"]
+    if algorithm == "flow_grpo":
+        algo = ["algorithm=flow_grpo_lora", *lora[1:]] if mode == "lora" else []
+    else:
+        algo = [f"algorithm={algorithm}", *(lora if mode == "lora" else [])]
     res = CliRunner().invoke(app, ["train", "--iterations", "2", "--run", run, "reward=jpeg_compressibility", *algo,
                                    *tiny_overrides(path, tmp_path, **extra), *args])
     assert res.exit_code == 0, res.output + repr(res.exception)
@@ -72,7 +78,8 @@ def two_iterations(tiny: tuple[Path, dict], tmp_path: Path, run: str, mode: str,
         assert first and all("lora" in k for k in first)
         assert any(not torch.equal(first[k], last[k]) for k in first), "the LoRA update changed no adapter weight"
     else:
-        base = load_file(str(path / "transformer" / "diffusion_pytorch_model.safetensors"))
+        base = load_file(str(path / base_weights))
+        base = {k: v for k, v in base.items() if k in last} if algorithm != "flow_grpo" else base
         assert set(base) <= set(last) and any(not torch.equal(last[k], base[k]) for k in base), \
             "the update changed no transformer weight"
     return out, t
@@ -115,3 +122,9 @@ def tiny_flux2(tmp_path_factory) -> tuple[Path, dict]:
 def tiny_wan(tmp_path_factory) -> tuple[Path, dict]:
     """Wan2.1-shaped text-to-video."""
     return _tiny_family(tmp_path_factory, "wan")
+
+
+@pytest.fixture(scope="session")
+def tiny_janus(tmp_path_factory) -> tuple[Path, dict]:
+    """Janus-Pro-shaped (token-autoregressive)."""
+    return _tiny_family(tmp_path_factory, "janus_pro")

@@ -1,0 +1,84 @@
+"""Token-level GRPO against the formulas of algorithms.md §11: the logit transform (CFG on logits,
+temperature, top-k), per-token PPO-clip with clip-higher and its gradients, the k3 KL, the
+entropy under top-k, group advantages with the unbiased std and DAPO's group filter."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pixrl.algorithms.base import build_algorithm
+from pixrl.algorithms.token_grpo import k3_kl, token_group_advantages, token_ppo_loss
+from pixrl.algorithms.token_sampling import TokenRecipe, log_probs_and_entropy, transform_logits
+from pixrl.config.loader import ConfigError
+from pixrl.config.schema import AlgorithmConfig
+
+
+def test_logit_transform_is_guidance_then_temperature_then_top_k():
+    cond = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    uncond = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
+    z = transform_logits(torch.cat([cond, uncond]), TokenRecipe(3.0, 0.5, 2), batch=1)
+    guided = uncond + 3.0 * (cond - uncond)  # [4, 1, -2, -5]
+    want = (guided / 0.5).masked_fill(torch.tensor([[False, False, True, True]]), float("-inf"))
+    assert torch.equal(z, want)
+    assert torch.equal(transform_logits(cond, TokenRecipe(), batch=1), cond)  # no guidance: no uncond rows
+
+
+def test_log_prob_and_entropy_with_a_truncated_support():
+    z = torch.tensor([[[math.log(3.0), 0.0, float("-inf")]]])  # p = (3/4, 1/4, 0)
+    lp, ent = log_probs_and_entropy(z, torch.tensor([[1]]))
+    assert torch.allclose(lp, torch.tensor([[math.log(0.25)]]))
+    assert torch.allclose(ent, torch.tensor([[-(0.75 * math.log(0.75) + 0.25 * math.log(0.25))]]))
+    z.requires_grad_(True)
+    _, ent = log_probs_and_entropy(z, torch.tensor([[0]]))
+    ent.sum().backward()
+    assert torch.isfinite(z.grad).all()  # the −∞ entry contributes no NaN
+
+
+def test_ppo_clip_per_token_with_clip_higher():
+    old = torch.zeros(2, 3)
+    new = torch.log(torch.tensor([[1.0, 1.5, 0.5], [1.0, 1.5, 0.5]]))
+    adv = torch.tensor([1.0, -2.0])
+    loss, m = token_ppo_loss(new, old, adv, clip_low=0.2, clip_high=0.28)
+    # A=+1: max(−ρ, −clip(ρ, 0.8, 1.28)) = −1, −1.28, −0.5;  A=−2: max(2ρ, 2·clip) = 2, 3, 1.6
+    want = np.mean([-1.0, -1.28, -0.5, 2.0, 3.0, 1.6])
+    assert float(loss) == pytest.approx(want, abs=1e-6)
+    assert float(m["clipfrac"]) == pytest.approx(4 / 6) and float(m["ratio_max"]) == pytest.approx(1.5)
+
+
+def test_gradient_is_minus_advantage_on_policy_and_zero_where_clipped():
+    old = torch.zeros(1, 2)
+    new = torch.zeros(1, 2, requires_grad=True)
+    loss, _ = token_ppo_loss(new, old, torch.tensor([0.5]), 0.2, 0.2)
+    loss.backward()
+    assert torch.allclose(new.grad, torch.full((1, 2), -0.5 / 2))  # −A/(B·N)
+    far = torch.log(torch.tensor([[2.0, 0.9]])).requires_grad_(True)
+    loss, _ = token_ppo_loss(far, old, torch.tensor([1.0]), 0.2, 0.2)
+    loss.backward()
+    assert float(far.grad[0, 0]) == 0.0 and float(far.grad[0, 1]) == pytest.approx(-0.9 / 2)
+
+
+def test_k3_kl_matches_its_formula():
+    lp = torch.tensor([-1.0, -2.0, -0.5])
+    ref = torch.tensor([-1.5, -2.0, -0.1])
+    d = ref - lp
+    assert torch.allclose(k3_kl(lp, ref), torch.exp(d) - d - 1)
+    assert float(k3_kl(lp, ref)[1]) == 0.0 and bool((k3_kl(lp, ref) >= 0).all())
+
+
+def test_group_advantages_use_the_unbiased_std_and_drop_flat_groups():
+    rewards = np.array([1.0, 2.0, 3.0, 0.5, 0.5, 0.5])
+    groups = np.array([0, 0, 0, 1, 1, 1])
+    adv = token_group_advantages(rewards, groups, eps=1e-4)
+    assert np.allclose(adv.advantages[:3], np.array([-1.0, 0.0, 1.0]) / (1.0 + 1e-4))  # std(ddof=1) = 1
+    assert np.all(adv.advantages[3:] == 0) and adv.zero_std_ratio == 0.5
+    algo = build_algorithm(AlgorithmConfig(name="token_grpo"))
+    assert algo.trains_on(adv.advantages).tolist() == [True, False, True, False, False, False]
+    keep_all = build_algorithm(AlgorithmConfig(name="token_grpo", filter_groups=False))
+    assert keep_all.trains_on(adv.advantages).all()
+
+
+def test_settings_of_another_algorithm_are_refused_with_the_valid_keys():
+    with pytest.raises(ConfigError, match="unknown key 'algorithm.noise_level' for algorithm 'token_grpo'.*clip_range"):
+        build_algorithm(AlgorithmConfig(name="token_grpo", noise_level=0.7))
