@@ -163,3 +163,74 @@ def test_two_token_grpo_iterations_through_the_flow(tiny_janus, tmp_path, prefec
     recipe = json.loads(t["recipe"][0].as_py())
     assert (recipe["sampler"], recipe["guidance_scale"], recipe["image_tokens"]) == ("token", 5.0, 16)
     assert all(np.isfinite(np.stack(t["log_probs"].to_numpy(zero_copy_only=False))).ravel())
+
+
+def test_token_dpo_from_the_archive(tiny_janus, tmp_path, prefect_harness):
+    """`pixrl dpo` over a token run's archived groups: sequence-log-prob DPO (ln 2 at the
+    reference), a registered version tagged with its algorithm, held-out before/after."""
+    import math
+
+    from mlflow.tracking import MlflowClient
+    from typer.testing import CliRunner
+
+    from pixrl.cli import app
+
+    two_iterations(tiny_janus, tmp_path, "jsrc", "full", "algorithm.lr=1e-3", algorithm="token_grpo",
+                   base_weights="model.safetensors")
+    res = CliRunner().invoke(app, ["dpo", "--from", "jsrc", "-n", "3", "--run", "jdpo", "--workdir", str(tmp_path),
+                                   "model.family=janus_pro", f"model.path={tiny_janus[0]}", "algorithm=token_dpo",
+                                   "algorithm.lr=1e-3", "sampling.guidance_scale=5", "dpo.eval_per_category=1",
+                                   "dpo.pairs_per_step=2"])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.get_run(out["run_id"])
+    assert run.data.tags["pixrl.algorithm"] == "token_dpo"
+    loss = sorted(client.get_metric_history(out["run_id"], "dpo/loss"), key=lambda m: m.step)
+    assert len(loss) == 3 and loss[0].value == pytest.approx(math.log(2), abs=1e-6)
+    assert "heldout/accuracy_before" in run.data.metrics and "heldout/accuracy" in run.data.metrics
+    assert client.get_model_version_by_alias("pixrl-policy", "rollout").run_id == out["run_id"]
+
+
+def test_resume_after_a_fault_in_update_is_bit_identical(tiny_janus, tmp_path, monkeypatch, prefect_harness):
+    """A token run with the adaptive entropy coefficient: stopped by a fault in iteration 1's
+    update and resumed, it ends with the uninterrupted run's weights, tokens and log-probs bit for
+    bit — the coefficient's state (ψ and its Adam moments) came back from iteration 0's checkpoint."""
+    import lance
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from pixrl.cli import app
+    from pixrl.stages import session
+    from pixrl.stages.chaos import ENV
+
+    path, _ = tiny_janus
+    args = ["--seed", "3", "model.family=janus_pro", "algorithm=token_grpo", "algorithm.lr=1e-3",
+            "algorithm.entropy_target=5.0", "algorithm.entropy_coeff_lr=0.01", "algorithm.entropy_coeff_min=-0.1",
+            "algorithm.entropy_coeff_max=0.1", "algorithm.optimizer_steps_per_iteration=2",
+            "reward=jpeg_compressibility", "sampling.guidance_scale=5"]
+
+    def train(run: str):
+        return CliRunner().invoke(app, ["train", "--iterations", "2", "--run", run, *args,
+                                        *tiny_overrides(path, tmp_path / run)])
+
+    ref = train("ref")
+    assert ref.exit_code == 0, ref.output
+    monkeypatch.setenv(ENV, "update@1:raise")
+    res = train("A")
+    assert res.exit_code == 1 and "injected fault in update" in res.output
+    monkeypatch.delenv(ENV)
+    session._CURRENT.clear()  # as a new process would: nothing of the run is in memory
+    res = CliRunner().invoke(app, ["resume", "A", "--workdir", str(tmp_path / "A")])
+    assert res.exit_code == 0, res.output
+
+    def final(run):
+        (ck,) = (tmp_path / run / "checkpoints" / run).glob("*/it_0001")
+        cols = ["iteration", "sample_id", "tokens", "log_probs", "advantage"]
+        t = lance.dataset(str(tmp_path / run / "lance" / run / "trajectories.lance")).to_table(columns=cols)
+        return load_file(str(ck / "trainable.safetensors")), t.sort_by([("iteration", "ascending"),
+                                                                       ("sample_id", "ascending")])
+
+    (w_ref, t_ref), (w_a, t_a) = final("ref"), final("A")
+    assert set(w_ref) == set(w_a) and all(w_ref[k].equal(w_a[k]) for k in w_ref)
+    assert t_ref.equals(t_a)

@@ -82,3 +82,38 @@ def test_group_advantages_use_the_unbiased_std_and_drop_flat_groups():
 def test_settings_of_another_algorithm_are_refused_with_the_valid_keys():
     with pytest.raises(ConfigError, match="unknown key 'algorithm.noise_level' for algorithm 'token_grpo'.*clip_range"):
         build_algorithm(AlgorithmConfig(name="token_grpo", noise_level=0.7))
+
+
+def test_adaptive_entropy_coefficient_steps_towards_the_target():
+    """α = sinh ψ; the first Adam step moves ψ by lr·g/(|g| + eps), g = cosh(ψ)·(H − target):
+    α rises while H is below the target, falls above it, and stays inside its bounds."""
+    from pixrl.algorithms.entropy_control import AdaptiveEntropyCoefficient
+
+    ctl = AdaptiveEntropyCoefficient(initial=0.0, target=7.0, lr=1e-3, min_coeff=-1e-2, max_coeff=1e-2)
+    g = math.cosh(0.0) * (5.0 - 7.0)
+    assert ctl.update(5.0) == pytest.approx(math.sinh(-1e-3 * g / (abs(g) + 1e-8)), rel=1e-9)
+    assert ctl.alpha > 0
+    down = AdaptiveEntropyCoefficient(initial=0.0, target=2.0, lr=1e-3, min_coeff=-1e-2, max_coeff=1e-2)
+    assert down.update(5.0) < 0
+    capped = AdaptiveEntropyCoefficient(initial=0.0, target=7.0, lr=0.5, min_coeff=-1e-2, max_coeff=1e-2)
+    assert capped.update(1.0) == pytest.approx(1e-2)
+    again = AdaptiveEntropyCoefficient(initial=0.0, target=7.0, lr=1e-3, min_coeff=-1e-2, max_coeff=1e-2)
+    again.load_state_dict(ctl.state_dict())  # the state continues exactly (Adam moments included)
+    assert again.update(6.0) == ctl.update(6.0)
+
+
+def test_token_grpo_carries_its_adaptive_coefficient_through_its_state():
+    algo = build_algorithm(AlgorithmConfig(name="token_grpo", entropy_target=7.0, entropy_coeff_lr=1e-3,
+                                           entropy_coeff_min=-0.01, entropy_coeff_max=0.01))
+    assert algo.entropy_coeff == 0.0
+    first = algo.after_optimizer_step({"entropy": 4.0})["entropy_coeff"]
+    state = algo.state()
+    resumed = build_algorithm(AlgorithmConfig(name="token_grpo", entropy_target=7.0, entropy_coeff_lr=1e-3,
+                                              entropy_coeff_min=-0.01, entropy_coeff_max=0.01))
+    resumed.load_state(state)
+    assert resumed.entropy_coeff == first > 0
+    assert resumed.after_optimizer_step({"entropy": 4.0}) == algo.after_optimizer_step({"entropy": 4.0})
+    resumed.load_state(None)  # base weights: the initial α again
+    assert resumed.entropy_coeff == 0.0
+    with pytest.raises(ConfigError, match="outside"):
+        build_algorithm(AlgorithmConfig(name="token_grpo", entropy_target=7.0, entropy_coeff=0.5))

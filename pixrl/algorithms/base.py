@@ -67,6 +67,18 @@ class Algorithm(ABC):
         """How many loss terms `losses` yields for `batch` (the trainer's averaging divisor)."""
         return 1
 
+    # --- training state of the algorithm itself (e.g. an adaptive coefficient) -----------------
+    def after_optimizer_step(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Called after each optimizer step with that step's mean metrics; returns metrics to add."""
+        return {}
+
+    def state(self) -> dict | None:
+        """State that evolves with training (saved with the optimizer state); None: stateless."""
+        return None
+
+    def load_state(self, state: dict | None) -> None:
+        """Continue from `state` (None: the initial state of a fresh run or of base weights)."""
+
 
 
 def _own_settings(model: type[BaseModel], name: str, values: dict) -> BaseModel:
@@ -90,7 +102,7 @@ def _own_settings(model: type[BaseModel], name: str, values: dict) -> BaseModel:
 
 
 def _builtin() -> None:
-    from . import diffusion_dpo, flow_grpo, token_grpo  # noqa: F401  (registers the built-in algorithms)
+    from . import diffusion_dpo, flow_grpo, token_dpo, token_grpo  # noqa: F401  (registers the built-in algorithms)
 
 
 ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm", "algorithms", _builtin)

@@ -25,7 +25,7 @@ from ..datasets.registry import get_evaluator
 from ..models.base import uses_negative_prompt
 from ..rewards.compose import RewardSet
 from .base import PolicySource, TrainResult
-from .policy import TrainablePolicy
+from .policy import ALGORITHM_STATE, TrainablePolicy
 from .prompt_cache import PromptCache
 
 
@@ -135,8 +135,11 @@ class LocalEngine:
     def _train(self, policy: PolicySource, batch: RolloutBatch, plan, recipe, seed: int) -> TrainResult:
         pol, algo, fam = self.policy, self.algorithm, self.policy.family
         opt = pol.ensure_optimizer(policy.checkpoint_dir if policy.with_optimizer else None)
+        algo.load_state(pol.algorithm_state)
         prompts = batch["prompt"]
         cond_all, pos = self._prompts.encode(prompts)
+        if recipe is None and fam.semantics.step.value == "token":  # offline: the algorithm's scored policy
+            recipe = getattr(algo, "token_recipe", None) or TokenRecipe()
         neg = self._prompts.negative() if recipe is not None and uses_negative_prompt(fam, recipe.guidance_scale) else None
         reference = pol.reference() if algo.needs_reference else None
         on_device = lambda name: torch.from_numpy(batch[name][0].copy()).to(fam.device) if name in batch else None  # noqa: E731
@@ -171,7 +174,11 @@ class LocalEngine:
             gnorm = torch.nn.utils.clip_grad_norm_(params, self.cfg.algorithm.max_grad_norm)
             acc.setdefault("grad_norm", []).append(float(gnorm))
             opt.step()
-            history.append({**{k: float(np.mean(v)) for k, v in step_acc.items()}, "grad_norm": float(gnorm)})
+            step_means = {**{k: float(np.mean(v)) for k, v in step_acc.items()}, "grad_norm": float(gnorm)}
+            for key, val in algo.after_optimizer_step(step_means).items():
+                acc.setdefault(key, []).append(val)
+                step_means[key] = val
+            history.append(step_means)
             if (opt_step + 1) % 25 == 0 or opt_step + 1 == len(plan):
                 log.info("update step %d/%d  loss %.4f", opt_step + 1, len(plan), history[-1].get("loss", float("nan")))
         seconds = time.perf_counter() - t0
@@ -180,7 +187,11 @@ class LocalEngine:
         for key, vals in acc.items():
             agg = np.min if key == "ratio_min" else np.max if key in ("ratio_max", "onpolicy_ratio_dev") else np.mean
             metrics[key] = float(agg(vals))
-        return TrainResult(pol.state(), opt.state_dict(), metrics, history)
+        pol.algorithm_state = algo.state()
+        saved = opt.state_dict()
+        if pol.algorithm_state is not None:
+            saved = {**saved, ALGORITHM_STATE: pol.algorithm_state}
+        return TrainResult(pol.state(), saved, metrics, history)
 
     def mark(self, checkpoint_id: str) -> None:
         self.policy.mark(checkpoint_id)

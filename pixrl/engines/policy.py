@@ -15,6 +15,7 @@ from ..models.registry import get_family
 from .assets import resolve_model_path
 
 BASE = "base"
+ALGORITHM_STATE = "pixrl_algorithm"  # key of the algorithm's own state in the saved optimizer state
 
 
 class TrainablePolicy:
@@ -42,6 +43,7 @@ class TrainablePolicy:
         self.weights_id = BASE
         self.optimizer: torch.optim.Optimizer | None = None
         self.optimizer_id: str | None = None
+        self.algorithm_state: dict | None = None  # the algorithm's own training state, beside the moments
 
     # --- trainable weights --------------------------------------------------------------------
     def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
@@ -85,8 +87,11 @@ class TrainablePolicy:
         if self.optimizer_id != self.weights_id:
             if checkpoint_dir is None:
                 self.optimizer.state.clear()
+                self.algorithm_state = None
             else:
-                self.optimizer.load_state_dict(load_optimizer_state(checkpoint_dir))
+                state = dict(load_optimizer_state(checkpoint_dir))
+                self.algorithm_state = state.pop(ALGORITHM_STATE, None)
+                self.optimizer.load_state_dict(state)
             self.optimizer_id = self.weights_id
         for group in self.optimizer.param_groups:  # the moments come from the checkpoint, the settings
             group.update(lr=a.lr, betas=tuple(a.adam_betas), eps=a.adam_eps,  # from this run's config

@@ -46,12 +46,13 @@ def open_dpo_run(config: dict, workdir: str, resume_run_id: str | None = None) -
     tags = {"pixrl.dpo.sources": json.dumps(pinned), "pixrl.dpo.source_run_ids": ",".join(source_runs),
             "pixrl.dpo.tables": ",".join(t.ref for t in tables),
             "pixrl.dpo.filters": json.dumps(cfg.dpo.model_dump(mode="json", exclude={"source"}))}
-    return start_run(cfg, wd, tracker, fr_id, "diffusion_dpo", tags, trajectories=False), pinned
+    return start_run(cfg, wd, tracker, fr_id, cfg.algorithm.name, tags, trajectories=False), pinned
 
 
 @flow(name="pixrl-offline-dpo")
 def offline_dpo(config: dict, workdir: str = "work", resume_run_id: str | None = None) -> dict:
-    """Diffusion-DPO on preference pairs mined from archived rollouts; returns where results are."""
+    """Offline DPO (Diffusion-DPO, or token DPO for a token family) on preference pairs mined from
+    archived rollouts; returns where results are."""
     cfg = ExperimentConfig.model_validate(config)
     with RunLock(workdir, cfg.run.name):
         return _offline_dpo(cfg, workdir, resume_run_id)

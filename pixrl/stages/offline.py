@@ -21,9 +21,9 @@ import pyarrow as pa
 
 from ..algorithms.pairing import make_pairs, pair_order
 from ..artifacts.archive import PinnedTable, component_value, select_rows
-from ..artifacts.batch import RolloutBatch, missing_fields
+from ..artifacts.batch import DECODE_INPUT, RolloutBatch, missing_fields
 from ..artifacts.checkpoints import CheckpointRef, read_counters, save_checkpoint, verify_checkpoint
-from ..artifacts.trajectories import TrajectoryStore, tensor_from
+from ..artifacts.trajectories import TrajectoryStore
 from ..artifacts.tracking import PolicyRef
 from ..engines.base import Engine, PolicySource
 from ..errors import ExpectedError
@@ -143,17 +143,26 @@ class OfflineStages:
                    "pair_reward_margin": float(np.mean(rewards[w] - rewards[lo]))}, 0)
         return self.pairs_uri
 
+    @property
+    def payload_field(self) -> str:
+        """What the offline algorithm trains on: final latents, or a token family's image tokens."""
+        from ..models.registry import get_family
+
+        return DECODE_INPUT[get_family(self.cfg.model.family).semantics.step.value]
+
     def _latents(self, pairs: pa.Table) -> np.ndarray:
-        """Final latents of the winners then the losers, read by key from the pinned source versions."""
+        """Final latents (or image tokens) of the winners then the losers, read by key from the
+        pinned source versions."""
+        field = self.payload_field
         out = {}
         ids = set(pairs["winner_sample_id"].to_pylist()) | set(pairs["loser_sample_id"].to_pylist())
         runs = sorted(set(pairs["run_id"].to_pylist()))
         for src in sorted(set(pairs["source"].to_pylist())):
             uri, _, v = src.rpartition("@")
             t = lance.dataset(uri, version=int(v)).to_table(
-                columns=["run_id", "sample_id", "final_latent"],
+                columns=["run_id", "sample_id", field],
                 filter="run_id IN (" + ", ".join(f"'{r}'" for r in runs) + ")")
-            lat = tensor_from(t["final_latent"])
+            lat = RolloutBatch.from_arrow(t.select([field]))[field]
             for i, (r, s) in enumerate(zip(t["run_id"].to_pylist(), t["sample_id"].to_pylist())):
                 if s in ids:
                     out[(src, r, s)] = lat[i]
@@ -181,7 +190,7 @@ class OfflineStages:
         d = self.d
         pairs = lance.dataset(self.pairs_uri).to_table()
         n = pairs.num_rows
-        batch = RolloutBatch({"final_latent": self._latents(pairs), "prompt": pairs["prompt"].to_pylist() * 2})
+        batch = RolloutBatch({self.payload_field: self._latents(pairs), "prompt": pairs["prompt"].to_pylist() * 2})
         cats = [json.loads(m).get("category", "") if m else "" for m in pairs["prompt_meta"].to_pylist()]
         order = pair_order(cats, d.steps, d.pairs_per_step, d.balance, np.random.default_rng(self.cfg.run.seed))
         plan = [[[*idx, *(n + i for i in idx)]] for idx in order]  # one micro-batch: winners, then their losers
@@ -204,7 +213,7 @@ class OfflineStages:
 
     # --- publish and evaluate -----------------------------------------------------------------
     def publish(self, ckpt: CheckpointRef) -> PolicyRef:
-        ref, new = publish_checkpoint(self.stores, 0, ckpt, {"algorithm": "diffusion_dpo"})
+        ref, new = publish_checkpoint(self.stores, 0, ckpt, {"algorithm": self.cfg.algorithm.name})
         if new:
             self._log({"policy_version": ref.version}, self.d.steps)
         return ref
