@@ -15,7 +15,10 @@ from .app import _fail, _workdir_tracker, app, console
 
 @app.command()
 def pretrain(
-    out: str = typer.Option("pixrl/assets/mini_shapes", help="output directory (diffusers layout)"),
+    out: Optional[str] = typer.Option(None, help="output directory (default: pixrl/assets/mini_shapes for sd3, "
+                                                 "pixrl/assets/mini_janus for janus_pro)"),
+    family: str = typer.Option("sd3", "--family", help="sd3 (the flow-matching miniature) or janus_pro (the token "
+                                                       "miniature)"),
     seed: int = typer.Option(0),
     vae_steps: int = typer.Option(600),
     denoiser_steps: int = typer.Option(2000),
@@ -26,16 +29,15 @@ def pretrain(
     text_steps: int = typer.Option(0, help="CLIP-pretrain the text encoders this many steps first, then freeze them"),
     relation_twins: float = typer.Option(0.0, help="fraction of each denoiser batch made of relation-flipped twin "
                                                    "pairs (same scene, shapes' places exchanged, flipped caption)"),
+    vq_steps: int = typer.Option(1500, help="janus_pro: VQ-VAE steps"),
+    ar_steps: int = typer.Option(6000, help="janus_pro: autoregressive decoder steps"),
     log: Optional[str] = typer.Option(None, help="JSONL log file (default <out>.log.jsonl)"),
 ) -> None:
-    """Pretrain the shapes-world miniature (VAE, text encoders, transformer) on CPU."""
-    from ..models.mini.build import MiniSpec
-    from ..models.mini.pretrain import PretrainConfig, pretrain as run_pretrain
-
-    cfg = PretrainConfig(seed=seed, vae_steps=vae_steps, denoiser_steps=denoiser_steps, threads=threads,
-                         text_steps=text_steps, relation_twins=relation_twins)
-    sizes = {"num_layers": layers, "text_hidden": text_hidden, "text_layers": text_layers}
-    spec = MiniSpec(**{k: v for k, v in sizes.items() if v is not None})
+    """Pretrain a shapes-world miniature on CPU: the flow-matching one (VAE, text encoders,
+    transformer; --family sd3) or the token one (VQ-VAE, then the Janus decoder; --family janus_pro)."""
+    if family not in ("sd3", "janus_pro"):
+        _fail(f"--family {family!r}: the miniatures are sd3 (flow matching) and janus_pro (token-autoregressive)")
+    out = out or ("pixrl/assets/mini_shapes" if family == "sd3" else "pixrl/assets/mini_janus")
     log_path = Path(log or f"{out}.log.jsonl")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("a") as fh:
@@ -44,6 +46,19 @@ def pretrain(
             fh.flush()
             console.print(rec)
 
+        if family == "janus_pro":
+            from ..models.mini.token_pretrain import TokenPretrainConfig, pretrain_tokens
+
+            pretrain_tokens(Path(out), TokenPretrainConfig(seed=seed, vq_steps=vq_steps, ar_steps=ar_steps,
+                                                           threads=threads), log=emit)
+            return
+        from ..models.mini.build import MiniSpec
+        from ..models.mini.pretrain import PretrainConfig, pretrain as run_pretrain
+
+        cfg = PretrainConfig(seed=seed, vae_steps=vae_steps, denoiser_steps=denoiser_steps, threads=threads,
+                             text_steps=text_steps, relation_twins=relation_twins)
+        sizes = {"num_layers": layers, "text_hidden": text_hidden, "text_layers": text_layers}
+        spec = MiniSpec(**{k: v for k, v in sizes.items() if v is not None})
         run_pretrain(Path(out), cfg, spec=spec, log=emit)
 
 
