@@ -35,7 +35,9 @@ class TokenPretrainConfig:
     seed: int = 0
     vq_steps: int = 1500
     ar_steps: int = 6000
-    batch_size: int = 64
+    vq_batch_size: int = 16  # the VQ-VAE's full-resolution convolutions dominate its step time
+    batch_size: int = 32
+    dataset_size: int = 24000  # renders tokenized once after phase 1; phase 2 samples batches from them
     vq_lr: float = 1e-3
     lr: float = 1e-3
     warmup_steps: int = 200
@@ -96,7 +98,7 @@ def train_vq(vq, stream: SceneStream, cfg: TokenPretrainConfig, log: Callable[[d
     start = time.time()
     vq.train()
     for step in range(1, cfg.vq_steps + 1):
-        x, _, _ = stream.batch(cfg.batch_size)
+        x, _, _ = stream.batch(cfg.vq_batch_size)
         z = _encode(vq, x)
         codes = F.normalize(vq.quantize.embedding.weight, dim=-1)
         idx = (z.detach() @ codes.T).argmax(-1)
@@ -124,7 +126,7 @@ def train_vq(vq, stream: SceneStream, cfg: TokenPretrainConfig, log: Callable[[d
                 xe, _, metas = stream.batch(64)
                 rec_e = decode_tokens(vq, vq_tokens(vq, xe))
                 acc = np.mean([judge(im, m)["correct"] for im, m in zip(_to_uint8(rec_e), metas)])
-            log({"phase": "vq", "step": step, "loss": float(loss), "codes_used": int((usage > 0).sum()),
+            log({"phase": "vq", "step": step, "loss": float(loss.detach()), "codes_used": int((usage > 0).sum()),
                  "recon_judge_acc": float(acc), "minutes": (time.time() - start) / 60})
             usage.zero_()
     vq.eval()
@@ -136,6 +138,17 @@ def decode_tokens(vq, tokens: torch.Tensor) -> torch.Tensor:
 
 
 # --- phase 2: the autoregressive decoder ----------------------------------------------------------
+@torch.no_grad()
+def tokenized_scenes(vq, stream: SceneStream, n: int) -> tuple[torch.Tensor, list[str]]:
+    """`n` train-split renders as image tokens [n, 64] with their captions (encoded once)."""
+    tokens, captions = [], []
+    for _ in range(0, n, 256):
+        x, caps, _ = stream.batch(256)
+        tokens.append(vq_tokens(vq, x))
+        captions += caps
+    return torch.cat(tokens)[:n], captions[:n]
+
+
 def train_decoder(family: JanusProFamily, stream: SceneStream, cfg: TokenPretrainConfig,
                   log: Callable[[dict], None], on_save: Callable[[dict], None]) -> None:
     model = family.model
@@ -150,10 +163,11 @@ def train_decoder(family: JanusProFamily, stream: SceneStream, cfg: TokenPretrai
     opt = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     start = time.time()
+    data, data_captions = tokenized_scenes(vq, stream, cfg.dataset_size)
+    log({"phase": "tokenized", "scenes": len(data), "minutes": (time.time() - start) / 60})
     for step in range(1, cfg.ar_steps + 1):
-        x, captions, _ = stream.batch(cfg.batch_size)
-        with torch.no_grad():
-            tokens = vq_tokens(vq, x)
+        pick = torch.randint(len(data), (cfg.batch_size,), generator=gen)
+        tokens, captions = data[pick], [data_captions[i] for i in pick.tolist()]
         cond = family.encode_prompts(captions)
         drop = torch.rand(len(captions), generator=gen) < cfg.caption_dropout
         cond.ids = torch.where(drop[:, None], cond.uncond_ids, cond.ids)
