@@ -18,6 +18,8 @@ images/s and peak memory.
   with the 30 layers the pipeline reads (narrow MLP); LoRA r64 on diffusers' FLUX.2 targets.
 - `--family wan`: Wan2.1-T2V-1.3B — the real transformer and causal video VAE, 33 frames; UMT5-XXL
   at its real width with 2 layers; LoRA r32 as flow_grpo trains Wan.
+- `--family janus_pro`: Janus-Pro-1B — the real decoder, vision tower, VQ-VAE and generation
+  head (576 image tokens, 384²), Token-GRPO with CFG 5 on the logits, full fine-tune.
   Builders: benchmarks/real_shapes.py.
 
     python benchmarks/gpu_smoke.py [--family F]                       # the check a GPU machine runs
@@ -48,6 +50,7 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
                           "sampling.guidance_scale=4.5", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
     "flux2": lambda tiny: ["model.max_sequence_length=96" if tiny else "model.max_sequence_length=512",
                            "sampling.guidance_scale=4.0", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
+    "janus_pro": lambda tiny: ["model.max_sequence_length=0", "sampling.guidance_scale=5.0", "algorithm=token_grpo"],
     "wan": lambda tiny: ["model.max_sequence_length=64" if tiny else "model.max_sequence_length=226",
                          "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=5.0",
                          *([] if tiny else ["algorithm=flow_grpo_wan"])],
@@ -65,8 +68,10 @@ def build_model(out: Path, tiny: bool, resolution: int, family: str = "sd3", lay
             get_family(family).write_tiny(out)
             return out
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from real_shapes import BUILDERS
+        from real_shapes import BUILDERS, janus_pro_1b_checkpoint
 
+        if family == "janus_pro":  # a transformers checkpoint, not a diffusers pipeline
+            return janus_pro_1b_checkpoint(layers, device, out)
         pipe = BUILDERS[family](layers, device, out.parent)
         return save_pipeline(pipe, out)
     if tiny:
@@ -100,6 +105,8 @@ def run(args) -> dict:
                         args.device)
     build_s = time.perf_counter() - t0
     resolution = 32 if args.tiny and family != "sd3" else None if args.tiny else args.resolution
+    if family == "janus_pro":  # generates at its VQ grid's size
+        resolution = None
     cfg = load_config(None, [
         f"model.family={family}", f"model.path={model}", f"model.device={args.device}", f"model.dtype={args.dtype}",
         *FAMILY_OVERRIDES[family](args.tiny), f"model.resolution={'null' if resolution is None else resolution}",

@@ -173,5 +173,34 @@ def wan21_1_3b_pipeline(layers: int | None, device: str, workdir: Path):
                        scheduler=sched)
 
 
+def janus_pro_1b_checkpoint(layers: int | None, device: str, out: Path) -> Path:
+    """A random JanusForConditionalGeneration with Janus-Pro-1B's shapes — the DeepSeek-LLM 1.5B
+    decoder (24 layers of width 2048, 16 heads, FFN 5632, vocabulary 102400), the SigLIP-L vision
+    tower, the 16384-code VQ-VAE (24×24 tokens → 384²) and the 2048-wide generation aligner/head —
+    saved in the transformers layout with the Janus tokenizer files (a small vocabulary; its ids
+    are a subset of the model's)."""
+    import torch
+    from transformers import (GenerationConfig, JanusConfig, JanusForConditionalGeneration, JanusVisionConfig,
+                              JanusVQVAEConfig, LlamaConfig)
+
+    from pixrl.models.tiny_parts import janus_tokenizer
+
+    tok = janus_tokenizer(out)
+    text = LlamaConfig(vocab_size=102400, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers or 24,
+                       num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=16384,
+                       pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    vision = JanusVisionConfig(projection_dim=2048)  # SigLIP-L/16 at 384², 576 image tokens
+    vq = JanusVQVAEConfig(projection_dim=2048, image_token_embed_dim=2048)
+    with torch.device(device):
+        model = JanusForConditionalGeneration(JanusConfig(text_config=text, vision_config=vision, vq_config=vq,
+                                                          image_token_id=tok.convert_tokens_to_ids(tok.image_token)))
+    model.to(torch.bfloat16)
+    model.generation_config = GenerationConfig(
+        temperature=1.0, guidance_scale=5.0, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, generation_kwargs={"boi_token_id": tok.convert_tokens_to_ids(tok.boi_token)})
+    model.save_pretrained(str(out))
+    return out
+
+
 BUILDERS = {"flux1": flux1_dev_pipeline, "qwen_image": qwen_image_pipeline, "sana": sana_1600m_pipeline,
             "flux2": flux2_dev_pipeline, "wan": wan21_1_3b_pipeline}

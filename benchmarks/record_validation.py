@@ -3,6 +3,7 @@ before and after, the reward curve (CSV + PNG), the resolved config, and evidenc
 (optimizer updates, reward trend, weight change) in summary.json.
 
     .venv/bin/python benchmarks/record_validation.py --name shapes_flow_grpo_v1 --iterations 200 [key=value ...]
+    .venv/bin/python benchmarks/record_validation.py --name shapes_token_grpo_v1 --config shapes_token_grpo ...
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _eval(args: list[str], workdir: Path, per_category: int) -> dict:
+def _eval(args: list[str], workdir: Path, per_category: int, config: str | None = None) -> dict:
     cmd = [sys.executable, "-m", "pixrl.cli", "eval", "--json", "--per-category", str(per_category),
-           "--workdir", str(workdir), *args]
+           "--workdir", str(workdir), *(["--config", config] if config else []), *args]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
         sys.exit(out.stderr[-3000:])
@@ -37,6 +38,7 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=48)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--reuse", action="store_true", help="the run exists in --workdir: only evaluate and record")
+    ap.add_argument("--config", default=None, help="experiment preset or YAML (default: the default recipe)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     out_dir = ROOT / "docs" / "runs" / a.name
@@ -45,8 +47,8 @@ def main() -> None:
     summary: dict = {"name": a.name, "iterations": a.iterations, "overrides": a.overrides,
                      "machine": f"{os.cpu_count()} CPU cores"}
     t0 = time.time()
-    summary["heldout_before_detail"] = _eval(["--split", "heldout"], wd, a.per_category)
-    summary["train_before_detail"] = _eval(["--split", "train"], wd, a.per_category)
+    summary["heldout_before_detail"] = _eval(["--split", "heldout"], wd, a.per_category, a.config)
+    summary["train_before_detail"] = _eval(["--split", "train"], wd, a.per_category, a.config)
     summary["eval_before_s"] = time.time() - t0
 
     from mlflow.tracking import MlflowClient
@@ -61,7 +63,7 @@ def main() -> None:
     else:
         t1 = time.time()
         cmd = [sys.executable, "-m", "pixrl.cli", "train", "--iterations", str(a.iterations), "--workdir", str(wd),
-               "--run", a.name, *a.overrides]
+               "--run", a.name, *(["--config", a.config] if a.config else []), *a.overrides]
         with (out_dir / "train.log").open("w") as log:
             rc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
         if rc.returncode:
@@ -106,9 +108,13 @@ def main() -> None:
 
     ck = sorted((wd / "checkpoints" / a.name / info["run_id"]).glob("it_*"))[-1]
     new = load_file(str(ck / "trainable.safetensors"))
+    import yaml
+
     from pixrl.engines.assets import resolve_asset
 
-    base = load_file(str(resolve_asset("builtin:mini_shapes") / "transformer" / "diffusion_pytorch_model.safetensors"))
+    model = yaml.safe_load((out_dir / "config.yaml").read_text())["model"]
+    weights = "model.safetensors" if model["family"] == "janus_pro" else "transformer/diffusion_pytorch_model.safetensors"
+    base = load_file(str(resolve_asset(model["path"]) / weights))
     diff = sum(float((new[k].float() - base[k].float()).norm() ** 2) for k in new if k in base) ** 0.5
     norm = sum(float(base[k].float().norm() ** 2) for k in new if k in base) ** 0.5
     summary["weight_change_rel_l2"] = diff / norm

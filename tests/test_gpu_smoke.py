@@ -18,7 +18,7 @@ def _load_script():
     return mod
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux1", "qwen_image", "sana", "flux2", "wan"])
+@pytest.mark.parametrize("family", ["sd3", "flux1", "qwen_image", "sana", "flux2", "wan", "janus_pro"])
 def test_gpu_smoke_runs_one_real_iteration_on_cpu(family, tmp_path, prefect_harness):
     smoke = _load_script()
     args = Namespace(family=family, layers=None, tiny=True, device="cpu", dtype="float32", resolution=512, steps=4,

@@ -234,3 +234,22 @@ def test_resume_after_a_fault_in_update_is_bit_identical(tiny_janus, tmp_path, m
     (w_ref, t_ref), (w_a, t_a) = final("ref"), final("A")
     assert set(w_ref) == set(w_a) and all(w_ref[k].equal(w_a[k]) for k in w_ref)
     assert t_ref.equals(t_a)
+
+
+def test_pretrain_writes_a_token_miniature_the_family_loads(tmp_path):
+    """`pixrl pretrain --family janus_pro` (a few steps): a Janus-Pro checkpoint in the transformers
+    layout with its log; the family loads it and samples 32×32 images of 8×8 tokens."""
+    from typer.testing import CliRunner
+
+    from pixrl.cli import app
+
+    out = tmp_path / "mini_janus"
+    res = CliRunner().invoke(app, ["pretrain", "--family", "janus_pro", "--out", str(out), "--vq-steps", "2",
+                                   "--ar-steps", "2", "--dataset-size", "64", "--threads", "1"])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    assert (out / "pixrl_pretrain.json").is_file() and (tmp_path / "mini_janus.log.jsonl").is_file()
+    fam = JanusProFamily.load(out)
+    assert (fam.resolution, fam.image_token_count()) == (32, 64)
+    traj = sample_tokens(fam, fam.encode_prompts(["a red circle"]), [torch.Generator().manual_seed(0)],
+                         TokenRecipe(3.0))
+    assert fam.decode(traj.tokens).shape == (1, 32, 32, 3)

@@ -31,6 +31,7 @@ def pretrain(
                                                    "pairs (same scene, shapes' places exchanged, flipped caption)"),
     vq_steps: int = typer.Option(1500, help="janus_pro: VQ-VAE steps"),
     ar_steps: int = typer.Option(6000, help="janus_pro: autoregressive decoder steps"),
+    dataset_size: int = typer.Option(24000, help="janus_pro: renders tokenized once for the decoder phase"),
     log: Optional[str] = typer.Option(None, help="JSONL log file (default <out>.log.jsonl)"),
 ) -> None:
     """Pretrain a shapes-world miniature on CPU: the flow-matching one (VAE, text encoders,
@@ -50,7 +51,7 @@ def pretrain(
             from ..models.mini.token_pretrain import TokenPretrainConfig, pretrain_tokens
 
             pretrain_tokens(Path(out), TokenPretrainConfig(seed=seed, vq_steps=vq_steps, ar_steps=ar_steps,
-                                                           threads=threads), log=emit)
+                                                           dataset_size=dataset_size, threads=threads), log=emit)
             return
         from ..models.mini.build import MiniSpec
         from ..models.mini.pretrain import PretrainConfig, pretrain as run_pretrain
@@ -97,14 +98,15 @@ def tiny(
     print(json.dumps(overrides))
 
 
-def _policy(checkpoint: Optional[str], run: Optional[str], workdir: str, steps: Optional[int]):
+def _policy(checkpoint: Optional[str], run: Optional[str], workdir: str, steps: Optional[int],
+            config: Optional[str] = None):
     from ..algorithms.recipe import eval_recipe
     from ..config.loader import ConfigError
     from ..stages.inference import PolicyNotFound, load_policy
     from ..models.sd3 import ModelLoadError
 
     try:
-        policy, cfg = load_policy(checkpoint, run, workdir)
+        policy, cfg = load_policy(checkpoint, run, workdir, config)
     except (PolicyNotFound, ModelLoadError, ConfigError, FileNotFoundError) as exc:
         _fail(str(exc), exc=exc)
     s = cfg.sampling.model_copy(update={"eval_steps": steps} if steps else {})
@@ -121,6 +123,8 @@ def eval_cmd(
     as_json: bool = typer.Option(False, "--json", help="last stdout line is a JSON object"),
     workdir: str = typer.Option("work", "--workdir"),
     out: Optional[str] = typer.Option(None, "--out", help="also write the JSON result to this file"),
+    config: Optional[str] = typer.Option(None, "--config", "-c", help="experiment preset or YAML whose model (without "
+                                                                      "--checkpoint/--run) and sampling are evaluated"),
 ) -> None:
     """Judge accuracy of a policy on the shapes world, overall and per category."""
     if split not in ("heldout", "train"):
@@ -129,9 +133,11 @@ def eval_cmd(
 
     from ..datasets.shapes.evaluate import evaluate
 
-    policy, recipe = _policy(checkpoint, run, workdir, steps)
+    policy, recipe = _policy(checkpoint, run, workdir, steps, config)
     res = evaluate(policy.family, split, recipe, per_category)
-    table = Table(title=f"shapes eval · {split} · {res['n']} samples · {recipe.steps} ODE steps, cfg {recipe.guidance_scale}")
+    how = (f"{recipe.steps} ODE steps" if hasattr(recipe, "steps") else
+           f"token sampling, temperature {recipe.temperature}, top-k {recipe.top_k or 'off'}")
+    table = Table(title=f"shapes eval · {split} · {res['n']} samples · {how}, cfg {recipe.guidance_scale}")
     table.add_column("category")
     table.add_column("accuracy", justify="right")
     for k, v in res.items():
@@ -191,8 +197,7 @@ def generate(
     for n, ((text, s), img) in enumerate(zip(pairs, imgs)):
         stem = od / f"{n // samples:04d}_{n % samples:02d}"
         stem.with_suffix(".png").write_bytes(media_bytes(img))
-        stem.with_suffix(".json").write_text(json.dumps({"prompt": text, "seed": s, "steps": recipe.steps,
-                                                         "guidance_scale": recipe.guidance_scale}))
+        stem.with_suffix(".json").write_text(json.dumps({"prompt": text, "seed": s, **recipe.to_dict()}))
     console.print(f"wrote {len(pairs)} {'clips' if imgs.ndim == 5 else 'images'} to {od}")
 
 

@@ -156,13 +156,20 @@ class DenoiseFamily(Family, Protocol):
 
 
 class TokenFamily(Family, Protocol):
-    """The step interface of token-autoregressive families (declared for Janus-Pro; no family
-    implements it yet): next-token logits with classifier-free guidance applied on the logits."""
-
-    def prompt_inputs(self, prompts: list[str]) -> Conditioning: ...
-
-    def logits(self, tokens: torch.Tensor, cond: Conditioning, cache=None,
-               guidance_scale: float = 1.0) -> tuple[torch.Tensor, object]:
-        """(logits [B, V] for the next image token, the updated KV cache)."""
+    """The step interface of token-autoregressive families (Janus-Pro): logits per row, conditional
+    rows first and — with guidance — the unconditional ones after them; the shared token sampler
+    (algorithms/token_sampling.py) applies guidance, temperature and top-k."""
 
     def image_token_count(self) -> int: ...
+
+    def first_logits(self, cond: Conditioning, guided: bool) -> tuple[torch.Tensor, object]:
+        """(logits [R, V] of the first image token, the decode state after the prompt)."""
+
+    def next_logits(self, state: object, tokens: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """Feed the sampled tokens [B]; (logits [R, V] of the next one, the new state)."""
+
+    def sequence_logits(self, cond: Conditioning, tokens: torch.Tensor, guided: bool) -> torch.Tensor:
+        """Teacher-forced logits [R, N, V] of every token of `tokens` [B, N] (differentiable)."""
+
+    def decode(self, tokens: torch.Tensor) -> np.ndarray:
+        """uint8 images [B, H, W, 3] of image-token sequences [B, N]."""

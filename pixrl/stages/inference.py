@@ -18,7 +18,10 @@ class PolicyNotFound(ExpectedError, FileNotFoundError):
     pass
 
 
-def load_policy(checkpoint: str | None, run: str | None, workdir: str) -> tuple[TrainablePolicy, ExperimentConfig]:
+def load_policy(checkpoint: str | None, run: str | None, workdir: str,
+                config: str | None = None) -> tuple[TrainablePolicy, ExperimentConfig]:
+    """`config`: the experiment (preset or YAML) whose sampling settings — and, without a
+    checkpoint or run, whose model — are evaluated (default: the default recipe's)."""
     if checkpoint and run:
         raise PolicyNotFound("pass either --checkpoint or --run, not both")
     if run:
@@ -31,11 +34,14 @@ def load_policy(checkpoint: str | None, run: str | None, workdir: str) -> tuple[
         if (p / WEIGHTS).is_file():
             return _from_pixrl_checkpoint(p)
         if (p / "model_index.json").is_file():
-            cfg = load_config(None, [f"model.path={p}"])
+            cfg = load_config(config, [f"model.path={p}"])
             return TrainablePolicy(cfg), cfg
-        raise PolicyNotFound(f"{checkpoint!r} is neither a pixrl checkpoint ({WEIGHTS}) nor a diffusers "
-                             f"directory (model_index.json)")
-    cfg = load_config(None, [])
+        if (p / "config.json").is_file() and json.loads((p / "config.json").read_text()).get("model_type") == "janus":
+            cfg = load_config(config, ["model.family=janus_pro", f"model.path={p}"])
+            return TrainablePolicy(cfg), cfg
+        raise PolicyNotFound(f"{checkpoint!r} is neither a pixrl checkpoint ({WEIGHTS}), a diffusers directory "
+                             f"(model_index.json) nor a Janus-Pro checkpoint (config.json of a 'janus' model)")
+    cfg = load_config(config, [])
     return TrainablePolicy(cfg), cfg
 
 
