@@ -19,6 +19,17 @@ class GroupAdvantages:
     keep: np.ndarray  # bool [N]; False where the advantage is exactly zero (filtered samples)
 
 
+def checked_rewards(rewards, group_ids) -> tuple[np.ndarray, np.ndarray]:
+    """(rewards as float64, group ids) of equal 1-D shapes with finite rewards, or a ValueError."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    group_ids = np.asarray(group_ids)
+    if rewards.ndim != 1 or rewards.shape != group_ids.shape:
+        raise ValueError(f"rewards {rewards.shape} and group_ids {group_ids.shape} must be equal 1-D shapes")
+    if not np.all(np.isfinite(rewards)):
+        raise ValueError("rewards contain NaN/inf; the score stage must reject them")
+    return rewards, group_ids
+
+
 def group_advantages(
     rewards: np.ndarray,
     group_ids: np.ndarray,
@@ -26,12 +37,7 @@ def group_advantages(
     eps: float = 1e-4,
     clip: float = 5.0,
 ) -> GroupAdvantages:
-    rewards = np.asarray(rewards, dtype=np.float64)
-    group_ids = np.asarray(group_ids)
-    if rewards.ndim != 1 or rewards.shape != group_ids.shape:
-        raise ValueError(f"rewards {rewards.shape} and group_ids {group_ids.shape} must be equal 1-D shapes")
-    if not np.all(np.isfinite(rewards)):
-        raise ValueError("rewards contain NaN/inf; the score stage must reject them")
+    rewards, group_ids = checked_rewards(rewards, group_ids)
     adv = np.zeros_like(rewards)
     batch_std = float(np.std(rewards))
     groups = np.unique(group_ids)

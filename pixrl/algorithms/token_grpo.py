@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from .advantages import GroupAdvantages
+from .advantages import GroupAdvantages, checked_rewards
 from .base import Algorithm, register_algorithm
 from .entropy_control import AdaptiveEntropyCoefficient
 
@@ -41,12 +41,7 @@ class TokenGRPOSettings(BaseModel):
 
 def token_group_advantages(rewards: np.ndarray, group_ids: np.ndarray, eps: float) -> GroupAdvantages:
     """A_i = (r_i − mean_g)/(std_g + eps), std_g with ddof 1; a group of one sample gets 0."""
-    rewards = np.asarray(rewards, dtype=np.float64)
-    group_ids = np.asarray(group_ids)
-    if rewards.ndim != 1 or rewards.shape != group_ids.shape:
-        raise ValueError(f"rewards {rewards.shape} and group_ids {group_ids.shape} must be equal 1-D shapes")
-    if not np.all(np.isfinite(rewards)):
-        raise ValueError("rewards contain NaN/inf; the score stage must reject them")
+    rewards, group_ids = checked_rewards(rewards, group_ids)
     adv = np.zeros_like(rewards)
     flat = 0
     groups = np.unique(group_ids)

@@ -26,6 +26,7 @@ from ...datasets.shapes.judge import judge
 from ...datasets.shapes.prompts import flip_relation, split_prompts
 from ...datasets.shapes.render import render, render_prompt, sample_scene
 from .build import MiniSpec, build_pipeline, save_pipeline
+from .schedule import ema_update, warmup_cosine
 from .text_towers import train_text_towers
 
 
@@ -211,16 +212,12 @@ def train_denoiser(pipe, stream: SceneStream, cfg: PretrainConfig, log: Callable
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, 1.0)
-        frac = step / cfg.denoiser_steps
-        lr = cfg.lr * min(1.0, step / cfg.warmup_steps) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        lr = warmup_cosine(cfg.lr, step, cfg.denoiser_steps, cfg.warmup_steps, floor=0.1)
         for g in opt.param_groups:
             g["lr"] = lr
         opt.step()
-        with torch.no_grad():
-            d = min(cfg.ema_decay, (1 + step) / (10 + step))
-            for m, e in zip(modules, ema):
-                for pe, pm in zip(e.parameters(), m.parameters()):
-                    pe.lerp_(pm, 1 - d)
+        ema_update([pe for e in ema for pe in e.parameters()], [pm for m in modules for pm in m.parameters()],
+                   step, cfg.ema_decay)
         if step % 100 == 0:
             log({"phase": "denoiser", "step": step, "loss": float(loss), "grad_norm": float(gnorm), "lr": lr,
                  "minutes": (time.time() - start) / 60})

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from ...datasets.shapes.judge import judge
 from ..janus import JanusProFamily
 from .pretrain import SceneStream, _to_uint8
+from .schedule import ema_update, warmup_cosine
 
 
 @dataclass
@@ -176,15 +177,11 @@ def train_decoder(family: JanusProFamily, stream: SceneStream, cfg: TokenPretrai
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(trained, 1.0)
-        frac = step / cfg.ar_steps
-        lr = cfg.lr * min(1.0, step / cfg.warmup_steps) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+        lr = warmup_cosine(cfg.lr, step, cfg.ar_steps, cfg.warmup_steps, floor=0.05)
         for g in opt.param_groups:
             g["lr"] = lr
         opt.step()
-        with torch.no_grad():
-            d = min(cfg.ema_decay, (1 + step) / (10 + step))
-            for e, p in zip(ema, trained):
-                e.lerp_(p, 1 - d)
+        ema_update(ema, trained, step, cfg.ema_decay)
         if step % 100 == 0:
             log({"phase": "decoder", "step": step, "loss": float(loss), "grad_norm": float(gnorm), "lr": lr,
                  "minutes": (time.time() - start) / 60})
