@@ -49,3 +49,18 @@ def test_eval_rejects_bad_arguments(tmp_path):
     assert r.exit_code == 2 and "no run named 'nope'" in r.output and "pixrl runs" in r.output
     r = CliRunner().invoke(app, ["generate", "--out", str(tmp_path / "x")])
     assert r.exit_code == 2 and "no prompts" in r.output
+
+
+def test_embedded_token_miniature_loads_and_evaluates(tmp_path):
+    """The token miniature (Janus classes at tiny size) loads through the janus_pro family, stays
+    small, and `pixrl eval --config shapes_token_grpo` judges it with the experiment's sampling."""
+    path = resolve_asset("builtin:mini_janus")
+    fam = get_family("janus_pro").load(path)
+    assert type(fam.model).__name__ == "JanusForConditionalGeneration"
+    assert (fam.resolution, fam.image_token_count()) == (32, 64)
+    assert sum(p.stat().st_size for p in path.rglob("*.safetensors")) <= 30e6
+    res = CliRunner().invoke(app, ["eval", "--config", "shapes_token_grpo", "--per-category", "2", "--json",
+                                   "--workdir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["n"] == 10 and 0.0 <= out["accuracy"] <= 1.0
