@@ -180,10 +180,9 @@ def janus_pro_1b_checkpoint(layers: int | None, device: str, out: Path) -> Path:
     saved in the transformers layout with the Janus tokenizer files (a small vocabulary; its ids
     are a subset of the model's)."""
     import torch
-    from transformers import (GenerationConfig, JanusConfig, JanusForConditionalGeneration, JanusVisionConfig,
-                              JanusVQVAEConfig, LlamaConfig)
+    from transformers import JanusConfig, JanusForConditionalGeneration, JanusVisionConfig, JanusVQVAEConfig, LlamaConfig
 
-    from pixrl.models.tiny_parts import janus_tokenizer
+    from pixrl.models.tiny_parts import janus_generation_config, janus_tokenizer
 
     tok = janus_tokenizer(out)
     text = LlamaConfig(vocab_size=102400, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers or 24,
@@ -195,9 +194,7 @@ def janus_pro_1b_checkpoint(layers: int | None, device: str, out: Path) -> Path:
         model = JanusForConditionalGeneration(JanusConfig(text_config=text, vision_config=vision, vq_config=vq,
                                                           image_token_id=tok.convert_tokens_to_ids(tok.image_token)))
     model.to(torch.bfloat16)
-    model.generation_config = GenerationConfig(
-        temperature=1.0, guidance_scale=5.0, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, generation_kwargs={"boi_token_id": tok.convert_tokens_to_ids(tok.boi_token)})
+    model.generation_config = janus_generation_config(tok, guidance_scale=5.0)
     model.save_pretrained(str(out))
     return out
 

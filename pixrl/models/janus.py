@@ -158,9 +158,7 @@ class JanusProFamily:
         for prompt in prompts:
             n = len(tok(cls.image_prompt(prompt) + tok.boi_token).input_ids)
             if n > limit:
-                raise PromptTooLong(f"prompt {prompt[:60]!r} is {n} tokens with its chat template; this Janus-Pro run "
-                                    f"allows {limit} (the context of {context} positions minus {n_image} image tokens, "
-                                    f"or model.max_sequence_length) — shorten the prompt or remove it from the set")
+                raise PromptTooLong.of(prompt, n, limit, context, n_image)
 
     @property
     def model(self):
@@ -206,12 +204,9 @@ class JanusProFamily:
     def encode_prompts(self, prompts: list[str]) -> JanusPrompts:
         texts = [self.image_prompt(p) + self.tokenizer.boi_token for p in prompts]
         enc = [self.tokenizer(t).input_ids for t in texts]
-        too_long = [(p, len(e)) for p, e in zip(prompts, enc) if len(e) > self.max_sequence_length]
-        if too_long:
-            p, n = too_long[0]
-            raise PromptTooLong(f"prompt {p[:60]!r} is {n} tokens with its chat template; this Janus-Pro run allows "
-                                f"{self.max_sequence_length} (model.max_sequence_length; the context of {self.context} "
-                                f"positions minus {self.image_token_count()} image tokens) — shorten the prompt")
+        for p, e in zip(prompts, enc):
+            if len(e) > self.max_sequence_length:
+                raise PromptTooLong.of(p, len(e), self.max_sequence_length, self.context, self.image_token_count())
         width = max(len(e) for e in enc)
         ids = torch.full((len(enc), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(enc), width), dtype=torch.long)
@@ -282,11 +277,10 @@ class JanusProFamily:
         tower, a VQ-VAE with the smallest GroupNorm-32 widths: `grid`² tokens → 4·grid px) with
         the DeepSeek tokenizer layout, image processor, chat template and generation config, saved
         as the transformers converter writes Janus-Pro. Returns its overrides."""
-        from transformers import (GenerationConfig, JanusConfig, JanusForConditionalGeneration, JanusProcessor,
-                                  JanusVisionConfig, JanusVQVAEConfig, LlamaConfig)
-        from transformers.models.janus.image_processing_pil_janus import JanusImageProcessorPil
+        from transformers import (JanusConfig, JanusForConditionalGeneration, JanusVisionConfig, JanusVQVAEConfig,
+                                  LlamaConfig)
 
-        from .tiny_parts import janus_chat_template, janus_tokenizer
+        from .tiny_parts import janus_generation_config, janus_tokenizer, save_janus_processor
 
         torch.manual_seed(seed)
         out_dir = Path(out_dir)
@@ -303,18 +297,18 @@ class JanusProFamily:
         config = JanusConfig(text_config=text, vision_config=vision, vq_config=vq,
                              image_token_id=tok.convert_tokens_to_ids(tok.image_token))
         model = JanusForConditionalGeneration(config)
-        model.generation_config = GenerationConfig(
-            temperature=1.0, guidance_scale=5.0, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id, generation_kwargs={"boi_token_id": tok.convert_tokens_to_ids(tok.boi_token)})
+        model.generation_config = janus_generation_config(tok, guidance_scale=5.0)
         model.save_pretrained(str(out_dir))
-        processor = JanusProcessor(image_processor=JanusImageProcessorPil(size={"height": 4 * grid, "width": 4 * grid},
-                                                                          image_mean=[0.5] * 3, image_std=[0.5] * 3),
-                                   tokenizer=tok, chat_template=janus_chat_template(), use_default_system_prompt=True,
-                                   num_image_tokens=grid * grid)
-        processor.save_pretrained(str(out_dir))
+        save_janus_processor(out_dir, tok, side=4 * grid, num_image_tokens=grid * grid)
         return {"model.family": cls.name, "model.path": str(out_dir), "model.max_sequence_length": 0,
                 "sampling.guidance_scale": 5.0}
 
 
 class PromptTooLong(ModelLoadError):
     """A prompt that does not fit the token family's context with its image tokens."""
+
+    @classmethod
+    def of(cls, prompt: str, n: int, limit: int, context: int, n_image: int) -> "PromptTooLong":
+        return cls(f"prompt {prompt[:60]!r} is {n} tokens with its chat template; this Janus-Pro run allows {limit} "
+                   f"(the context of {context} positions minus {n_image} image tokens, or model.max_sequence_length) "
+                   f"— shorten the prompt or remove it from the set")

@@ -315,3 +315,24 @@ def janus_chat_template() -> str:
             "{%- else -%}{{- message['role'] | capitalize + ': ' + ns.text + '\n\n' -}}{%- endif -%}"
             "{%- endfor -%}"
             "{%- if add_generation_prompt -%}{{- '<|Assistant|>:' -}}{%- endif -%}")
+
+
+def janus_generation_config(tok, guidance_scale: float):
+    """The generation config the Janus-Pro converter writes: temperature 1, the CFG weight, the
+    pad token, and `boi_token_id` (which image generation reads from `generation_kwargs`)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(temperature=1.0, guidance_scale=guidance_scale, bos_token_id=tok.bos_token_id,
+                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                            generation_kwargs={"boi_token_id": tok.convert_tokens_to_ids(tok.boi_token)})
+
+
+def save_janus_processor(out_dir: Path, tok, side: int, num_image_tokens: int) -> None:
+    """JanusProcessor's files beside a checkpoint: the image processor (mean = std = 0.5, the
+    postprocess decode relies on), the tokenizer and the chat template."""
+    from transformers import JanusProcessor
+    from transformers.models.janus.image_processing_pil_janus import JanusImageProcessorPil
+
+    image = JanusImageProcessorPil(size={"height": side, "width": side}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    JanusProcessor(image_processor=image, tokenizer=tok, chat_template=janus_chat_template(),
+                   use_default_system_prompt=True, num_image_tokens=num_image_tokens).save_pretrained(str(out_dir))

@@ -56,10 +56,9 @@ class TokenPretrainConfig:
 def build_model(cfg: TokenPretrainConfig, tokenizer_dir: Path):
     """A random JanusForConditionalGeneration for 32×32 shapes scenes (8×8 tokens), the tokenizer,
     processor files and generation config in the Janus-Pro layout."""
-    from transformers import (GenerationConfig, JanusConfig, JanusForConditionalGeneration, JanusVisionConfig,
-                              JanusVQVAEConfig, LlamaConfig)
+    from transformers import JanusConfig, JanusForConditionalGeneration, JanusVisionConfig, JanusVQVAEConfig, LlamaConfig
 
-    from ..tiny_parts import janus_tokenizer
+    from ..tiny_parts import janus_generation_config, janus_tokenizer
 
     torch.manual_seed(cfg.seed)
     tok = janus_tokenizer(tokenizer_dir)
@@ -73,9 +72,7 @@ def build_model(cfg: TokenPretrainConfig, tokenizer_dir: Path):
                           channel_multiplier=[1, 2, 2], num_res_blocks=1, projection_dim=h, image_token_embed_dim=h)
     model = JanusForConditionalGeneration(JanusConfig(text_config=text, vision_config=vision, vq_config=vq,
                                                       image_token_id=tok.convert_tokens_to_ids(tok.image_token)))
-    model.generation_config = GenerationConfig(
-        temperature=1.0, guidance_scale=3.0, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, generation_kwargs={"boi_token_id": tok.convert_tokens_to_ids(tok.boi_token)})
+    model.generation_config = janus_generation_config(tok, guidance_scale=3.0)
     return model, tok
 
 
@@ -125,17 +122,12 @@ def train_vq(vq, stream: SceneStream, cfg: TokenPretrainConfig, log: Callable[[d
                     vq.quantize.embedding.weight[dead] = pool[pick]
             with torch.no_grad():
                 xe, _, metas = stream.batch(64)
-                rec_e = decode_tokens(vq, vq_tokens(vq, xe))
+                rec_e = vq.decode(vq_tokens(vq, xe))  # exactly as JanusVQVAE decodes generated tokens
                 acc = np.mean([judge(im, m)["correct"] for im, m in zip(_to_uint8(rec_e), metas)])
             log({"phase": "vq", "step": step, "loss": float(loss.detach()), "codes_used": int((usage > 0).sum()),
                  "recon_judge_acc": float(acc), "minutes": (time.time() - start) / 60})
             usage.zero_()
     vq.eval()
-
-
-def decode_tokens(vq, tokens: torch.Tensor) -> torch.Tensor:
-    """Images in [-1, 1] (NCHW) from tokens, exactly as JanusVQVAE.decode computes them."""
-    return vq.decode(tokens)
 
 
 # --- phase 2: the autoregressive decoder ----------------------------------------------------------
@@ -202,10 +194,7 @@ def pretrain_tokens(out_dir: Path, cfg: TokenPretrainConfig, log: Callable[[dict
 
 
 def _pretrain(out_dir: Path, cfg: TokenPretrainConfig, log: Callable[[dict], None]) -> Path:
-    from transformers import JanusProcessor
-    from transformers.models.janus.image_processing_pil_janus import JanusImageProcessorPil
-
-    from ..tiny_parts import janus_chat_template
+    from ..tiny_parts import save_janus_processor
 
     work = out_dir.parent / (out_dir.name + ".build")
     shutil.rmtree(work, ignore_errors=True)
@@ -222,10 +211,7 @@ def _pretrain(out_dir: Path, cfg: TokenPretrainConfig, log: Callable[[dict], Non
         tmp = out_dir.parent / (out_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(str(tmp))
-        JanusProcessor(image_processor=JanusImageProcessorPil(size={"height": 32, "width": 32}, image_mean=[0.5] * 3,
-                                                              image_std=[0.5] * 3),
-                       tokenizer=tok, chat_template=janus_chat_template(), use_default_system_prompt=True,
-                       num_image_tokens=64).save_pretrained(str(tmp))
+        save_janus_processor(tmp, tok, side=32, num_image_tokens=64)
         (tmp / "pixrl_pretrain.json").write_text(json.dumps({"config": asdict(cfg), "decoder_steps": state["step"]},
                                                             indent=2))
         with torch.no_grad():
