@@ -66,3 +66,25 @@ def test_store_append_merge_and_refusals(tmp_path):
     with pytest.raises(StoreError, match="holds 3"):
         st.merge(upd.slice(0, 2))
     assert st.latest_version() == 2
+
+
+def test_a_scoped_append_and_merge_touch_only_their_rows(tmp_path):
+    """Dynamic sampling's rounds: a second round appends beside the first and fills only its own
+    rows; a round already stored is refused, and a merge must cover every row of its scope."""
+    def rows(lo, hi):
+        n = hi - lo
+        return pa.table({"run_id": ["r"] * n, "iteration": pa.array([0] * n, pa.int32()),
+                         "sample_id": [f"s{i}" for i in range(lo, hi)], "group_id": pa.array(range(lo, hi), pa.int32()),
+                         "reward": pa.nulls(n, pa.float32())})
+
+    st = TrajectoryStore(str(tmp_path / "t.lance"))
+    st.append(rows(0, 2), where="group_id < 2")
+    st.append(rows(2, 4), where="group_id >= 2")
+    with pytest.raises(StoreError, match="where group_id >= 2; refusing to overwrite"):
+        st.append(rows(2, 4), where="group_id >= 2")
+    upd = rows(2, 4).drop_columns(["group_id"]).set_column(3, "reward", pa.array([5.0, 6.0], pa.float32()))
+    with pytest.raises(StoreError, match="holds 4"):
+        st.merge(upd)  # unscoped: the iteration holds 4 rows
+    ref = st.merge(upd, where="group_id >= 2")
+    assert st.read(ref, "r", 0, ["reward"])["reward"].to_pylist() == [None, None, 5.0, 6.0]
+    assert st.read(ref, "r", 0, ["sample_id"], where="group_id < 2")["sample_id"].to_pylist() == ["s0", "s1"]

@@ -103,20 +103,23 @@ class TrajectoryStore:
         f = key_filter(run_id, iteration) + (f" AND ({where})" if where else "")
         return ds.count_rows(filter=f)
 
-    def append(self, table: pa.Table) -> TableRef:
-        """Append one iteration's rows; refuses to add a (run_id, iteration) that is already there."""
+    def append(self, table: pa.Table, where: str | None = None) -> TableRef:
+        """Append one iteration's rows; refuses to add a (run_id, iteration) that is already there
+        (with `where`: rows of it matching `where`, e.g. one sampling round's groups)."""
         run, it = _one_key(table, "append")
-        if self.count(run, it):
-            raise StoreError(f"{self.uri} already holds rows for run {run!r} iteration {it}; "
-                             f"refusing to overwrite (resume skips complete stages instead)")
+        if self.count(run, it, where=where):
+            raise StoreError(f"{self.uri} already holds rows for run {run!r} iteration {it}"
+                             + (f" where {where}" if where else "")
+                             + "; refusing to overwrite (resume skips complete stages instead)")
         if self.exists():
             ds = lance.write_dataset(table, self.uri, mode="append")
         else:
             ds = lance.write_dataset(table, self.uri, schema=table.schema, mode="create")
         return TableRef(self.uri, ds.version)
 
-    def merge(self, table: pa.Table) -> TableRef:
-        """Fill columns of existing rows, matched on the key; never inserts rows.
+    def merge(self, table: pa.Table, where: str | None = None) -> TableRef:
+        """Fill columns of existing rows, matched on the key; never inserts rows. `table` holds
+        every row of the iteration, or with `where` every row of it that matches `where`.
 
         One commit that attaches a data file with just these columns to each fragment holding
         the iteration's rows; the other columns are neither read nor rewritten."""
@@ -131,16 +134,18 @@ class TrajectoryStore:
         sample_ids = pc.cast(table["sample_id"], pa.string())
         if pc.count_distinct(sample_ids).as_py() != table.num_rows:
             raise StoreError(f"merge into run {run!r} iteration {it} repeats a sample_id")
-        addrs = self._row_addresses(ds, run, it)
+        scope = key_filter(run, it) + (f" AND ({where})" if where else "")
+        addrs = self._row_addresses(ds, scope)
         if len(addrs) != table.num_rows:
-            raise StoreError(f"merge of {table.num_rows} rows into run {run!r} iteration {it}, which holds {len(addrs)}")
+            raise StoreError(f"merge of {table.num_rows} rows into run {run!r} iteration {it}"
+                             + (f" where {where}" if where else "") + f", which holds {len(addrs)}")
         try:
             values = table.select(cols).cast(pa.schema([ds.schema.field(c) for c in cols]))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as e:
             raise StoreError(f"merge columns {cols} do not fit the table's types: {e}") from e
         plans = []
         for frag in self._fragments(ds, addrs):
-            keys = frag.to_table(columns=["sample_id"], filter=key_filter(run, it), with_row_id=True)
+            keys = frag.to_table(columns=["sample_id"], filter=scope, with_row_id=True)
             pos = pc.index_in(keys["sample_id"], value_set=sample_ids)
             if pos.null_count:
                 absent = keys.filter(pc.is_null(pos))["sample_id"].to_pylist()
@@ -156,9 +161,10 @@ class TrajectoryStore:
         out = lance.LanceDataset.commit(ds, op, read_version=ds.version)
         return TableRef(self.uri, out.version)
 
-    def read(self, ref: TableRef, run_id: str, iteration: int, columns: list[str]) -> pa.Table:
+    def read(self, ref: TableRef, run_id: str, iteration: int, columns: list[str], where: str | None = None) -> pa.Table:
         cols = columns if "sample_id" in columns else ["sample_id", *columns]
-        t = self.dataset(ref.version).to_table(columns=cols, filter=key_filter(run_id, iteration))
+        f = key_filter(run_id, iteration) + (f" AND ({where})" if where else "")
+        t = self.dataset(ref.version).to_table(columns=cols, filter=f)
         return t.sort_by("sample_id").select(columns)
 
     def tag(self, name: str, version: int) -> None:
@@ -172,9 +178,9 @@ class TrajectoryStore:
 
     # --- locating one iteration's rows ---------------------------------------------------------
     @staticmethod
-    def _row_addresses(ds: lance.LanceDataset, run_id: str, iteration: int) -> pa.Array:
-        """Row addresses of (run_id, iteration)."""
-        t = ds.to_table(columns=[], filter=key_filter(run_id, iteration), with_row_address=True)
+    def _row_addresses(ds: lance.LanceDataset, scope: str) -> pa.Array:
+        """Row addresses of the rows `scope` (a filter on one run's iteration) selects."""
+        t = ds.to_table(columns=[], filter=scope, with_row_address=True)
         return t["_rowaddr"].combine_chunks()
 
     @staticmethod

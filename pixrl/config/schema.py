@@ -29,6 +29,9 @@ class SamplingConfig(_Section):
     guidance_scale: float = Field(1.0, ge=1.0)
     group_size: int = Field(8, ge=2, description="G samples per prompt")
     prompts_per_iteration: int = Field(8, ge=1)
+    max_rounds: int = Field(1, ge=1, description="DAPO dynamic sampling: generate further rounds of "
+                            "prompts_per_iteration groups until that many groups have unequal rewards, "
+                            "at most this many rounds; then train on the first of them (1: one round)")
     micro_batch: int = Field(16, ge=1, description="rollout and replay batch (same geometry → ratio 1)")
     timestep_fraction: float = Field(0.99, gt=0, le=1.0)
     window_size: int | None = Field(None, ge=1, description="Flow-GRPO-Fast: SDE only in a window of this size")
@@ -36,6 +39,13 @@ class SamplingConfig(_Section):
     eval_steps: int = Field(20, ge=1)
     temperature: float = Field(1.0, gt=0, description="token families: softmax temperature of the image tokens")
     top_k: int = Field(0, ge=0, description="token families: sample among the k likeliest tokens (0: all)")
+
+    @model_validator(mode="after")
+    def _slots(self) -> SamplingConfig:
+        if self.prompts_per_iteration * self.max_rounds > 1000:  # sample ids hold 3-digit group slots
+            raise ValueError(f"sampling.prompts_per_iteration × sampling.max_rounds = "
+                             f"{self.prompts_per_iteration * self.max_rounds} groups per iteration; at most 1000")
+        return self
 
 
 class LoraConfig(_Section):

@@ -27,6 +27,7 @@ from ..stages import progress
 from ..stages.completion import RunStores
 from ..stages.lineage import seed_fork_rows
 from ..stages.preflight import preflight
+from ..stages.session import online_stages
 from ..stages.runs import existing_run, fork_tags, reopen_run, start_run, tracker_for
 from ..tasks.report import report_iteration, start_progress, update_progress
 from ..tasks.retry import with_retries
@@ -53,16 +54,28 @@ def open_run(config: dict, workdir: str, resume_run_id: str | None = None, fork:
 def rl_iteration(spec: RunSpec, iteration: int, policy: dict) -> dict:
     """One RL iteration as six tasks of the calling flow run; returns the newly published policy
     reference. Each task retries transient faults as configured in run.retries; anything else
-    fails the iteration at once."""
+    fails the iteration at once. With dynamic sampling (sampling.max_rounds > 1) generate →
+    decode → score repeat, one round of fresh groups at a time, while the stored rewards hold
+    fewer groups with signal than the batch needs."""
     run = spec.cfg.run
     t = {f.name: with_retries(f, run).with_options(task_run_name=f"{f.name}[it={iteration}]")
          for f in (generate, decode, score, replay, update, publish)}
-    table = t["generate"](spec, iteration, policy)
-    table = t["decode"](spec, iteration, table)
-    table = t["score"](spec, iteration, table)
+    table = _sampling_round(spec, iteration, policy, 0, t)
+    rnd = 1
+    while online_stages(spec).needs_round(iteration, rnd):
+        table = _sampling_round(spec, iteration, policy, rnd, t)
+        rnd += 1
     replayed = t["replay"](spec, iteration, table)
     ckpt = t["update"](spec, iteration, replayed, policy)
     return t["publish"](spec, iteration, ckpt)
+
+
+def _sampling_round(spec: RunSpec, iteration: int, policy: dict, rnd: int, t: dict) -> dict:
+    if rnd:
+        t = {k: f.with_options(task_run_name=f"{k}[it={iteration},round={rnd}]") for k, f in t.items()}
+    table = t["generate"](spec, iteration, policy, rnd)
+    table = t["decode"](spec, iteration, table, rnd)
+    return t["score"](spec, iteration, table, rnd)
 
 
 @task(name="seed-fork", persist_result=False)

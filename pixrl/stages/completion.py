@@ -13,6 +13,10 @@ and lineage (forks) all read this table — nowhere else decides it.
 | update   | the iteration's checkpoint directory exists (its manifest is checked |
 |          | when it is used: a mismatch is CorruptCheckpoint, never a skip)      |
 | publish  | a registered version of the run is tagged with the iteration         |
+
+With dynamic sampling (`sampling.max_rounds` > 1) generate, decode and score run once per
+sampling round; round r holds group slots [r·P, (r+1)·P) of the iteration (P prompts per
+round), so their marks are read on those rows (`round_scope`).
 """
 
 from __future__ import annotations
@@ -47,8 +51,16 @@ MARKS: dict[str, Mark] = {
 }
 assert tuple(MARKS) == STAGES
 
+#: the stages that run once per sampling round
+ROUND_STAGES = ("generate", "decode", "score")
+
 #: the trajectory columns each stage fills after generate (which writes every other column)
 FILLED_BY: dict[str, tuple[str, ...]] = {s: m.columns for s, m in MARKS.items() if m.kind == "columns"}
+
+
+def round_scope(prompts_per_round: int, rnd: int) -> str:
+    """The rows of sampling round `rnd` of an iteration (a filter beside run and iteration)."""
+    return f"group_id >= {rnd * prompts_per_round} AND group_id < {(rnd + 1) * prompts_per_round}"
 
 
 def columns_complete(rows, stage: str) -> bool:
@@ -73,13 +85,21 @@ class RunStores:
     def latest(self) -> TableRef:
         return TableRef(self.table.uri, self.table.latest_version())
 
-    def complete(self, stage: str, iteration: int) -> bool:
+    def round_scope(self, rnd: int) -> str:
+        return round_scope(self.spec.cfg.sampling.prompts_per_iteration, rnd)
+
+    def complete(self, stage: str, iteration: int, rnd: int = 0) -> bool:
+        """`rnd`: the sampling round, for generate, decode and score (the later stages take
+        every row of the iteration)."""
         mark = MARKS[stage]
+        scope = self.round_scope(rnd) if stage in ROUND_STAGES else None
         if mark.kind == "rows":
-            return self.table.count(self.spec.run_id, iteration) > 0
+            return self.table.count(self.spec.run_id, iteration, where=scope) > 0
         if mark.kind == "columns":
-            n = self.table.count(self.spec.run_id, iteration)
+            n = self.table.count(self.spec.run_id, iteration, where=scope)
             where = " AND ".join(f"{c} IS NOT NULL" for c in mark.columns)
+            if scope:
+                where = f"({scope}) AND {where}"
             return n > 0 and self.table.count(self.spec.run_id, iteration, where=where) == n
         if mark.kind == "checkpoint":
             return self.layout.checkpoint(iteration).exists()

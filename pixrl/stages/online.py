@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..algorithms.base import build_algorithm
+from ..algorithms.dynamic_sampling import batch_full, groups_with_signal, trained_mask
 from ..algorithms.recipe import rollout_recipe, stored_recipe
 from ..artifacts.batch import DECODE_INPUT, RolloutBatch
 from ..artifacts.checkpoints import CheckpointRef, save_checkpoint
@@ -63,8 +64,21 @@ class OnlineStages:
     def source(self, policy: PolicyRef) -> PolicySource:
         return PolicySource(self.stores.policy_dir(policy), policy.checkpoint_id)
 
-    def _read(self, ref: TableRef, iteration: int, columns: list[str]):
-        return self.table.read(ref, self.spec.run_id, iteration, columns)
+    def _read(self, ref: TableRef, iteration: int, columns: list[str], where: str | None = None):
+        return self.table.read(ref, self.spec.run_id, iteration, columns, where)
+
+    @staticmethod
+    def stage_name(stage: str, rnd: int) -> str:
+        """A stage's name in records, progress and timings: `generate`, or `generate.r1` for
+        dynamic sampling's second round (whose metrics are logged under `r1/`)."""
+        return stage if rnd == 0 else f"{stage}.r{rnd}"
+
+    def _commit_record(self, stage: str, iteration: int, rnd: int, metrics: dict) -> dict:
+        """The stage's record before its commit; a later round's metrics keyed `r<k>/…` so that
+        no MLflow key is logged twice at one step."""
+        if rnd:
+            metrics = {f"r{rnd}/{k}": v for k, v in metrics.items()}
+        return self.records.before_commit(self.stage_name(stage, rnd), iteration, metrics)
 
     def _timed(self, name: str, iteration: int, compute):
         """Run `compute() -> (result, metrics | None)` as stage `name`, logging its metrics."""
@@ -75,19 +89,30 @@ class OnlineStages:
         return result
 
     # --- generate -----------------------------------------------------------------------------
-    def generate(self, iteration: int, policy: PolicyRef) -> TableRef:
-        return self._timed("generate", iteration, lambda: self._generate(iteration, policy))
+    def generate(self, iteration: int, policy: PolicyRef, rnd: int = 0) -> TableRef:
+        return self._timed(self.stage_name("generate", rnd), iteration, lambda: self._generate(iteration, policy, rnd))
 
-    def _generate(self, iteration: int, policy: PolicyRef):
-        if self.stores.complete("generate", iteration):
-            return self.stores.latest(), None
+    def _draws(self, iteration: int, rnd: int):
+        """The prompts of sampling round `rnd` and the iteration's sampler recipe (round 0's
+        draw: every row of an iteration is replayed with one recipe)."""
         cfg, s = self.cfg, self.cfg.sampling
-        if self.table.exists():  # index new fragments, drop stale versions: stage cost stays flat
-            maintain_store(self.table, iteration)
         rng = np.random.default_rng(seed_of(cfg.run.seed, iteration, 0))
         prompts = choose_prompts(self.prompt_items, s.prompts_per_iteration, rng)
         recipe = rollout_recipe(s, rng, self.step_kind)
-        rows = [(slot, g, p) for slot, p in enumerate(prompts) for g in range(s.group_size)]
+        if rnd:
+            rng = np.random.default_rng(seed_of(cfg.run.seed, iteration, 0, rnd))
+            prompts = choose_prompts(self.prompt_items, s.prompts_per_iteration, rng)
+        return prompts, recipe
+
+    def _generate(self, iteration: int, policy: PolicyRef, rnd: int):
+        if self.stores.complete("generate", iteration, rnd):
+            return self.stores.latest(), None
+        cfg, s = self.cfg, self.cfg.sampling
+        if self.table.exists() and rnd == 0:  # index new fragments, drop stale versions: stage cost stays flat
+            maintain_store(self.table, iteration)
+        prompts, recipe = self._draws(iteration, rnd)
+        first = rnd * s.prompts_per_iteration  # round r holds group slots [r·P, (r+1)·P)
+        rows = [(first + k, g, p) for k, p in enumerate(prompts) for g in range(s.group_size)]
         seeds = [seed_of(cfg.run.seed, iteration, 1, slot, g) for slot, g, _ in rows]
         batch, seconds = self.engine.rollout(self.source(policy), [p.prompt for _, _, p in rows], seeds, recipe)
         info = self.engine.describe()
@@ -108,21 +133,22 @@ class OnlineStages:
             family=[info["family"]] * n, regime=[sem.regime.value] * n, step_kind=[sem.step.value] * n,
             recipe=[recipe_json] * n)
         table = batch.to_arrow(batch.dims(), optional=("poster",) if info.get("video") else (), step=self.step_kind)
-        metrics = self.records.before_commit("generate", iteration,
-                                             {"images_per_s": n / seconds, "generate_compute_s": seconds})
-        ref = self.table.append(table)
-        self.table.tag(f"{self.spec.run_name}-it{iteration}-generate", ref.version)
+        metrics = self._commit_record("generate", iteration, rnd,
+                                      {"images_per_s": n / seconds, "generate_compute_s": seconds})
+        ref = self.table.append(table, where=self.stores.round_scope(rnd))
+        self.table.tag(f"{self.spec.run_name}-it{iteration}-{self.stage_name('generate', rnd)}", ref.version)
         return ref, metrics
 
     # --- decode -------------------------------------------------------------------------------
-    def decode(self, iteration: int, ref: TableRef) -> TableRef:
-        return self._timed("decode", iteration, lambda: self._decode(iteration, ref))
+    def decode(self, iteration: int, ref: TableRef, rnd: int = 0) -> TableRef:
+        return self._timed(self.stage_name("decode", rnd), iteration, lambda: self._decode(iteration, ref, rnd))
 
-    def _decode(self, iteration: int, ref: TableRef):
-        if self.stores.complete("decode", iteration):
+    def _decode(self, iteration: int, ref: TableRef, rnd: int):
+        if self.stores.complete("decode", iteration, rnd):
             return self.stores.latest(), None
         field = DECODE_INPUT[self.step_kind]  # final latents, or a token family's image tokens
-        t = self._read(ref, iteration, ["run_id", "iteration", "sample_id", field])
+        scope = self.stores.round_scope(rnd)
+        t = self._read(ref, iteration, ["run_id", "iteration", "sample_id", field], where=scope)
         batch = RolloutBatch.from_arrow(t.select([field]))
         t0 = time.perf_counter()
         imgs = self.engine.decode(batch[field])  # images [B, H, W, 3] or clips [B, F, H, W, 3]
@@ -131,17 +157,18 @@ class OnlineStages:
             cols["poster"] = pa.array([png_bytes(clip[0]) for clip in imgs], pa.binary())
         seconds = time.perf_counter() - t0  # the sample grid is logged by the iteration's report
         upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"], **cols})
-        metrics = self.records.before_commit("decode", iteration, {"decode_compute_s": seconds})
-        return self.table.merge(upd), metrics
+        metrics = self._commit_record("decode", iteration, rnd, {"decode_compute_s": seconds})
+        return self.table.merge(upd, where=scope), metrics
 
     # --- score --------------------------------------------------------------------------------
-    def score(self, iteration: int, ref: TableRef) -> TableRef:
-        return self._timed("score", iteration, lambda: self._score(iteration, ref))
+    def score(self, iteration: int, ref: TableRef, rnd: int = 0) -> TableRef:
+        return self._timed(self.stage_name("score", rnd), iteration, lambda: self._score(iteration, ref, rnd))
 
-    def _score(self, iteration: int, ref: TableRef):
-        if self.stores.complete("score", iteration):
+    def _score(self, iteration: int, ref: TableRef, rnd: int):
+        if self.stores.complete("score", iteration, rnd):
             return self.stores.latest(), None
-        t = self._read(ref, iteration, ["run_id", "iteration", "sample_id", "prompt", "prompt_meta", "image"])
+        scope = self.stores.round_scope(rnd)
+        t = self._read(ref, iteration, ["run_id", "iteration", "sample_id", "prompt", "prompt_meta", "image"], where=scope)
         missing = [sid for sid, im in zip(t["sample_id"].to_pylist(), t["image"].to_pylist()) if im is None]
         if missing:
             raise RuntimeError(f"samples {missing[:3]} have no decoded image; run decode for iteration {iteration} first")
@@ -156,21 +183,53 @@ class OnlineStages:
         for k, v in scores.items():
             metrics[f"reward/{k}/mean"] = float(np.mean(v))
             metrics[f"reward/{k}/std"] = float(np.std(v))
-        self.records.before_commit("score", iteration, metrics)
-        return self.table.merge(upd), metrics
+        metrics = self._commit_record("score", iteration, rnd, metrics)
+        return self.table.merge(upd, where=scope), metrics
 
     # --- replay -------------------------------------------------------------------------------
     def replay(self, iteration: int, ref: TableRef) -> tuple[TableRef, BatchPlan]:
         return self._timed("replay", iteration, lambda: self._replay(iteration, ref))
 
-    def _plan(self, sample_ids: list[str], advantages: np.ndarray) -> BatchPlan:
-        return make_plan(sample_ids, self.algorithm.trains_on(advantages), self.cfg.sampling.micro_batch,
+    PLAN_COLUMNS = ["sample_id", "group_id", "reward", "advantage"]
+
+    def _plan(self, t: pa.Table, advantages: np.ndarray | None = None) -> BatchPlan:
+        """The update's micro-batches from the iteration's stored rows (PLAN_COLUMNS): the samples
+        the algorithm trains on — with dynamic sampling, of the first P groups with signal."""
+        adv = t["advantage"].to_numpy() if advantages is None else advantages
+        keep = self.algorithm.trains_on(adv)
+        if self.cfg.sampling.max_rounds > 1:
+            keep = keep & trained_mask(t["reward"].to_numpy(), t["group_id"].to_numpy(),
+                                       self.cfg.sampling.prompts_per_iteration)
+        return make_plan(t["sample_id"].to_pylist(), keep, self.cfg.sampling.micro_batch,
                          self.cfg.algorithm.optimizer_steps_per_iteration)
+
+    # --- dynamic sampling (sampling.max_rounds > 1) -------------------------------------------
+    def needs_round(self, iteration: int, rnd: int) -> bool:
+        """Whether sampling round `rnd` runs: the rounds before it are scored and hold fewer than
+        P groups with signal (or it was begun already: resume and forks finish what is stored)."""
+        if rnd >= self.cfg.sampling.max_rounds:
+            return False
+        if self.stores.complete("generate", iteration, rnd):
+            return True
+        t = self._read(self.stores.latest(), iteration, ["group_id", "reward"])
+        if t["reward"].null_count:
+            raise RuntimeError(f"iteration {iteration} has unscored samples before sampling round {rnd}; "
+                               f"run score first")
+        return not batch_full(t["reward"].to_numpy(), t["group_id"].to_numpy(), self.cfg.sampling.prompts_per_iteration)
+
+    def _sampling_metrics(self, t: pa.Table, plan: BatchPlan) -> dict:
+        P = self.cfg.sampling.prompts_per_iteration
+        group_ids = t["group_id"].to_numpy()
+        signal = len(groups_with_signal(t["reward"].to_numpy(), group_ids))
+        trained = len(set(group_ids[np.isin(t["sample_id"].to_numpy(zero_copy_only=False),
+                                            [sid for step in plan.steps for mb in step for sid in mb])]))
+        return {"sampling/rounds": float(int(group_ids.max()) // P + 1), "sampling/groups": float(len(set(group_ids))),
+                "sampling/groups_with_signal": float(signal), "sampling/groups_trained": float(trained),
+                "sampling/groups_short": float(max(0, P - signal))}
 
     def _replay(self, iteration: int, ref: TableRef):
         if self.stores.complete("replay", iteration):
-            t = self._read(self.stores.latest(), iteration, ["sample_id", "advantage"])
-            return (self.stores.latest(), self._plan(t["sample_id"].to_pylist(), t["advantage"].to_numpy())), None
+            return (self.stores.latest(), self._plan(self._read(self.stores.latest(), iteration, self.PLAN_COLUMNS))), None
         t = self._read(ref, iteration, ["run_id", "iteration", "sample_id", "group_id", "reward"])
         rewards = t["reward"].to_numpy(zero_copy_only=False)
         if np.any(np.isnan(rewards)) or t["reward"].null_count:
@@ -178,10 +237,12 @@ class OnlineStages:
         adv = self.algorithm.advantages(rewards, t["group_id"].to_numpy())
         upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"],
                         "advantage": pa.array(adv.advantages, pa.float32())})
-        plan = self._plan(t["sample_id"].to_pylist(), adv.advantages)
+        plan = self._plan(t, adv.advantages)
         metrics = {"zero_std_ratio": adv.zero_std_ratio, "advantage/mean": float(adv.advantages.mean()),
                    "advantage/std": float(adv.advantages.std()), "advantage/abs_max": float(np.abs(adv.advantages).max()),
                    "samples_trained": float(sum(len(mb) for step in plan.steps for mb in step))}
+        if self.cfg.sampling.max_rounds > 1:
+            metrics.update(self._sampling_metrics(t, plan))
         self.records.before_commit("replay", iteration, metrics)
         return (self.table.merge(upd), plan), metrics
 
@@ -222,11 +283,11 @@ class OnlineStages:
         """Recompute iteration's update from its stored trajectories and advantages into out_dir,
         leaving the run's own checkpoint and records alone (replay / audit)."""
         latest = self.stores.latest()
-        t = self._read(latest, iteration, ["sample_id", "advantage"])
+        t = self._read(latest, iteration, self.PLAN_COLUMNS)
         if t.num_rows == 0 or t["advantage"].null_count:
             raise RuntimeError(f"iteration {iteration} of run {self.spec.run_name!r} has no complete replay stage "
                                f"in {self.table.uri}; nothing to recompute")
-        plan = self._plan(t["sample_id"].to_pylist(), t["advantage"].to_numpy())
+        plan = self._plan(t)
         try:
             ck, _ = self.train_into(iteration, latest, plan, policy, out_dir, record=False)
         finally:

@@ -14,21 +14,22 @@ from ..stages.session import online_stages
 
 
 @task(name="generate", persist_result=False)
-def generate(spec: RunSpec, iteration: int, policy: dict) -> dict:
-    """G samples per prompt with the given policy version → rows appended to Lance."""
-    return online_stages(spec).generate(iteration, PolicyRef(**policy)).to_dict()
+def generate(spec: RunSpec, iteration: int, policy: dict, rnd: int = 0) -> dict:
+    """G samples per prompt with the given policy version → rows appended to Lance (`rnd`: the
+    dynamic-sampling round)."""
+    return online_stages(spec).generate(iteration, PolicyRef(**policy), rnd).to_dict()
 
 
 @task(name="decode", persist_result=False)
-def decode(spec: RunSpec, iteration: int, table: dict) -> dict:
+def decode(spec: RunSpec, iteration: int, table: dict, rnd: int = 0) -> dict:
     """Final latents → PNG images in the same rows."""
-    return online_stages(spec).decode(iteration, TableRef(**table)).to_dict()
+    return online_stages(spec).decode(iteration, TableRef(**table), rnd).to_dict()
 
 
 @task(name="score", persist_result=False)
-def score(spec: RunSpec, iteration: int, table: dict) -> dict:
+def score(spec: RunSpec, iteration: int, table: dict, rnd: int = 0) -> dict:
     """Images → per-component and total rewards; NaN or a missing component fails loudly."""
-    return online_stages(spec).score(iteration, TableRef(**table)).to_dict()
+    return online_stages(spec).score(iteration, TableRef(**table), rnd).to_dict()
 
 
 @task(name="replay", persist_result=False)
