@@ -40,6 +40,16 @@ def test_more_groups_than_sample_ids_can_number_is_refused():
         SamplingConfig(prompts_per_iteration=200, max_rounds=8)
 
 
+def test_micro_batches_stay_inside_a_round():
+    from pixrl.stages.plan import make_plan
+
+    ids = [f"s{i}" for i in range(6)]
+    keep = np.array([True, True, True, False, True, True])
+    plan = make_plan(ids, keep, micro_batch=2, optimizer_steps=1, segments=np.array([0, 0, 0, 1, 1, 1]))
+    assert plan.steps == [[["s0", "s1"], ["s2"], ["s4", "s5"]]]
+    assert make_plan(ids, keep, 2, 1).steps == [[["s0", "s1"], ["s2", "s4"], ["s5"]]]
+
+
 ARGS = ["--config", "shapes_token_grpo", "--iterations", "1", "--seed", "1", "sampling.max_rounds=4",
         "sampling.group_size=4", "sampling.prompts_per_iteration=4", "sampling.micro_batch=16", "run.eval_every=0"]
 
@@ -87,6 +97,7 @@ def test_rounds_run_until_the_batch_has_signal_and_resume_bit_identical(tmp_path
     assert m["sampling/rounds"] == rounds and m["sampling/groups_trained"] == len(trained)
     assert m["samples_trained"] == 4 * len(trained)  # token_grpo drops flat groups; the surplus stays out
     assert "r1/reward/reward/mean" in m and "time/generate.r1_s" in m
+    assert m["onpolicy_ratio_dev"] == 0  # each round's prompts replayed as that round encoded them
 
     monkeypatch.setenv(ENV, "score.r1@0:raise")
     res = _train(tmp_path, "A")

@@ -122,22 +122,25 @@ class LocalEngine:
 
     # --- train --------------------------------------------------------------------------------
     def train(self, policy: PolicySource, batch: RolloutBatch, plan: list[list[list[int]]],
-              recipe: SamplerRecipe | None, seed: int = 0, reference: PolicySource | None = None) -> TrainResult:
+              recipe: SamplerRecipe | None, seed: int = 0, reference: PolicySource | None = None,
+              prompt_sets: np.ndarray | None = None) -> TrainResult:
         self.use(policy)
         if reference is not None and reference.checkpoint_dir is not None:
             self.policy.set_reference(load_weights(reference.checkpoint_dir))
         try:
-            return self._train(policy, batch, plan, recipe, seed)
+            return self._train(policy, batch, plan, recipe, seed, prompt_sets)
         except BaseException:
             self.invalidate()  # weights may be half-stepped: reload from a checkpoint next time
             raise
 
-    def _train(self, policy: PolicySource, batch: RolloutBatch, plan, recipe, seed: int) -> TrainResult:
+    def _train(self, policy: PolicySource, batch: RolloutBatch, plan, recipe, seed: int, prompt_sets) -> TrainResult:
         pol, algo, fam = self.policy, self.algorithm, self.policy.family
         opt = pol.ensure_optimizer(policy.checkpoint_dir if policy.with_optimizer else None)
         algo.load_state(pol.algorithm_state)
         prompts = batch["prompt"]
-        cond_all, pos = self._prompts.encode(prompts)
+        # the prompts as the rollout encoded them: one set per generation round
+        sets = np.zeros(len(prompts), np.int64) if prompt_sets is None else np.asarray(prompt_sets)
+        encoded = {s: self._prompts.encode([p for p, k in zip(prompts, sets) if k == s]) for s in np.unique(sets)}
         if recipe is None and fam.semantics.step.value == "token":  # offline: the algorithm's scored policy
             recipe = getattr(algo, "token_recipe", None) or TokenRecipe()
         neg = self._prompts.negative() if recipe is not None and uses_negative_prompt(fam, recipe.guidance_scale) else None
@@ -147,6 +150,10 @@ class LocalEngine:
         gen = torch.Generator(device=fam.device).manual_seed(seed)
 
         def replay_policy(rows: list[int]) -> ReplayPolicy | TokenReplayPolicy:
+            (s, *more) = {sets[i] for i in rows}
+            if more:
+                raise ValueError(f"a micro-batch spans prompt sets {sorted({s, *more})}; plan micro-batches within one")
+            cond_all, pos = encoded[s]
             cond = cond_all.select([pos[prompts[i]] for i in rows])
             if isinstance(recipe, TokenRecipe):
                 return TokenReplayPolicy(fam, reference, cond, recipe, fam.device)

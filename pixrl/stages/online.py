@@ -196,12 +196,17 @@ class OnlineStages:
         """The update's micro-batches from the iteration's stored rows (PLAN_COLUMNS): the samples
         the algorithm trains on — with dynamic sampling, of the first P groups with signal."""
         adv = t["advantage"].to_numpy() if advantages is None else advantages
-        keep = self.algorithm.trains_on(adv)
+        keep, rounds = self.algorithm.trains_on(adv), None
         if self.cfg.sampling.max_rounds > 1:
             keep = keep & trained_mask(t["reward"].to_numpy(), t["group_id"].to_numpy(),
                                        self.cfg.sampling.prompts_per_iteration)
+            rounds = self._rounds(t["group_id"].to_numpy())
         return make_plan(t["sample_id"].to_pylist(), keep, self.cfg.sampling.micro_batch,
-                         self.cfg.algorithm.optimizer_steps_per_iteration)
+                         self.cfg.algorithm.optimizer_steps_per_iteration, rounds)
+
+    def _rounds(self, group_ids: np.ndarray) -> np.ndarray:
+        """Each sample's dynamic-sampling round (its prompts' encoding set at rollout)."""
+        return np.asarray(group_ids, dtype=np.int64) // self.cfg.sampling.prompts_per_iteration
 
     # --- dynamic sampling (sampling.max_rounds > 1) -------------------------------------------
     def needs_round(self, iteration: int, rnd: int) -> bool:
@@ -261,12 +266,13 @@ class OnlineStages:
         a replay's scratch directory when record=False: nothing of the run's is written then)."""
         a = self.cfg.algorithm
         schedule = ["timesteps", "sigmas", "stored_steps"] if self.step_kind == "denoise" else []
-        cols = ["sample_id", "prompt", *sorted(self.algorithm.needs), "advantage", *schedule, "recipe"]
+        cols = ["sample_id", "prompt", *sorted(self.algorithm.needs), "advantage", *schedule, "recipe", "group_id"]
         batch = RolloutBatch.from_arrow(self._read(ref, iteration, list(dict.fromkeys(cols))))
         row = {sid: i for i, sid in enumerate(batch["sample_id"])}
         rows = [[[row[sid] for sid in mb] for mb in step] for step in plan.steps]
         recipe = stored_recipe(json.loads(batch["recipe"][0]), self.step_kind, a.train_cfg)
-        result = self.engine.train(self.source(policy), batch, rows, recipe)
+        result = self.engine.train(self.source(policy), batch, rows, recipe,
+                                   prompt_sets=self._rounds(batch["group_id"]))  # as the rollout encoded them
         counters = {"iteration": iteration, "optimizer_steps": len(plan.steps), "policy_version_in": policy.version,
                     "policy_model_in": policy.model_name}
         try:

@@ -23,11 +23,18 @@ class BatchPlan:
         return {"steps": self.steps}
 
 
-def make_plan(sample_ids: list[str], keep: np.ndarray, micro_batch: int, optimizer_steps: int) -> BatchPlan:
+def make_plan(sample_ids: list[str], keep: np.ndarray, micro_batch: int, optimizer_steps: int,
+              segments: np.ndarray | None = None) -> BatchPlan:
     """Micro-batches in rollout order (samples the algorithm does not train on dropped), split
-    into contiguous optimizer-step groups."""
-    kept = [sid for sid, k in zip(sample_ids, keep) if k]
-    micro = [kept[i:i + micro_batch] for i in range(0, len(kept), micro_batch)]
+    into contiguous optimizer-step groups. `segments` (per sample, e.g. its dynamic-sampling
+    round): no micro-batch spans two — each round's prompts were encoded as one set at rollout,
+    and replay must condition on those very encodings for the ratio to be exactly 1."""
+    if segments is None:
+        segments = np.zeros(len(sample_ids), dtype=np.int64)
+    micro = []
+    for seg in dict.fromkeys(np.asarray(segments).tolist()):  # in order of first appearance
+        kept = [sid for sid, k, s in zip(sample_ids, keep, segments) if k and s == seg]
+        micro += [kept[i:i + micro_batch] for i in range(0, len(kept), micro_batch)]
     if not micro:
         return BatchPlan([])
     n_opt = min(optimizer_steps, len(micro))
