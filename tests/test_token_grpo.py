@@ -117,3 +117,30 @@ def test_token_grpo_carries_its_adaptive_coefficient_through_its_state():
     assert resumed.entropy_coeff == 0.0
     with pytest.raises(ConfigError, match="outside"):
         build_algorithm(AlgorithmConfig(name="token_grpo", entropy_target=7.0, entropy_coeff=0.5))
+
+
+def test_ppo_clip_over_text_and_image_tokens_is_a_masked_token_mean():
+    """T2I-R1's Σ mask·loss / Σ mask over [text ; image]: padded text positions count for nothing."""
+    old = torch.zeros(2, 4)
+    new = torch.log(torch.tensor([[1.0, 9.0, 1.5, 0.5], [1.0, 1.0, 1.5, 0.5]]))
+    mask = torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]])  # row 0's second text position is padding
+    loss, m = token_ppo_loss(new, old, torch.tensor([1.0, -2.0]), 0.2, 0.28, mask)
+    want = np.mean([-1.0, -1.28, -0.5, 2.0, 2.0, 3.0, 1.6])
+    assert float(loss) == pytest.approx(want, abs=1e-6)
+    assert float(m["ratio_max"]) == pytest.approx(1.5)  # the masked 9.0 is not a sampled token
+    assert float(m["clipfrac"]) == pytest.approx(4 / 7)
+
+
+def test_text_and_image_entropy_coefficients_adapt_separately_and_resume():
+    cfg = dict(name="token_grpo", entropy_target=7.0, text_entropy_target=2.0, entropy_coeff_lr=1e-3,
+               entropy_coeff_min=-0.01, entropy_coeff_max=0.01)
+    algo = build_algorithm(AlgorithmConfig(**cfg))
+    out = algo.after_optimizer_step({"entropy": 4.0, "entropy_text": 3.0})
+    assert out["entropy_coeff"] > 0 > out["text_entropy_coeff"]  # image below its target, text above
+    resumed = build_algorithm(AlgorithmConfig(**cfg))
+    resumed.load_state(algo.state())
+    step = {"entropy": 8.0, "entropy_text": 1.0}
+    assert resumed.after_optimizer_step(step) == algo.after_optimizer_step(step)
+    image_only = build_algorithm(AlgorithmConfig(**{**cfg, "text_entropy_target": None}))
+    image_only.after_optimizer_step({"entropy": 4.0})
+    assert "psi" in image_only.state()  # an image-only state keeps the format earlier checkpoints saved

@@ -17,9 +17,15 @@ from .sampling import SamplerRecipe
 from .token_sampling import TokenRecipe
 
 
+def token_recipe(s: SamplingConfig) -> TokenRecipe:
+    """The logit transform, and the chain of thought when one is asked for."""
+    cot = (s.cot_tokens, s.cot_temperature, s.cot_template) if s.cot_tokens else (0, 1.0, "")
+    return TokenRecipe(s.guidance_scale, s.temperature, s.top_k, *cot)
+
+
 def rollout_recipe(s: SamplingConfig, rng: np.random.Generator, step: str = "denoise") -> SamplerRecipe | TokenRecipe:
     if step == "token":
-        return TokenRecipe(s.guidance_scale, s.temperature, s.top_k)
+        return token_recipe(s)
     if s.window_size:
         lo, hi = s.window_range or (0, s.steps // 2)
         if hi - lo < s.window_size or hi > s.steps:
@@ -36,7 +42,7 @@ def eval_recipe(s: SamplingConfig, step: str = "denoise") -> SamplerRecipe | Tok
     """Deterministic ODE sampling for evaluation (noise level 0, eval_steps); a token family
     samples with the rollout's transform (its policy is the categorical distribution itself)."""
     if step == "token":
-        return TokenRecipe(s.guidance_scale, s.temperature, s.top_k)
+        return token_recipe(s)
     return SamplerRecipe(s.eval_steps, 0.0, "sde", s.guidance_scale, None, ())
 
 
@@ -44,7 +50,8 @@ def stored_recipe(rec: dict, step: str, train_cfg: bool = True) -> SamplerRecipe
     """The recipe a rollout recorded (its row's `recipe` JSON), for replaying it; without
     train_cfg the replay drops guidance (the conditional policy only, as T2I-R1 trains)."""
     if step == "token":
-        return TokenRecipe(rec["guidance_scale"] if train_cfg else 1.0, rec["temperature"], rec["top_k"])
+        return TokenRecipe(rec["guidance_scale"] if train_cfg else 1.0, rec["temperature"], rec["top_k"],
+                           rec.get("cot_tokens", 0), rec.get("cot_temperature", 1.0), rec.get("cot_template", ""))
     return SamplerRecipe(rec["steps"], rec["noise_level"], rec["sde_type"],
                          rec["guidance_scale"] if train_cfg else 1.0,
                          tuple(rec["sde_steps"]) if rec["sde_steps"] is not None else None,

@@ -13,7 +13,7 @@ import torch
 
 from .flow_sde import StepOut
 from .sampling import SamplerRecipe, replay_step
-from .token_sampling import TokenRecipe, sequence_log_probs
+from .token_sampling import TokenRecipe, sequence_log_probs, text_log_probs
 
 
 @dataclass
@@ -49,9 +49,18 @@ class TokenReplayPolicy:
 
     model: object  # a token family (trained weights)
     reference: object | None  # the reference's view, when the algorithm needs it
-    cond: object  # the micro-batch's prompts, one row per batch row
+    cond: object  # the micro-batch's image prompts, one row per batch row
     recipe: TokenRecipe
     device: torch.device
+    text_cond: object | None = None  # the reasoning prompts of a chain of thought
+
+    def text_log_probs(self, cot_tokens: torch.Tensor, cot_mask: torch.Tensor,
+                       reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log π(text) [B, C], entropy [B, C]) of the stored chains of thought, 0 where masked."""
+        model = self.reference if reference else self.model
+        if model is None or self.text_cond is None:
+            raise ValueError("text log-probs need the reasoning prompts (and, for the reference, a reference)")
+        return text_log_probs(model, self.text_cond, cot_tokens, cot_mask, self.recipe.cot_temperature)
 
     def tensor(self, values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.array(values, dtype=values.dtype, order="C")).to(self.device)

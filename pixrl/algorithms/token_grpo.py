@@ -11,6 +11,12 @@ adaptive towards `entropy_target` (ReasonGen-R1; algorithms/entropy_control.py).
 token mean over the micro-batch. Advantages: A = (r − mean_g)/(std_g + eps) with the unbiased group
 std (torch.std, as both recipes); groups whose rewards are all equal carry no signal and are
 dropped (DAPO's filter; `filter_groups`).
+
+With a chain of thought (sampling.cot_tokens > 0) the text tokens are actions too, as T2I-R1
+trains them: the loss and the KL are token means over [text ; image] with the text's own mask
+(nothing after its end-of-sentence token), one advantage per sequence; the entropy terms are
+separate — α_image·H_image + α_text·H_text, each α fixed or adaptive towards its own target
+(ReasonGen-R1: text 2.0, image 7.0 nats).
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ class TokenGRPOSettings(BaseModel):
     entropy_coeff_lr: float = Field(1e-5, gt=0, description="adaptive α: Adam step size of ψ (α = sinh ψ)")
     entropy_coeff_min: float = Field(-1e-3, description="adaptive α: lower bound (negative: a penalty)")
     entropy_coeff_max: float = Field(1e-3, description="adaptive α: upper bound")
+    text_entropy_coeff: float = Field(0.0, description="entropy weight on the chain-of-thought tokens (the initial "
+                                                       "α_text when adaptive)")
+    text_entropy_target: float | None = Field(None, gt=0, description="adaptive α_text: the text-token entropy to track "
+                                                                      "(ReasonGen-R1: 2.0); bounds and step as α's")
     std_eps: float = Field(1e-4, gt=0, description="A = (r − mean)/(std + eps) (T2I-R1: 1e-4; verl: 1e-6)")
     filter_groups: bool = Field(True, description="drop groups whose rewards are all equal (DAPO)")
 
@@ -56,17 +66,28 @@ def token_group_advantages(rewards: np.ndarray, group_ids: np.ndarray, eps: floa
     return GroupAdvantages(advantages=adv, zero_std_ratio=flat / max(1, len(groups)), keep=adv != 0)
 
 
+def token_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The mean over [B, N] (mask None), or over the positions where mask is 1."""
+    if mask is None:
+        return values.mean()
+    m = mask.to(values.dtype)
+    return (values * m).sum() / m.sum().clamp(min=1)
+
+
 def token_ppo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
-                   clip_low: float, clip_high: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Token-mean of max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high)) over [B, N]; A [B] broadcast."""
+                   clip_low: float, clip_high: float,
+                   mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-mean of max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high)) over [B, N] (with `mask`: over its
+    1-positions); A [B] broadcast."""
     adv = advantages.float()[:, None]
     ratio = torch.exp(log_prob - old_log_prob)
-    loss = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)).mean()
+    loss = token_mean(torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)), mask)
     with torch.no_grad():
         diff = log_prob - old_log_prob
-        metrics = {"approx_kl": 0.5 * (diff ** 2).mean(),
-                   "clipfrac": ((ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)).float().mean(),
-                   "ratio_mean": ratio.mean(), "ratio_min": ratio.min(), "ratio_max": ratio.max()}
+        valid = ratio if mask is None else ratio[mask.bool()]
+        metrics = {"approx_kl": token_mean(0.5 * diff ** 2, mask),
+                   "clipfrac": token_mean(((ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)).float(), mask),
+                   "ratio_mean": token_mean(ratio, mask), "ratio_min": valid.min(), "ratio_max": valid.max()}
     return loss, metrics
 
 
@@ -91,58 +112,91 @@ class TokenGRPO(Algorithm):
     def __init__(self, cfg):
         super().__init__(cfg)
         c = self.settings
-        self.controller = None
-        if c.entropy_target is not None:
-            if not c.entropy_coeff_min <= c.entropy_coeff <= c.entropy_coeff_max:
+        for key, value, target in (("entropy_coeff", c.entropy_coeff, c.entropy_target),
+                                   ("text_entropy_coeff", c.text_entropy_coeff, c.text_entropy_target)):
+            if target is not None and not c.entropy_coeff_min <= value <= c.entropy_coeff_max:
                 from ..config.loader import ConfigError
 
-                raise ConfigError(f"algorithm.entropy_coeff={c.entropy_coeff} lies outside [entropy_coeff_min, "
-                                  f"entropy_coeff_max] = [{c.entropy_coeff_min}, {c.entropy_coeff_max}]; start α "
-                                  f"inside its bounds")
-            self.controller = AdaptiveEntropyCoefficient(c.entropy_coeff, c.entropy_target, c.entropy_coeff_lr,
-                                                         c.entropy_coeff_min, c.entropy_coeff_max)
+                raise ConfigError(f"algorithm.{key}={value} lies outside [entropy_coeff_min, entropy_coeff_max] = "
+                                  f"[{c.entropy_coeff_min}, {c.entropy_coeff_max}]; start it inside its bounds")
+        self.load_state(None)
+
+    def _controller(self, initial: float, target: float | None) -> AdaptiveEntropyCoefficient | None:
+        c = self.settings
+        if target is None:
+            return None
+        return AdaptiveEntropyCoefficient(initial, target, c.entropy_coeff_lr, c.entropy_coeff_min, c.entropy_coeff_max)
 
     @property
     def entropy_coeff(self) -> float:
         return self.controller.alpha if self.controller else self.settings.entropy_coeff
 
+    @property
+    def text_entropy_coeff(self) -> float:
+        return self.text_controller.alpha if self.text_controller else self.settings.text_entropy_coeff
+
     def trains_on(self, advantages: np.ndarray) -> np.ndarray:
         return (advantages != 0) | (not self.settings.filter_groups)
 
     def after_optimizer_step(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Adaptive α: one step towards the target from this optimizer step's mean entropy."""
-        if self.controller is None:
-            return {}
-        return {"entropy_coeff": self.controller.update(metrics["entropy"])}
+        """Adaptive α's: one step each towards its target from this optimizer step's mean entropy."""
+        out = {}
+        if self.controller is not None:
+            out["entropy_coeff"] = self.controller.update(metrics["entropy"])
+        if self.text_controller is not None and "entropy_text" in metrics:
+            out["text_entropy_coeff"] = self.text_controller.update(metrics["entropy_text"])
+        return out
 
     def state(self) -> dict | None:
-        return self.controller.state_dict() if self.controller else None
+        """The image α's state as before; with an adaptive α_text, both under "image"/"text"."""
+        if self.text_controller is None:
+            return self.controller.state_dict() if self.controller else None
+        return {"image": self.controller.state_dict() if self.controller else None,
+                "text": self.text_controller.state_dict()}
 
     def load_state(self, state: dict | None) -> None:
-        if self.controller is None:
-            return
         c = self.settings
-        self.controller = AdaptiveEntropyCoefficient(c.entropy_coeff, c.entropy_target, c.entropy_coeff_lr,
-                                                     c.entropy_coeff_min, c.entropy_coeff_max)
-        if state is not None:
-            self.controller.load_state_dict(state)
+        self.controller = self._controller(c.entropy_coeff, c.entropy_target)
+        self.text_controller = self._controller(c.text_entropy_coeff, c.text_entropy_target)
+        if state is None:
+            return
+        image, text = (state.get("image"), state.get("text")) if "text" in state else (state, None)
+        if self.controller is not None and image is not None:
+            self.controller.load_state_dict(image)
+        if self.text_controller is not None and text is not None:
+            self.text_controller.load_state_dict(text)
 
     def losses(self, batch, policy):
-        """One term per micro-batch: every image token of every sequence in one teacher-forced pass."""
+        """One term per micro-batch: every token of every sequence (the chain of thought's, then
+        the image's) in one teacher-forced pass each."""
         c = self.settings
         tokens = policy.tensor(batch["tokens"]).long()
         new, entropy = policy.log_probs(tokens)
         old = policy.tensor(batch["log_probs"])
+        mask = text_entropy = None
+        if "cot_tokens" in batch:
+            cot, cot_mask = policy.tensor(batch["cot_tokens"]).long(), policy.tensor(batch["cot_mask"]).long()
+            new_text, text_entropy = policy.text_log_probs(cot, cot_mask)
+            new, old = torch.cat([new_text, new], 1), torch.cat([policy.tensor(batch["cot_log_probs"]), old], 1)
+            mask = torch.cat([cot_mask, torch.ones_like(tokens)], 1)
         loss, metrics = token_ppo_loss(new, old, policy.tensor(batch["advantage"]), c.clip_range,
-                                       c.clip_range_high if c.clip_range_high is not None else c.clip_range)
+                                       c.clip_range_high if c.clip_range_high is not None else c.clip_range, mask)
         metrics["entropy"] = entropy.detach().mean()
         alpha = self.entropy_coeff
         if alpha != 0:
             loss = loss - alpha * entropy.mean()
+        if text_entropy is not None:
+            h_text = token_mean(text_entropy, cot_mask)
+            metrics["entropy_text"] = h_text.detach()
+            metrics["cot_length"] = cot_mask.sum(1).float().mean()
+            if self.text_entropy_coeff != 0:
+                loss = loss - self.text_entropy_coeff * h_text
         if c.beta > 0:
             with torch.no_grad():
                 ref, _ = policy.log_probs(tokens, reference=True)
-            kl = k3_kl(new, ref).mean()
+                if mask is not None:
+                    ref = torch.cat([policy.text_log_probs(cot, cot_mask, reference=True)[0], ref], 1)
+            kl = token_mean(k3_kl(new, ref), mask)
             loss = loss + c.beta * kl
             metrics["kl"] = kl.detach()
         yield loss, metrics

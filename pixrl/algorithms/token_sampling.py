@@ -8,6 +8,12 @@ any batch. Tokens are drawn with a KV cache; the stored log-probs are then compu
 teacher-forced pass — the very function replay differentiates, on the same micro-batch — so the
 ratio before an update is exactly 1 (incremental and full-sequence attention differ in the last
 bits; `sampler_log_probs` keeps the incremental ones to show how much).
+
+With a semantic chain of thought (`cot_tokens` > 0, T2I-R1's BiCoT), each sample first draws a
+text from the language-model head after a reasoning prompt (temperature `cot_temperature`, no
+guidance, until the end-of-sentence token or the budget), then its image tokens after the image
+prompt that embeds that text; one generator per sample draws both, a finished text draws no
+more, so a sample stays independent of its batch. The text's log-probs are teacher-forced too.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ class TokenRecipe:
     guidance_scale: float = 1.0  # CFG weight on the logits (1: no unconditional rows)
     temperature: float = 1.0
     top_k: int = 0  # 0: the whole codebook
+    cot_tokens: int = 0  # semantic chain of thought before the image: at most this many text tokens (0: none)
+    cot_temperature: float = 1.0
+    cot_template: str = ""  # the reasoning prompt, with {prompt}
 
     @property
     def guided(self) -> bool:
@@ -36,6 +45,9 @@ class TokenTrajectory:
     tokens: torch.Tensor  # [B, N] sampled image tokens
     log_probs: torch.Tensor  # [B, N] teacher-forced log π(token) under the recipe's transform
     sampler_log_probs: torch.Tensor  # [B, N] the same from the incremental (KV-cache) decode
+    cot_tokens: torch.Tensor | None = None  # [B, C] the chain of thought (pad after the end)
+    cot_mask: torch.Tensor | None = None  # [B, C] 1 = a sampled text token (end-of-sentence included)
+    cot_log_probs: torch.Tensor | None = None  # [B, C] teacher-forced, 0 where masked
 
 
 def transform_logits(logits: torch.Tensor, recipe: TokenRecipe, batch: int) -> torch.Tensor:
@@ -67,6 +79,64 @@ def sequence_log_probs(family, cond, tokens: torch.Tensor, recipe: TokenRecipe) 
     the rollout's stored values and replay's differentiable ones."""
     logits = family.sequence_logits(cond, tokens, recipe.guided)
     return log_probs_and_entropy(transform_logits(logits, recipe, tokens.shape[0]), tokens)
+
+
+def text_log_probs(family, text_cond, cot_tokens: torch.Tensor, cot_mask: torch.Tensor,
+                   temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs [B, C], entropies [B, C]) of a stored chain of thought, 0 where masked."""
+    logits = family.text_sequence_logits(text_cond, cot_tokens).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    lp, ent = log_probs_and_entropy(logits, cot_tokens)
+    m = cot_mask.to(lp.dtype)
+    return lp * m, ent * m
+
+
+@torch.no_grad()
+def sample_text(family, text_cond, generators: list[torch.Generator], recipe: TokenRecipe):
+    """(tokens [B, C], mask [B, C], teacher-forced log-probs [B, C]) of one micro-batch's chains
+    of thought: multinomial draws at `cot_temperature` until each row's end-of-sentence token."""
+    b, budget, eos = len(generators), recipe.cot_tokens, family.eos_id
+    tokens = torch.full((b, budget), family.pad_id, dtype=torch.long, device=text_cond.ids.device)
+    mask = torch.zeros((b, budget), dtype=torch.long, device=tokens.device)
+    live = [True] * b
+    logits, state = family.first_logits(text_cond, guided=False, text=True)
+    for i in range(budget):
+        probs = torch.softmax(logits.float() / recipe.cot_temperature, dim=-1)
+        for r, g in enumerate(generators):
+            if live[r]:  # a finished row draws no more from its generator
+                tokens[r, i] = torch.multinomial(probs[r:r + 1], 1, generator=g).view(())
+                mask[r, i] = 1
+                live[r] = int(tokens[r, i]) != eos
+        if not any(live):
+            break
+        if i + 1 < budget:
+            logits, state = family.next_logits(state, tokens[:, i], text=True)
+    lp, _ = text_log_probs(family, text_cond, tokens, mask, recipe.cot_temperature)
+    return tokens, mask, lp
+
+
+@torch.no_grad()
+def sample_with_cot(family, cot, rows: list[int], generators: list[torch.Generator],
+                    recipe: TokenRecipe) -> TokenTrajectory:
+    """A micro-batch of set rows `rows` (a CotPrompts set): the chain of thought, then the image
+    tokens after the image prompt that embeds it."""
+    text_cond = cot.text.select(rows)
+    cot_tokens, cot_mask, cot_lp = sample_text(family, text_cond, generators, recipe)
+    traj = sample_tokens(family, family.cot_image_prompts(cot, rows, cot_tokens, cot_mask), generators, recipe)
+    traj.cot_tokens, traj.cot_mask, traj.cot_log_probs = cot_tokens, cot_mask, cot_lp
+    return traj
+
+
+@torch.no_grad()
+def generate_tokens(family, prompts: list[str], generators: list[torch.Generator], recipe: TokenRecipe) -> TokenTrajectory:
+    """Samples for free-standing prompts (evaluation, `pixrl generate`): with the chain of thought
+    when the recipe asks for one."""
+    if recipe.cot_tokens:
+        uniq = sorted(set(prompts))
+        cot = family.encode_cot_prompts(uniq, recipe.cot_template, recipe.cot_tokens)
+        return sample_with_cot(family, cot, [uniq.index(p) for p in prompts], generators, recipe)
+    return sample_tokens(family, family.encode_prompts(prompts), generators, recipe)
 
 
 @torch.no_grad()

@@ -74,6 +74,11 @@ TRAJECTORY_FIELDS: tuple[FieldSpec, ...] = (
     F("means", pa.float32(), ("S", "*latent"), role="mean", optional=True, step="denoise"),
     F("final_latent", pa.float32(), ("*latent",), role="observation", step="denoise"),
     F("tokens", pa.int32(), ("S",), role="action", step="token"),  # the sampled image tokens
+    # a semantic chain of thought before the image (sampling.cot_tokens = C): its text tokens
+    # (pad after the end), which of them were sampled (end-of-sentence included), their log-probs
+    F("cot_tokens", pa.int32(), ("C",), role="action", optional=True, step="token"),
+    F("cot_mask", pa.int8(), ("C",), role="meta", optional=True, step="token"),
+    F("cot_log_probs", pa.float32(), ("C",), role="old_log_prob", optional=True, step="token"),
     F("image", pa.binary(), role="observation", filled_by="decode"),  # PNG; a clip: MP4, lossless H.264 RGB
     F("poster", pa.binary(), role="observation", filled_by="decode", optional=True),  # a clip's first frame, PNG
     F("rewards", pa.list_(REWARD_ITEM), role="reward", filled_by="score"),  # per component
@@ -88,6 +93,8 @@ class BatchError(ExpectedError, ValueError):
 
 
 STEP_KINDS = ("denoise", "token")
+#: the fields a token rollout with a chain of thought adds
+COT_FIELDS = ("cot_tokens", "cot_mask", "cot_log_probs")
 #: the field the decode stage turns into images, per step kind
 DECODE_INPUT = {"denoise": "final_latent", "token": "tokens"}
 

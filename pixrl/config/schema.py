@@ -22,6 +22,19 @@ class ModelConfig(_Section):
     frames: int | None = Field(None, ge=1, description="video families: frames per clip; None: the family's default")
 
 
+#: T2I-R1's reasoning prompt (data/prompt/reasoning_prompt.txt), with {prompt} for its "{}"
+T2I_R1_REASONING_PROMPT = (
+    'You are asked to generate an image based on this prompt: "{prompt}"\n'
+    "Provide a brief, precise visualization of all elements in the prompt. Your description should:\n"
+    "1. Include every object mentioned in the prompt\n"
+    "2. Specify visual attributes (color, number, shape, texture) if specified in the prompt\n"
+    "3. Clarify relationships (e.g., spatial) between objects if specified in the prompt\n"
+    "4. Be concise (50 words or less)\n"
+    "5. Focus only on what's explicitly stated in the prompt\n"
+    "6. Do not elaborate beyond the attributes or relationships specified in the prompt\n"
+    "Do not miss objects. Output your visualization directly without explanation: ")
+
+
 class SamplingConfig(_Section):
     steps: int = Field(10, ge=1)
     noise_level: float = Field(0.7, ge=0)
@@ -39,9 +52,16 @@ class SamplingConfig(_Section):
     eval_steps: int = Field(20, ge=1)
     temperature: float = Field(1.0, gt=0, description="token families: softmax temperature of the image tokens")
     top_k: int = Field(0, ge=0, description="token families: sample among the k likeliest tokens (0: all)")
+    cot_tokens: int = Field(0, ge=0, description="token families: a semantic chain of thought of at most this many "
+                            "text tokens before the image (T2I-R1's BiCoT; 0: none)")
+    cot_temperature: float = Field(1.0, gt=0, description="token families: softmax temperature of the chain of thought")
+    cot_template: str = Field(T2I_R1_REASONING_PROMPT, description="token families: the reasoning prompt the chain of "
+                              "thought answers, with {prompt}")
 
     @model_validator(mode="after")
     def _slots(self) -> SamplingConfig:
+        if self.cot_tokens and "{prompt}" not in self.cot_template:
+            raise ValueError("sampling.cot_template must contain {prompt} (where the image prompt goes)")
         if self.prompts_per_iteration * self.max_rounds > 1000:  # sample ids hold 3-digit group slots
             raise ValueError(f"sampling.prompts_per_iteration × sampling.max_rounds = "
                              f"{self.prompts_per_iteration * self.max_rounds} groups per iteration; at most 1000")

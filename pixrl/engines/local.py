@@ -17,7 +17,7 @@ import torch
 from ..algorithms.base import build_algorithm
 from ..algorithms.replay import ReplayPolicy, TokenReplayPolicy
 from ..algorithms.sampling import SamplerRecipe, generators, sample
-from ..algorithms.token_sampling import TokenRecipe, sample_tokens
+from ..algorithms.token_sampling import TokenRecipe, sample_tokens, sample_with_cot
 from ..artifacts.batch import RolloutBatch
 from ..artifacts.checkpoints import load_weights
 from ..config.schema import ExperimentConfig
@@ -97,16 +97,23 @@ class LocalEngine:
         per micro-batch (the geometry replay uses)."""
         fam, mb = self.policy.family, self.cfg.sampling.micro_batch
         cond_all, pos = self._prompts.encode(prompts)
+        cot = fam.encode_cot_prompts(list(pos), recipe.cot_template, recipe.cot_tokens) if recipe.cot_tokens else None
         self.policy.module.eval()
         trajs = []
         t0 = time.perf_counter()
         for start in range(0, len(prompts), mb):
             chunk = prompts[start:start + mb]
             gens = generators(seeds[start:start + len(chunk)], fam.device)
-            trajs.append(sample_tokens(fam, cond_all.select([pos[p] for p in chunk]), gens, recipe))
+            rows = [pos[p] for p in chunk]
+            trajs.append(sample_with_cot(fam, cot, rows, gens, recipe) if cot
+                         else sample_tokens(fam, cond_all.select(rows), gens, recipe))
         seconds = time.perf_counter() - t0
-        return RolloutBatch({"tokens": _host(torch.cat([t.tokens for t in trajs])).astype(np.int32),
-                             "log_probs": _host(torch.cat([t.log_probs for t in trajs]))}), seconds
+        cat = lambda name: _host(torch.cat([getattr(t, name) for t in trajs]))  # noqa: E731
+        cols = {"tokens": cat("tokens").astype(np.int32), "log_probs": cat("log_probs")}
+        if cot:
+            cols.update(cot_tokens=cat("cot_tokens").astype(np.int32), cot_mask=cat("cot_mask").astype(np.int8),
+                        cot_log_probs=cat("cot_log_probs"))
+        return RolloutBatch(cols), seconds
 
     # --- decode and score ---------------------------------------------------------------------
     def decode(self, final_latents: np.ndarray) -> np.ndarray:
@@ -154,7 +161,13 @@ class LocalEngine:
             if more:
                 raise ValueError(f"a micro-batch spans prompt sets {sorted({s, *more})}; plan micro-batches within one")
             cond_all, pos = encoded[s]
-            cond = cond_all.select([pos[prompts[i]] for i in rows])
+            set_rows = [pos[prompts[i]] for i in rows]
+            if isinstance(recipe, TokenRecipe) and recipe.cot_tokens:  # the image prompts embed the stored CoT
+                cot = fam.encode_cot_prompts(list(pos), recipe.cot_template, recipe.cot_tokens)
+                on = lambda name: torch.from_numpy(np.asarray(batch[name])[rows]).to(fam.device)  # noqa: E731
+                cond = fam.cot_image_prompts(cot, set_rows, on("cot_tokens").long(), on("cot_mask").long())
+                return TokenReplayPolicy(fam, reference, cond, recipe, fam.device, cot.text.select(set_rows))
+            cond = cond_all.select(set_rows)
             if isinstance(recipe, TokenRecipe):
                 return TokenReplayPolicy(fam, reference, cond, recipe, fam.device)
             return ReplayPolicy(fam, reference, cond, neg.expand(len(rows)) if neg else None, sigmas, timesteps,

@@ -48,6 +48,20 @@ class JanusPrompts:
 
 
 @dataclass
+class CotPrompts:
+    """A prompt set's semantic chain of thought (T2I-R1's BiCoT): the reasoning prompts the text
+    is sampled from (left-padded to the set's width), and per prompt the ids that wrap the CoT in
+    the image prompt `<|User|>: {prompt}. {cot}\n\n<|Assistant|>:<begin_of_image>`. The image
+    prompts are padded to one width for the whole set (longest head + tail + the CoT budget), so
+    a row's conditioning never depends on the batch it is replayed in."""
+
+    text: JanusPrompts  # the reasoning prompts (no unconditional rows: text is sampled unguided)
+    heads: list[list[int]]  # BOS + "<|User|>: {prompt}. " per prompt of the set
+    tail: list[int]  # "\n\n<|Assistant|>:" + <begin_of_image>
+    width: int
+
+
+@dataclass
 class DecodeState:
     """The KV cache of an incremental image-token decode and where the next token goes."""
 
@@ -146,8 +160,10 @@ class JanusProFamily:
         return p
 
     @classmethod
-    def check_prompts(cls, path: str | Path, prompts: list[str], max_sequence_length: int = 0) -> None:
-        """Every prompt fits the context with the image tokens (tokenizer and config only)."""
+    def check_prompts(cls, path: str | Path, prompts: list[str], max_sequence_length: int = 0,
+                      cot_tokens: int = 0, cot_template: str = "") -> None:
+        """Every prompt fits the context with the image tokens — and with a chain of thought of
+        `cot_tokens`, its reasoning prompt and its image prompt too (tokenizer and config only)."""
         from transformers import AutoConfig, AutoTokenizer
 
         cfg = AutoConfig.from_pretrained(str(path))
@@ -155,8 +171,12 @@ class JanusProFamily:
         context = cfg.text_config.max_position_embeddings
         n_image = cfg.vq_config.num_patches ** 2
         limit = max_sequence_length or context - n_image
+        tail = len(tok("\n\n<|Assistant|>:", add_special_tokens=False).input_ids) + 1
         for prompt in prompts:
             n = len(tok(cls.image_prompt(prompt) + tok.boi_token).input_ids)
+            if cot_tokens:  # as encode_cot_prompts measures it
+                n = max(n, len(tok(cls.image_prompt(cot_template.format(prompt=prompt.strip()))).input_ids) + cot_tokens,
+                        len(tok(f"<|User|>: {prompt.strip()}. ").input_ids) + cot_tokens + tail)
             if n > limit:
                 raise PromptTooLong.of(prompt, n, limit, context, n_image)
 
@@ -207,12 +227,7 @@ class JanusProFamily:
         for p, e in zip(prompts, enc):
             if len(e) > self.max_sequence_length:
                 raise PromptTooLong.of(p, len(e), self.max_sequence_length, self.context, self.image_token_count())
-        width = max(len(e) for e in enc)
-        ids = torch.full((len(enc), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(enc), width), dtype=torch.long)
-        for i, e in enumerate(enc):
-            ids[i, width - len(e):] = torch.tensor(e)
-            mask[i, width - len(e):] = 1
+        ids, mask = self._left_pad(enc, max(len(e) for e in enc))
         keep = (ids == self.bos_id) | (ids == self.boi_id)
         uncond = torch.where(keep | (mask == 0), ids, torch.full_like(ids, self.pad_id))
         dev = self.device
@@ -229,25 +244,88 @@ class JanusProFamily:
                                               past_key_values=cache, use_cache=cache is not None)
         return out.last_hidden_state, out.past_key_values
 
-    def first_logits(self, cond: JanusPrompts, guided: bool) -> tuple[torch.Tensor, DecodeState]:
+    def first_logits(self, cond: JanusPrompts, guided: bool, text: bool = False) -> tuple[torch.Tensor, DecodeState]:
         """Logits [R, V] of the first image token (R = B, or 2B with guidance: conditional rows
-        first) and the decode state after the prompt."""
+        first) and the decode state after the prompt; `text`: of the first text token (the
+        language-model head: a chain of thought)."""
         from transformers import DynamicCache
 
         ids, mask = self._rows(cond, guided)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         embeds = self.model.get_input_embeddings()(ids)
         hidden, cache = self._lm(embeds, mask, positions, DynamicCache(config=self.model.config.text_config))
-        return self.model.model.generation_head(hidden[:, -1]), DecodeState(cache, mask, positions[:, -1] + 1)
+        head = self.model.lm_head if text else self.model.model.generation_head
+        return head(hidden[:, -1]), DecodeState(cache, mask, positions[:, -1] + 1)
 
-    def next_logits(self, state: DecodeState, tokens: torch.Tensor) -> tuple[torch.Tensor, DecodeState]:
-        """Feed the sampled image tokens [B] (to both halves with guidance); logits of the next."""
+    def next_logits(self, state: DecodeState, tokens: torch.Tensor, text: bool = False) -> tuple[torch.Tensor, DecodeState]:
+        """Feed the sampled image tokens [B] (to both halves with guidance; `text`: text tokens
+        through the word embeddings); logits of the next."""
         rows = state.mask.shape[0]
         tok = tokens.repeat(rows // tokens.shape[0])
-        embeds = self.model.prepare_embeddings_for_image_generation(tok[:, None])
+        if text:
+            embeds = self.model.get_input_embeddings()(tok[:, None])
+        else:
+            embeds = self.model.prepare_embeddings_for_image_generation(tok[:, None])
         mask = torch.cat([state.mask, state.mask.new_ones((rows, 1))], dim=1)
         hidden, cache = self._lm(embeds, mask, state.next_pos[:, None], state.cache)
-        return self.model.model.generation_head(hidden[:, -1]), DecodeState(cache, mask, state.next_pos + 1)
+        head = self.model.lm_head if text else self.model.model.generation_head
+        return head(hidden[:, -1]), DecodeState(cache, mask, state.next_pos + 1)
+
+    def text_sequence_logits(self, cond: JanusPrompts, tokens: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced language-model logits [B, C, V] of every text token of `tokens` [B, C]
+        after the prompts (positions after a row's end-of-sentence are computed and masked by the
+        caller: causal attention keeps them out of the valid ones)."""
+        n = tokens.shape[1]
+        embeds = self.model.get_input_embeddings()(torch.cat([cond.ids, tokens[:, :-1].long()], dim=1))
+        full = torch.cat([cond.mask, cond.mask.new_ones((cond.mask.shape[0], n - 1))], dim=1)
+        positions = (full.cumsum(-1) - 1).clamp(min=0)
+        hidden, _ = self._lm(embeds, full, positions)
+        return self.model.lm_head(hidden[:, cond.ids.shape[1] - 1:])
+
+    # --- the semantic chain of thought (T2I-R1) -----------------------------------------------
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    def _left_pad(self, enc: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.full((len(enc), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(enc), width), dtype=torch.long)
+        for i, e in enumerate(enc):
+            ids[i, width - len(e):] = torch.tensor(e, dtype=torch.long)
+            mask[i, width - len(e):] = 1
+        return ids, mask
+
+    def encode_cot_prompts(self, prompts: list[str], template: str, max_tokens: int) -> CotPrompts:
+        """The reasoning prompts (`template` with {prompt}, as a user turn with the generation
+        prompt) and the image prompts' fixed parts, for a prompt set."""
+        texts = [self.image_prompt(template.format(prompt=p.strip())) for p in prompts]
+        enc = [self.tokenizer(t).input_ids for t in texts]
+        heads = [self.tokenizer(f"<|User|>: {p.strip()}. ").input_ids for p in prompts]
+        tail = self.tokenizer("\n\n<|Assistant|>:", add_special_tokens=False).input_ids + [self.boi_id]
+        for p, e, h in zip(prompts, enc, heads):
+            n = max(len(e) + max_tokens, len(h) + max_tokens + len(tail))
+            if n > self.max_sequence_length:
+                raise PromptTooLong.of(p, n, self.max_sequence_length, self.context, self.image_token_count())
+        ids, mask = self._left_pad(enc, max(len(e) for e in enc))
+        dev = self.device
+        text = JanusPrompts(ids.to(dev), mask.to(dev), ids.to(dev))
+        return CotPrompts(text, heads, tail, max(len(h) for h in heads) + len(tail) + max_tokens)
+
+    def cot_image_prompts(self, cot: CotPrompts, rows: list[int], cot_tokens: torch.Tensor,
+                          cot_mask: torch.Tensor) -> JanusPrompts:
+        """The image prompts of set rows `rows` after their sampled CoT [B, C] (mask 1 = sampled):
+        the text ids as sampled, special tokens dropped (T2I-R1 decodes them with
+        skip_special_tokens), never re-tokenized — replay sees exactly the rollout's ids."""
+        special = set(self.tokenizer.all_special_ids)
+        enc = []
+        for r, toks, m in zip(rows, cot_tokens.tolist(), cot_mask.tolist()):
+            words = [t for t, keep in zip(toks, m) if keep and t not in special]
+            enc.append(cot.heads[r] + words + cot.tail)
+        ids, mask = self._left_pad(enc, cot.width)
+        keep = (ids == self.bos_id) | (ids == self.boi_id)
+        uncond = torch.where(keep | (mask == 0), ids, torch.full_like(ids, self.pad_id))
+        dev = self.device
+        return JanusPrompts(ids.to(dev), mask.to(dev), uncond.to(dev))
 
     def sequence_logits(self, cond: JanusPrompts, tokens: torch.Tensor, guided: bool) -> torch.Tensor:
         """Teacher-forced logits [R, N, V] of every image token of `tokens` [B, N] in one pass

@@ -72,10 +72,15 @@ def _no_pairs(groups: int, margin: float) -> OfflineError:
 def check_sources(tables: list[PinnedTable], needs) -> None:
     """Every pinned source holds the fields the offline algorithm reads (its `needs`)."""
     for t in tables:
-        lacking = missing_fields(lance.dataset(t.uri, version=t.version).schema, needs)
+        sch = lance.dataset(t.uri, version=t.version).schema
+        lacking = missing_fields(sch, needs)
         if lacking:
             raise OfflineError(f"source {t.ref} lacks the field(s) {lacking} that the offline algorithm needs; "
                                f"select rollouts of a run that stored them")
+        if "cot_tokens" in sch.names:  # its images were generated after a chain of thought, not the plain prompt
+            raise OfflineError(f"source {t.ref} holds rollouts with a chain of thought; offline training scores image "
+                               f"tokens after the plain prompt and does not train on them yet — select rollouts of a "
+                               f"run without sampling.cot_tokens")
 
 
 def check_selection(tables: list[PinnedTable], d, needs=frozenset()) -> None:

@@ -19,7 +19,7 @@ import pyarrow as pa
 from ..algorithms.base import build_algorithm
 from ..algorithms.dynamic_sampling import batch_full, groups_with_signal, trained_mask
 from ..algorithms.recipe import rollout_recipe, stored_recipe
-from ..artifacts.batch import DECODE_INPUT, RolloutBatch
+from ..artifacts.batch import COT_FIELDS, DECODE_INPUT, RolloutBatch
 from ..artifacts.checkpoints import CheckpointRef, save_checkpoint
 from ..artifacts.media import decode_media, media_bytes, png_bytes
 from ..artifacts.retention import RunRetention
@@ -132,7 +132,8 @@ class OnlineStages:
             sample_index=[g for _, g, _ in rows], seed=seeds, policy_version=[policy.version] * n,
             family=[info["family"]] * n, regime=[sem.regime.value] * n, step_kind=[sem.step.value] * n,
             recipe=[recipe_json] * n)
-        table = batch.to_arrow(batch.dims(), optional=("poster",) if info.get("video") else (), step=self.step_kind)
+        optional = ("poster",) if info.get("video") else COT_FIELDS if "cot_tokens" in batch else ()
+        table = batch.to_arrow(batch.dims(), optional=optional, step=self.step_kind)
         metrics = self._commit_record("generate", iteration, rnd,
                                       {"images_per_s": n / seconds, "generate_compute_s": seconds})
         ref = self.table.append(table, where=self.stores.round_scope(rnd))
@@ -266,7 +267,8 @@ class OnlineStages:
         a replay's scratch directory when record=False: nothing of the run's is written then)."""
         a = self.cfg.algorithm
         schedule = ["timesteps", "sigmas", "stored_steps"] if self.step_kind == "denoise" else []
-        cols = ["sample_id", "prompt", *sorted(self.algorithm.needs), "advantage", *schedule, "recipe", "group_id"]
+        cot = COT_FIELDS if self.step_kind == "token" and self.cfg.sampling.cot_tokens else ()
+        cols = ["sample_id", "prompt", *sorted(self.algorithm.needs), *cot, "advantage", *schedule, "recipe", "group_id"]
         batch = RolloutBatch.from_arrow(self._read(ref, iteration, list(dict.fromkeys(cols))))
         row = {sid: i for i, sid in enumerate(batch["sample_id"])}
         rows = [[[row[sid] for sid in mb] for mb in step] for step in plan.steps]

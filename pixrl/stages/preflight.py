@@ -42,8 +42,16 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
             check_layout(path, family.pipeline_class, family.name)
         items = select_categories(load_prompt_set(resolve_asset(cfg.dataset.path), cfg.dataset.name),
                                   cfg.dataset.categories)
+        s = cfg.sampling
+        if s.cot_tokens and not hasattr(family, "encode_cot_prompts"):
+            raise ValueError(f"sampling.cot_tokens={s.cot_tokens}: the {family.name} family samples no chain of thought "
+                             f"(token families such as janus_pro do); set sampling.cot_tokens=0")
+        if s.cot_tokens and algo.offline:
+            raise ValueError(f"sampling.cot_tokens={s.cot_tokens}: {algo.name!r} scores image tokens after the plain "
+                             f"prompt; it does not train on chains of thought yet — set sampling.cot_tokens=0")
         if hasattr(family, "check_prompts"):  # a token family: prompt + image tokens within the context
-            family.check_prompts(path, [it.prompt for it in items], cfg.model.max_sequence_length)
+            family.check_prompts(path, [it.prompt for it in items], cfg.model.max_sequence_length,
+                                 s.cot_tokens, s.cot_template)
         RewardSet(cfg.reward.weights, cfg.reward.options).check_media(getattr(family, "video", False))
     except (KeyError, ValueError, FileNotFoundError, ModelLoadError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from ...algorithms.recipe import eval_recipe
 from ...algorithms.sampling import SamplerRecipe, generators, sample
-from ...algorithms.token_sampling import TokenRecipe, sample_tokens
+from ...algorithms.token_sampling import TokenRecipe, generate_tokens
 from ...models.base import uses_negative_prompt
 from ..registry import register_evaluator
 from .judge import judge
@@ -31,8 +31,8 @@ def generate_images(family, prompts: list[str], seeds: list[int], recipe: Sample
     (same as `pixrl generate`)."""
     if isinstance(recipe, TokenRecipe):
         return np.concatenate([
-            family.decode(sample_tokens(family, family.encode_prompts(prompts[s:s + batch]),
-                                        generators(seeds[s:s + batch], family.device), recipe).tokens)
+            family.decode(generate_tokens(family, prompts[s:s + batch], generators(seeds[s:s + batch], family.device),
+                                          recipe).tokens)
             for s in range(0, len(prompts), batch)])
     neg = family.encode_prompts([""]) if uses_negative_prompt(family, recipe.guidance_scale) else None
     imgs = []
