@@ -178,7 +178,7 @@ class JanusProFamily:
                 n = max(n, len(tok(cls.image_prompt(cot_template.format(prompt=prompt.strip()))).input_ids) + cot_tokens,
                         len(tok(f"<|User|>: {prompt.strip()}. ").input_ids) + cot_tokens + tail)
             if n > limit:
-                raise PromptTooLong.of(prompt, n, limit, context, n_image)
+                raise PromptTooLong.of(prompt, n, limit, context, n_image, cot_tokens)
 
     @property
     def model(self):
@@ -305,7 +305,7 @@ class JanusProFamily:
         for p, e, h in zip(prompts, enc, heads):
             n = max(len(e) + max_tokens, len(h) + max_tokens + len(tail))
             if n > self.max_sequence_length:
-                raise PromptTooLong.of(p, n, self.max_sequence_length, self.context, self.image_token_count())
+                raise PromptTooLong.of(p, n, self.max_sequence_length, self.context, self.image_token_count(), max_tokens)
         ids, mask = self._left_pad(enc, max(len(e) for e in enc))
         dev = self.device
         text = JanusPrompts(ids.to(dev), mask.to(dev), ids.to(dev))
@@ -386,7 +386,9 @@ class PromptTooLong(ModelLoadError):
     """A prompt that does not fit the token family's context with its image tokens."""
 
     @classmethod
-    def of(cls, prompt: str, n: int, limit: int, context: int, n_image: int) -> "PromptTooLong":
-        return cls(f"prompt {prompt[:60]!r} is {n} tokens with its chat template; this Janus-Pro run allows {limit} "
+    def of(cls, prompt: str, n: int, limit: int, context: int, n_image: int, cot: int = 0) -> "PromptTooLong":
+        what = (f"with the chain of thought's reasoning template and its budget of {cot} tokens (sampling.cot_tokens, "
+                f"sampling.cot_template)") if cot else "with its chat template"
+        return cls(f"prompt {prompt[:60]!r} is {n} tokens {what}; this Janus-Pro run allows {limit} "
                    f"(the context of {context} positions minus {n_image} image tokens, or model.max_sequence_length) "
-                   f"— shorten the prompt or remove it from the set")
+                   f"— shorten the prompt" + (", the template or the budget" if cot else "") + " or remove it from the set")
