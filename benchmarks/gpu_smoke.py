@@ -19,7 +19,8 @@ images/s and peak memory.
 - `--family wan`: Wan2.1-T2V-1.3B — the real transformer and causal video VAE, 33 frames; UMT5-XXL
   at its real width with 2 layers; LoRA r32 as flow_grpo trains Wan.
 - `--family janus_pro`: Janus-Pro-1B — the real decoder, vision tower, VQ-VAE and generation
-  head (576 image tokens, 384²), Token-GRPO with CFG 5 on the logits, full fine-tune.
+  head (576 image tokens, 384²), Token-GRPO with CFG 5 on the logits, full fine-tune; `--cot N`
+  first samples a chain of thought of up to N text tokens (T2I-R1's reasoning prompt).
   Builders: benchmarks/real_shapes.py.
 
     python benchmarks/gpu_smoke.py [--family F]                       # the check a GPU machine runs
@@ -88,6 +89,15 @@ def build_model(out: Path, tiny: bool, resolution: int, family: str = "sd3", lay
     return save_pipeline(pipe, out)
 
 
+def _cot(args) -> list[str]:
+    """A chain of thought of `--cot` tokens (token families); a tiny model's context is too short
+    for T2I-R1's reasoning prompt, so the tiny path uses a one-line template."""
+    n = getattr(args, "cot", 0)
+    if not n:
+        return []
+    return [f"sampling.cot_tokens={n}", *(['sampling.cot_template="Describe {prompt}:"'] if args.tiny else [])]
+
+
 def run(args) -> dict:
     from pixrl.config.environment import apply_defaults
 
@@ -114,7 +124,7 @@ def run(args) -> dict:
         f"sampling.group_size={args.group_size}", f"sampling.prompts_per_iteration={args.prompts}",
         f"sampling.micro_batch={args.micro_batch}", f"sampling.steps={args.steps}",
         "sampling.window_size=2", "sampling.window_range=[0,4]", "algorithm.optimizer_steps_per_iteration=1",
-        "reward=jpeg_compressibility", "dataset.categories=null"])
+        "reward=jpeg_compressibility", "dataset.categories=null", *_cot(args)])
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     t1 = time.perf_counter()
@@ -122,7 +132,7 @@ def run(args) -> dict:
     wall = time.perf_counter() - t1
     c = MlflowClient(out["tracking_uri"])
     metrics = c.get_run(out["run_id"]).data.metrics
-    res = {"family": family, "device": args.device, "dtype": args.dtype, "tiny": args.tiny, "resolution": args.resolution,
+    res = {"family": family, "cot_tokens": getattr(args, "cot", 0), "device": args.device, "dtype": args.dtype, "tiny": args.tiny, "resolution": args.resolution,
            "samples": args.group_size * args.prompts, "build_s": round(build_s, 1), "flow_wall_s": round(wall, 1),
            "stage_s": {s: round(metrics[f"time/{s}_s"], 2) for s in STAGES},
            "images_per_s": round(metrics["images_per_s"], 2), "policy_version": out["policy"]["version"]}
@@ -145,6 +155,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--cot", type=int, default=0, help="janus_pro: a chain of thought of at most N text tokens first")
     args = ap.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.device.startswith("cuda"):

@@ -18,11 +18,12 @@ def _load_script():
     return mod
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux1", "qwen_image", "sana", "flux2", "wan", "janus_pro"])
+@pytest.mark.parametrize("family", ["sd3", "flux1", "qwen_image", "sana", "flux2", "wan", "janus_pro", "janus_pro+cot"])
 def test_gpu_smoke_runs_one_real_iteration_on_cpu(family, tmp_path, prefect_harness):
     smoke = _load_script()
+    family, _, cot = family.partition("+")
     args = Namespace(family=family, layers=None, tiny=True, device="cpu", dtype="float32", resolution=512, steps=4,
-                     group_size=4, prompts=2, micro_batch=4, workdir=str(tmp_path))
+                     group_size=4, prompts=2, micro_batch=4, workdir=str(tmp_path), cot=8 if cot else 0)
     res = smoke.run(args)
     assert res["family"] == family
     assert set(res["stage_s"]) == set(smoke.STAGES) and all(s > 0 for s in res["stage_s"].values())
