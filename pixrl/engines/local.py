@@ -148,6 +148,8 @@ class LocalEngine:
         # the prompts as the rollout encoded them: one set per generation round
         sets = np.zeros(len(prompts), np.int64) if prompt_sets is None else np.asarray(prompt_sets)
         encoded = {s: self._prompts.encode([p for p, k in zip(prompts, sets) if k == s]) for s in np.unique(sets)}
+        cots = {s: fam.encode_cot_prompts(list(pos), recipe.cot_template, recipe.cot_tokens)  # CoT: per set, too
+                for s, (_, pos) in encoded.items()} if isinstance(recipe, TokenRecipe) and recipe.cot_tokens else {}
         if recipe is None and fam.semantics.step.value == "token":  # offline: the algorithm's scored policy
             recipe = getattr(algo, "token_recipe", None) or TokenRecipe()
         neg = self._prompts.negative() if recipe is not None and uses_negative_prompt(fam, recipe.guidance_scale) else None
@@ -162,8 +164,8 @@ class LocalEngine:
                 raise ValueError(f"a micro-batch spans prompt sets {sorted({s, *more})}; plan micro-batches within one")
             cond_all, pos = encoded[s]
             set_rows = [pos[prompts[i]] for i in rows]
-            if isinstance(recipe, TokenRecipe) and recipe.cot_tokens:  # the image prompts embed the stored CoT
-                cot = fam.encode_cot_prompts(list(pos), recipe.cot_template, recipe.cot_tokens)
+            if cots:  # the image prompts embed the stored chains of thought
+                cot = cots[s]
                 on = lambda name: torch.from_numpy(np.asarray(batch[name])[rows]).to(fam.device)  # noqa: E731
                 cond = fam.cot_image_prompts(cot, set_rows, on("cot_tokens").long(), on("cot_mask").long())
                 return TokenReplayPolicy(fam, reference, cond, recipe, fam.device, cot.text.select(set_rows))
