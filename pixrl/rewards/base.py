@@ -35,6 +35,12 @@ class Reward(ABC):
     device: str = "cpu"
     ready: bool = False
     takes: str = "image"  # "image": frame-wise on clips (mean over frames); "clip": whole clips only
+    #: modules the scorer imports when it is set up, and the pip extra that installs them
+    requires: tuple[str, ...] = ()
+    extra: str = ""
+
+    def check_prompts(self, prompts: list[str], metadata: list[dict]) -> None:
+        """Refuse, before a run starts, prompts this reward cannot score (ValueError naming one)."""
 
     def setup(self, device: str = "cpu") -> None:
         """Load whatever the scorer needs onto `device` (rule-based scorers need nothing)."""
@@ -51,7 +57,7 @@ class Reward(ABC):
 
 
 def _builtin() -> None:
-    from . import aesthetic, clip_score, jpeg, shapes, temporal  # noqa: F401
+    from . import aesthetic, clip_score, jpeg, ocr, shapes, temporal  # noqa: F401
 
 
 REWARDS: Registry[type[Reward]] = Registry("reward", "rewards", _builtin)

@@ -53,6 +53,20 @@ class RewardSet:
         out["reward"] = total
         return out
 
+    def check_installed(self) -> None:
+        """Refuse, before a run starts, a reward whose scorer's packages are not installed."""
+        import importlib.util
+
+        for name, r in self.rewards.items():
+            lacking = [m for m in r.requires if importlib.util.find_spec(m) is None]
+            if lacking:
+                raise ValueError(f"reward {name!r} needs {', '.join(lacking)}, which is not installed; install it with "
+                                 f"`pip install 'pixrl[{r.extra}]'`")
+
+    def check_prompts(self, prompts: list[str], metadata: list[dict]) -> None:
+        for r in self.rewards.values():
+            r.check_prompts(prompts, metadata)
+
     def check_media(self, video: bool) -> None:
         """Refuse, before a run starts, a clip-only reward on a family that makes images."""
         clip_only = [n for n, r in self.rewards.items() if r.takes == "clip"]

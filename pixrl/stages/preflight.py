@@ -52,7 +52,10 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
         if hasattr(family, "check_prompts"):  # a token family: prompt + image tokens within the context
             family.check_prompts(path, [it.prompt for it in items], cfg.model.max_sequence_length,
                                  s.cot_tokens, s.cot_template)
-        RewardSet(cfg.reward.weights, cfg.reward.options).check_media(getattr(family, "video", False))
+        rewards = RewardSet(cfg.reward.weights, cfg.reward.options)
+        rewards.check_media(getattr(family, "video", False))
+        rewards.check_installed()
+        rewards.check_prompts([it.prompt for it in items], [it.meta for it in items])
     except (KeyError, ValueError, FileNotFoundError, ModelLoadError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
         raise PreflightError(msg) from None
