@@ -67,6 +67,31 @@ def test_clip_score_is_the_models_cosine_and_batch_invariant(tiny_clip):
     assert np.array_equal(rs.score(imgs, PROMPTS, [{}] * 4, list("abcd"))["clip_score"], c)
 
 
+def test_pickscore_is_the_models_own_logit_over_26_with_a_separate_processor(tiny_clip, tmp_path):
+    """PickScore_v1's layout: a CLIPModel directory without a processor, used with CLIP-H's."""
+    import shutil
+
+    from transformers import CLIPModel, CLIPProcessor
+
+    path, _ = tiny_clip
+    model_dir = tmp_path / "PickScore_v1"
+    model_dir.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(path / f, model_dir / f)
+    rs = RewardSet({"pickscore": 1.0}, {"pickscore": {"path": str(model_dir), "processor": str(path), "batch_size": 3}})
+    imgs = _images()
+    out = rs.score(imgs, PROMPTS, [{}] * 4, list("abcd"))
+    model, proc = CLIPModel.from_pretrained(str(model_dir)), CLIPProcessor.from_pretrained(str(path))
+    with torch.no_grad():
+        ref = model(**proc(text=PROMPTS, images=list(imgs), return_tensors="pt", padding=True)).logits_per_image.diag()
+    assert np.allclose(out["pickscore.raw"], ref.numpy(), atol=1e-4)
+    assert np.allclose(out["pickscore"], out["pickscore.raw"] / 26, atol=1e-6)
+    one = np.concatenate([rs.score(imgs[i:i + 1], PROMPTS[i:i + 1], [{}], ["x"])["pickscore"] for i in range(4)])
+    assert np.allclose(one, out["pickscore"], atol=1e-5)
+    with pytest.raises(ValueError, match="reward.options.pickscore.processor"):  # PickScore_v1 has no processor
+        RewardSet({"pickscore": 1.0}, {"pickscore": {"path": str(model_dir)}})
+
+
 def test_aesthetic_loads_the_released_head_layout(tiny_clip):
     path, head = tiny_clip
     rs = RewardSet({"aesthetic": 1.0}, {"aesthetic": {"path": str(path), "head": str(head)}})

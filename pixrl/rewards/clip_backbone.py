@@ -21,16 +21,28 @@ def check_clip_dir(path: str, reward: str) -> None:
                          "openai/clip-vit-large-patch14 saved with save_pretrained)")
 
 
+def has_processor(path: str) -> bool:
+    """Whether a directory holds a CLIP processor: its image preprocessing (a Hub snapshot's
+    preprocessor_config.json, or transformers 5's processor_config.json) and a tokenizer."""
+    p = Path(path)
+    return any((p / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")) and any(
+        (p / f).is_file() for f in ("tokenizer.json", "vocab.json", "tokenizer_config.json"))
+
+
 class ClipBackbone:
-    def __init__(self, path: str, device: str = "cpu", reward: str = "clip"):
+    """`processor_path`: where the processor lives when the model directory has none (PickScore_v1
+    is used with the processor of laion/CLIP-ViT-H-14-laion2B-s32B-b79K)."""
+
+    def __init__(self, path: str, device: str = "cpu", reward: str = "clip", processor_path: str | None = None):
         from transformers import CLIPModel, CLIPProcessor
 
-        p = Path(path)
+        p, pp = Path(path), Path(processor_path or path)
         try:
             self.model = CLIPModel.from_pretrained(str(p)).to(device).eval().requires_grad_(False)
-            self.processor = CLIPProcessor.from_pretrained(str(p))
+            self.processor = CLIPProcessor.from_pretrained(str(pp))
         except Exception as exc:  # transformers raises many types; name the path and the cause
-            raise ScoringError(f"reward {reward!r}: could not load CLIP from {str(p)!r}: {exc}") from exc
+            raise ScoringError(f"reward {reward!r}: could not load CLIP from {str(p)!r} (processor {str(pp)!r}): "
+                               f"{exc}") from exc
         self.device = device
 
     @torch.no_grad()
