@@ -1,0 +1,98 @@
+"""A VLM judge: a Qwen2.5-VL / Qwen3-VL instruct model from a local checkout (transformers layout)
+is asked a yes/no question about each image — `question`, with {prompt} — and the reward is the
+probability of "yes" against "no" in its first answer token: p(yes) / (p(yes) + p(no)), from the
+model's own logits (every listed spelling of each answer summed), no sampling, so the score is
+deterministic. VeRL-Omni and ReasonGen-R1 judge with Qwen-VL models the same way, by prompting.
+
+The inputs are built as Qwen's processor builds them — chat template with the image placeholder,
+the placeholder expanded to the image's patch count (grid t·h·w / merge²), Qwen2VLImageProcessor
+pixels — from the checkout's tokenizer and image processor, without the processor class (it
+insists on a video processor, which needs torchvision). Rows are left-padded; a batch scores as
+its images alone to float precision.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .base import Reward, ScoringError, register_reward
+
+DEFAULT_QUESTION = "Does this image show {prompt}? Answer yes or no."
+
+
+@register_reward("vlm_judge")
+class VlmJudge(Reward):
+    value_range = (0.0, 1.0)
+
+    def __init__(self, path: str = "", question: str = DEFAULT_QUESTION, yes: tuple[str, ...] = ("Yes", "yes"),
+                 no: tuple[str, ...] = ("No", "no"), batch_size: int = 8, dtype: str = "float32"):
+        p = Path(path) if path else None
+        if p is None or not (p / "config.json").is_file() or not (p / "preprocessor_config.json").is_file():
+            raise ValueError(f"reward vlm_judge: {path!r} is not a Qwen-VL checkout in the transformers layout (config.json "
+                             f"and preprocessor_config.json); set reward.options.vlm_judge.path to a local copy of e.g. "
+                             f"Qwen/Qwen2.5-VL-7B-Instruct")
+        if "{prompt}" not in question:
+            raise ValueError("reward vlm_judge: the question must contain {prompt} (where the image's prompt goes)")
+        self.path, self.question, self.batch_size, self.dtype = str(p), question, batch_size, dtype
+        self.yes_words, self.no_words = tuple(yes), tuple(no)
+        self.model = None
+
+    def setup(self, device: str = "cpu") -> None:
+        from transformers import AutoModelForImageTextToText, AutoTokenizer
+        from transformers import Qwen2VLImageProcessorPil as ImageProcessor  # the slow one: no torchvision
+
+        super().setup(device)
+        try:
+            self.model = AutoModelForImageTextToText.from_pretrained(self.path, dtype=getattr(torch, self.dtype))
+            self.tokenizer = AutoTokenizer.from_pretrained(self.path, padding_side="left")
+            self.images = ImageProcessor.from_pretrained(self.path)
+        except Exception as exc:  # transformers raises many types; name the path and the cause
+            raise ScoringError(f"reward vlm_judge: could not load the judge from {self.path!r}: {exc}") from exc
+        self.model.to(device).eval().requires_grad_(False)
+        self.image_token = self.tokenizer.convert_ids_to_tokens(self.model.config.image_token_id)
+        self.yes, self.no = self._answer_ids(self.yes_words), self._answer_ids(self.no_words)
+
+    def _answer_ids(self, words: tuple[str, ...]) -> list[int]:
+        ids = []
+        for w in words:
+            enc = self.tokenizer.encode(w, add_special_tokens=False)
+            if len(enc) != 1:
+                raise ScoringError(f"reward vlm_judge: the answer {w!r} is {len(enc)} tokens for this tokenizer; list "
+                                   f"spellings that are one token each (reward.options.vlm_judge.yes / .no)")
+            ids.append(enc[0])
+        return ids
+
+    def inputs(self, images: np.ndarray, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """The model inputs of a batch: chat texts with each image's placeholder expanded."""
+        pix = self.images(images=list(images), return_tensors="pt")
+        merge = self.images.merge_size ** 2
+        texts = []
+        for grid, prompt in zip(pix["image_grid_thw"], prompts):
+            msg = [{"role": "user", "content": [{"type": "image"},
+                                                {"type": "text", "text": self.question.format(prompt=prompt)}]}]
+            text = self.tokenizer.apply_chat_template(msg, tokenize=False, add_generation_prompt=True)
+            texts.append(text.replace(self.image_token, self.image_token * (int(grid.prod()) // merge), 1))
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        dev = self.model.device
+        return {"input_ids": enc["input_ids"].to(dev), "attention_mask": enc["attention_mask"].to(dev),
+                "pixel_values": pix["pixel_values"].to(dev, self.model.dtype), "image_grid_thw": pix["image_grid_thw"].to(dev)}
+
+    @torch.no_grad()
+    def answer_probs(self, images: np.ndarray, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(p(yes), p(no)) of the first answer token, each summed over its spellings."""
+        logits = self.model(**self.inputs(images, prompts)).logits[:, -1].float()
+        p = torch.softmax(logits, dim=-1)
+        return p[:, self.yes].sum(-1).cpu().numpy(), p[:, self.no].sum(-1).cpu().numpy()
+
+    def score(self, images, prompts, metadata):
+        ys, ns = [], []
+        for s in range(0, len(images), self.batch_size):
+            y, n = self.answer_probs(images[s:s + self.batch_size], list(prompts[s:s + self.batch_size]))
+            ys.append(y)
+            ns.append(n)
+        y, n = np.concatenate(ys), np.concatenate(ns)
+        return {self.name: (y / np.maximum(y + n, 1e-30)).astype(np.float32), f"{self.name}.p_yes": y.astype(np.float32),
+                f"{self.name}.p_answer": (y + n).astype(np.float32)}

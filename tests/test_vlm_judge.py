@@ -1,0 +1,58 @@
+"""The VLM judge on a tiny Qwen2.5-VL-Instruct checkout written in the Hub layout (model, tokenizer
+with the vision tokens and chat template, Qwen2VLImageProcessor config): the score is
+p(yes)/(p(yes)+p(no)) from the model's own first-answer-token logits (as `generate` reports
+them), deterministic, a batch scores as its images alone, and bad settings fail naming them."""
+
+import numpy as np
+import pytest
+import torch
+
+from pixrl.rewards.base import ScoringError, build_reward
+
+PROMPTS = ["a red circle", "two blue squares on the left of a green triangle", "a cat"]
+
+
+@pytest.fixture(scope="module")
+def judge(tmp_path_factory):
+    from pixrl.models.tiny_parts import write_tiny_qwen25_vl
+
+    path = write_tiny_qwen25_vl(tmp_path_factory.mktemp("vlm") / "Qwen2.5-VL-tiny")
+    r = build_reward("vlm_judge", path=str(path), batch_size=2)
+    r.ensure_setup("cpu")
+    return r
+
+
+def _images(n=3):
+    return np.random.default_rng(0).integers(0, 256, (n, 64, 48, 3), dtype=np.uint8)
+
+
+def test_the_score_is_the_yes_probability_of_the_models_first_answer_token(judge):
+    imgs = _images()
+    out = judge.score(imgs, PROMPTS, [{}] * 3)
+    assert np.all((out["vlm_judge"] >= 0) & (out["vlm_judge"] <= 1))
+    with torch.no_grad():
+        gen = judge.model.generate(**judge.inputs(imgs, PROMPTS), max_new_tokens=1, do_sample=False,
+                                   output_logits=True, return_dict_in_generate=True)
+    p = torch.softmax(gen.logits[0].float(), dim=-1)
+    yes = sum(p[:, judge.tokenizer.convert_tokens_to_ids(w)] for w in ("Yes", "yes"))
+    no = sum(p[:, judge.tokenizer.convert_tokens_to_ids(w)] for w in ("No", "no"))
+    assert np.allclose(out["vlm_judge"], (yes / (yes + no)).numpy(), atol=1e-6)
+    assert np.allclose(out["vlm_judge.p_yes"], yes.numpy(), atol=1e-7)
+
+
+def test_deterministic_and_a_batch_scores_as_its_images_alone(judge):
+    imgs = _images()
+    first = judge.score(imgs, PROMPTS, [{}] * 3)["vlm_judge"]
+    assert np.array_equal(judge.score(imgs, PROMPTS, [{}] * 3)["vlm_judge"], first)
+    alone = [judge.score(imgs[i:i + 1], PROMPTS[i:i + 1], [{}])["vlm_judge"][0] for i in range(3)]
+    assert np.allclose(alone, first, atol=1e-5)
+
+
+def test_bad_settings_are_refused_naming_them(judge, tmp_path):
+    with pytest.raises(ValueError, match="reward.options.vlm_judge.path"):
+        build_reward("vlm_judge", path=str(tmp_path))
+    with pytest.raises(ValueError, match="must contain {prompt}"):
+        build_reward("vlm_judge", path=judge.path, question="Is it good?")
+    r = build_reward("vlm_judge", path=judge.path, yes=("Yes indeed",))
+    with pytest.raises(ScoringError, match="one token each"):
+        r.ensure_setup("cpu")
