@@ -162,3 +162,6 @@ def test_token_grpo_with_a_chain_of_thought_resumes_bit_identical(tiny_janus, tm
     recipe = json.loads(lance.dataset(str(tmp_path / "ref" / "lance" / "ref" / "trajectories.lance"))
                         .to_table(columns=["recipe"])["recipe"][0].as_py())
     assert (recipe["cot_tokens"], recipe["cot_template"]) == (6, TEMPLATE)
+    res = CliRunner().invoke(app, ["dpo", "--from", "ref", "-n", "1", "--run", "jdpo", "--workdir", str(tmp_path / "ref"),
+                                   "model.family=janus_pro", f"model.path={path}", "algorithm=token_dpo"])
+    assert res.exit_code != 0 and "chain of thought" in res.output, res.output  # token DPO scores plain prompts
