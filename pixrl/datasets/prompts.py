@@ -1,4 +1,8 @@
-"""Prompt sets: parquet (prompt [, prompt_id, category, meta JSON]) or text (one per line)."""
+"""Prompt sets users bring, the format detected from the path: parquet or a Lance dataset (prompt
+[, prompt_id, meta JSON]), JSON lines (one object per line with "prompt"; its other fields are
+the metadata — GenEval's `evaluation_metadata.jsonl` loads as is, its "tag" as the category), or
+text (one prompt per line, e.g. OCR prompts with the text to render in quotes). Errors name the
+file and line."""
 
 from __future__ import annotations
 
@@ -29,21 +33,53 @@ def load_prompt_set(path: Path, dataset: str | None = None) -> list[PromptItem]:
     parser applied to the text (none registered: no metadata)."""
     parse = prompt_parser(dataset) if dataset else None
     _meta = parse or (lambda text: {})
-    if not path.is_file():
+    if not (path.is_file() or (path.suffix == ".lance" and path.is_dir())):
         raise PromptSetError(f"prompt file {str(path)!r} does not exist; set dataset.path to a parquet or "
                              f"text file of prompts")
-    if path.suffix == ".parquet":
-        t = pq.read_table(path).to_pylist()
+    if path.suffix in (".parquet", ".lance"):
+        t = _table_rows(path)
         if t and "prompt" not in t[0]:
-            raise PromptSetError(f"{path}: a prompt parquet needs a 'prompt' column (has {sorted(t[0])})")
+            raise PromptSetError(f"{path}: a prompt table needs a 'prompt' column (has {sorted(t[0])})")
         items = [PromptItem(r.get("prompt_id") or f"p{i:05d}", r["prompt"],
                             json.loads(r["meta"]) if r.get("meta") else _meta(r["prompt"]))
                  for i, r in enumerate(t)]
+    elif path.suffix == ".jsonl":
+        items = _jsonl_items(path, _meta)
     else:
         lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
         items = [PromptItem(f"p{i:05d}", ln, _meta(ln)) for i, ln in enumerate(lines)]
     if not items:
         raise PromptSetError(f"prompt set {str(path)!r} is empty; add prompts or point dataset.path elsewhere")
+    return items
+
+
+def _table_rows(path: Path) -> list[dict]:
+    if path.suffix == ".lance":
+        import lance
+
+        ds = lance.dataset(str(path))
+        cols = [c for c in ("prompt", "prompt_id", "meta") if c in ds.schema.names] or ds.schema.names
+        return ds.to_table(columns=cols).to_pylist()
+    return pq.read_table(path).to_pylist()
+
+
+def _jsonl_items(path: Path, parse) -> list[PromptItem]:
+    """One JSON object per line: "prompt", optionally "prompt_id"; every other field is metadata
+    (GenEval's "tag" also becomes "category", so its categories stratify the draw)."""
+    items = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise PromptSetError(f"{path}:{n}: not a JSON object ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise PromptSetError(f"{path}:{n}: each line needs a non-empty \"prompt\" string; got {line.strip()[:80]!r}")
+        meta = {k: v for k, v in row.items() if k not in ("prompt", "prompt_id")} or parse(row["prompt"])
+        if "tag" in meta and "category" not in meta:
+            meta["category"] = meta["tag"]
+        items.append(PromptItem(str(row.get("prompt_id") or f"p{len(items):05d}"), row["prompt"].strip(), meta))
     return items
 
 
