@@ -1,6 +1,7 @@
 """`pixrl score`: score a folder of images (or clips) with any registered rewards before
 training with them — one JSON line per file with every component, the prompt taken from
---prompt or from each file's sidecar JSON (as `pixrl generate` writes them)."""
+--prompt or from each file's sidecar JSON (as `pixrl generate` writes them). `pixrl
+reward-serve`: the same reward sets behind HTTP, for runs with reward=remote."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from .app import _fail, app
+from .app import _fail, app, console
 
 MEDIA = {".png", ".jpg", ".jpeg", ".webp", ".mp4"}
 
@@ -39,15 +40,8 @@ def score(
     if not files:
         _fail(f"no images or clips ({', '.join(sorted(MEDIA))}) in {images!r}")
     names = [n.strip() for n in reward.split(",") if n.strip()]
-    opts: dict[str, dict] = {}
-    for item in options or []:
-        key, sep, value = item.partition("=")
-        name, dot, opt = key.partition(".")
-        if not sep or not dot:
-            _fail(f"reward option {item!r}: expected REWARD.OPTION=VALUE, e.g. clip_score.path=/ckpt/clip")
-        opts.setdefault(name, {})[opt] = _value(value)
     try:
-        rewards = RewardSet({n: 1.0 for n in names}, opts, device=device)
+        rewards = RewardSet({n: 1.0 for n in names}, _reward_options(options), device=device)
     except (KeyError, ValueError) as exc:
         _fail(exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc), exc=exc)
     parse = None
@@ -94,3 +88,46 @@ def _value(text: str):
         return yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+
+
+def _reward_options(options: list[str] | None) -> dict[str, dict]:
+    opts: dict[str, dict] = {}
+    for item in options or []:
+        key, sep, value = item.partition("=")
+        name, dot, opt = key.partition(".")
+        if not sep or not dot:
+            _fail(f"reward option {item!r}: expected REWARD.OPTION=VALUE, e.g. clip_score.path=/ckpt/clip")
+        opts.setdefault(name, {})[opt] = _value(value)
+    return opts
+
+
+@app.command("reward-serve")
+def reward_serve(
+    reward: str = typer.Option(..., "--reward", help="reward name(s), comma-separated; NAME:WEIGHT sets a weight"),
+    options: Optional[list[str]] = typer.Argument(None, help="reward options, e.g. clip_score.path=/ckpt/clip"),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8765, "--port"),
+    token: Optional[str] = typer.Option(None, "--token", envvar="PIXRL_REWARD_TOKEN",
+                                        help="bearer token /score requires (default: $PIXRL_REWARD_TOKEN; none: open)"),
+    max_mb: float = typer.Option(64.0, "--max-mb", help="largest request body accepted"),
+    device: str = typer.Option("cpu", "--device"),
+) -> None:
+    """Serve a reward set over HTTP (GET /health, POST /score) for runs with reward=remote."""
+    import uvicorn
+
+    from ..rewards.compose import RewardSet
+    from ..rewards.service import build_app
+
+    weights = {}
+    for item in reward.split(","):
+        name, _, w = item.strip().partition(":")
+        if name:
+            weights[name] = float(w) if w else 1.0
+    try:
+        rewards = RewardSet(weights, _reward_options(options), device=device)
+        rewards.check_installed()
+    except (KeyError, ValueError) as exc:
+        _fail(exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc), exc=exc)
+    console.print(f"serving {', '.join(weights)} at http://{host}:{port} (POST /score, GET /health)"
+                  + ("" if token else " — no token: anyone who reaches the port can score"))
+    uvicorn.run(build_app(rewards, token, int(max_mb * 2**20)), host=host, port=port, log_level="warning")

@@ -1,0 +1,78 @@
+"""`remote`: a reward set served by `pixrl reward-serve`, scored over HTTP. The main value is the
+served set's weighted total; each served component comes back as `remote.<name>`. Transient
+failures (connection refused or reset, timeouts, 502–504) are retried with exponential backoff up
+to `retries` times; then — or at once for any other refusal (401, 413, 422, a scorer's 500) — a
+ScoringError names the URL and the cause, and the score stage writes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from .base import Reward, ScoringError, register_reward
+from .wire import encode_batch
+
+TRANSIENT_STATUS = {502, 503, 504}
+
+
+@register_reward("remote")
+class RemoteReward(Reward):
+    def __init__(self, url: str = "", token: str = "", token_env: str = "PIXRL_REWARD_TOKEN", timeout: float = 300.0,
+                 retries: int = 4, backoff: float = 1.0, batch: int = 32):
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"reward remote: url {url!r} is not an http(s) URL; set reward.options.remote.url to the "
+                             f"service `pixrl reward-serve` prints, e.g. http://127.0.0.1:8765")
+        self.url, self.timeout, self.retries, self.backoff, self.batch = url.rstrip("/"), timeout, retries, backoff, batch
+        self.token = token or os.environ.get(token_env, "")
+        self.client = None
+
+    def setup(self, device: str = "cpu") -> None:
+        import httpx
+
+        super().setup(device)
+        headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
+        self.client = httpx.Client(timeout=self.timeout, headers=headers)
+
+    def _post(self, payload: dict) -> dict:
+        import httpx
+
+        last = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                r = self.client.post(f"{self.url}/score", json=payload)
+            except httpx.TransportError as exc:  # refused, reset, timed out: the service may come back
+                last = f"{type(exc).__name__}: {exc}"
+                continue
+            if r.status_code in TRANSIENT_STATUS:
+                last = f"HTTP {r.status_code}"
+                continue
+            if r.status_code != 200:
+                raise ScoringError(f"reward service {self.url} refused the batch: HTTP {r.status_code} "
+                                   f"{_detail(r)}")
+            return r.json()["scores"]
+        raise ScoringError(f"reward service {self.url} unreachable after {self.retries + 1} attempts ({last}); "
+                           f"start it with `pixrl reward-serve`, or fix reward.options.remote.url")
+
+    def score(self, images, prompts, metadata):
+        parts: dict[str, list] = {}
+        for s in range(0, len(images), self.batch):
+            got = self._post(encode_batch(images[s:s + self.batch], prompts[s:s + self.batch], metadata[s:s + self.batch]))
+            for k, v in got.items():
+                parts.setdefault(k, []).extend(v)
+        if "reward" not in parts:
+            raise ScoringError(f"reward service {self.url} returned no total 'reward' (got {sorted(parts)})")
+        out = {self.name: np.asarray(parts.pop("reward"), np.float32)}
+        out.update({f"{self.name}.{k}": np.asarray(v, np.float32) for k, v in parts.items()})
+        return out
+
+
+def _detail(r) -> str:
+    try:
+        return str(r.json().get("detail"))
+    except ValueError:
+        return r.text[:200]

@@ -1,0 +1,168 @@
+"""`pixrl reward-serve` and the `remote` reward against a real server on 127.0.0.1: the same
+scores as in process, 401/413/422 refusals with messages, no request lost under 8 concurrent
+clients, a dead server → bounded retries then an error naming the URL, and a 2-iteration run of
+the miniature with reward=remote storing exactly the in-process rewards."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pixrl.datasets.shapes.prompts import parse
+from pixrl.datasets.shapes.render import render_prompt
+from pixrl.rewards.base import ScoringError, build_reward
+from pixrl.rewards.compose import RewardSet
+from pixrl.rewards.wire import encode_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "s3cret"
+PROMPTS = ["a red circle", "two blue squares", "a green triangle and a yellow square", "three circles"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(*extra: str) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pixrl.cli", "reward-serve", "--reward", "shapes,jpeg_compressibility:0.5",
+                             "--port", str(port), *extra], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "PIXRL_REWARD_TOKEN": ""})
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"reward-serve exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("reward-serve did not come up in 90 s")
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = _serve("--token", TOKEN, "--max-mb", "1")
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    images = np.stack([render_prompt(parse(p), i) for i, p in enumerate(PROMPTS)])
+    return images, PROMPTS, [parse(p) for p in PROMPTS]
+
+
+def _remote(url: str, **kw):
+    r = build_reward("remote", url=url, token=TOKEN, **kw)
+    r.ensure_setup("cpu")
+    return r
+
+
+def test_served_scores_equal_in_process_scores(server, batch):
+    images, prompts, meta = batch
+    local = RewardSet({"shapes": 1.0, "jpeg_compressibility": 0.5}).score(images, prompts, meta, list("abcd"))
+    remote = _remote(server, batch=3).score(images, prompts, meta)  # two requests
+    assert np.array_equal(remote["remote"], local["reward"])
+    for key in ("shapes", "shapes.correct", "shapes.partial", "jpeg_compressibility"):
+        assert np.array_equal(remote[f"remote.{key}"], local[key])
+    import httpx
+
+    assert httpx.get(f"{server}/health").json() == {"status": "ok", "rewards": {"shapes": 1.0, "jpeg_compressibility": 0.5}}
+
+
+def test_refusals_name_the_problem(server, batch):
+    import httpx
+
+    images, prompts, meta = batch
+    body = encode_batch(images[:1], prompts[:1], meta[:1])
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    assert httpx.post(f"{server}/score", json=body).status_code == 401
+    assert httpx.post(f"{server}/score", json=body, headers={"authorization": "Bearer nope"}).status_code == 401
+    big = httpx.post(f"{server}/score", json={**body, "pad": "x" * (2 << 20)}, headers=auth)
+    assert big.status_code == 413 and "exceeds the limit" in big.json()["detail"]
+    bad = httpx.post(f"{server}/score", json={**body, "images": ["not base64!"]}, headers=auth)
+    assert bad.status_code == 422 and "images[0] is not a base64 PNG" in bad.json()["detail"]
+    short = httpx.post(f"{server}/score", json={**body, "prompts": []}, headers=auth)
+    assert short.status_code == 422 and "one of each per image" in short.json()["detail"]
+    assert httpx.post(f"{server}/score", json={"prompts": ["x"]}, headers=auth).status_code == 422
+    with pytest.raises(ScoringError, match="HTTP 500 .*no shapes metadata"):  # a scorer's failure, named
+        _remote(server).score(images[:1], ["free text"], [{}])
+
+
+def test_concurrent_clients_lose_no_request(server, batch):
+    import httpx
+
+    images, prompts, meta = batch
+    want = RewardSet({"shapes": 1.0, "jpeg_compressibility": 0.5}).score(images, prompts, meta, list("abcd"))["reward"]
+    results, errors = {}, []
+
+    def client(c: int) -> None:
+        with httpx.Client(headers={"authorization": f"Bearer {TOKEN}"}, timeout=120) as h:
+            for k in range(50):
+                i = (c + k) % 4
+                r = h.post(f"{server}/score", json=encode_batch(images[i:i + 1], prompts[i:i + 1], meta[i:i + 1]))
+                if r.status_code != 200:
+                    errors.append(r.status_code)
+                    continue
+                results[(c, k)] = (i, r.json()["scores"]["reward"][0])
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 400
+    assert all(np.float32(v) == want[i] for i, v in results.values())
+
+
+def test_a_dead_server_is_retried_then_named(batch):
+    images, prompts, meta = batch
+    proc, url = _serve()
+    r = build_reward("remote", url=url, retries=2, backoff=0.05)
+    r.ensure_setup("cpu")
+    assert r.score(images[:1], prompts[:1], meta[:1])["remote"].shape == (1,)
+    proc.kill()
+    proc.wait(10)
+    t0 = time.time()
+    with pytest.raises(ScoringError, match=rf"reward service {url} unreachable after 3 attempts"):
+        r.score(images[:1], prompts[:1], meta[:1])
+    assert time.time() - t0 < 30
+
+
+def test_a_run_with_the_remote_reward_stores_the_in_process_rewards(server, tmp_path, prefect_harness):
+    import lance
+    from typer.testing import CliRunner
+
+    from pixrl.cli import app
+
+    common = ["train", "--iterations", "2", "sampling.group_size=2", "sampling.prompts_per_iteration=2",
+              "sampling.micro_batch=4", "run.eval_every=0"]
+
+    def run(name: str, *reward: str):
+        res = CliRunner().invoke(app, [*common, "--run", name, "--workdir", str(tmp_path / name), *reward])
+        assert res.exit_code == 0, res.output
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+        return lance.dataset(out["table_uri"]).to_table(columns=["sample_id", "reward", "rewards"]).sort_by("sample_id")
+
+    local = run("local", "reward.weights={shapes: 1.0, jpeg_compressibility: 0.5}")
+    remote = run("remote", "reward=remote", f"reward.options.remote.url={server}", f"reward.options.remote.token={TOKEN}")
+    assert local["reward"].equals(remote["reward"])
+    comps = {d["name"]: d["value"] for d in remote["rewards"][0].as_py()}
+    assert {"remote.shapes", "remote.jpeg_compressibility"} <= set(comps)
