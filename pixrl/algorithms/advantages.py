@@ -51,3 +51,19 @@ def group_advantages(
         adv[idx] = (r - r.mean()) / (std + eps)
     adv = np.clip(adv, -clip, clip).astype(np.float32)
     return GroupAdvantages(advantages=adv, zero_std_ratio=zero_std / max(1, len(groups)), keep=adv != 0)
+
+
+def aggregated_advantages(estimate, components: dict[str, np.ndarray], weights: dict[str, float],
+                          group_ids: np.ndarray) -> GroupAdvantages:
+    """MixGRPO's `advantage_aggr` for several rewards: each weighted reward normalised in its
+    group on its own by the algorithm's estimator `estimate(rewards, group_ids)`, then the
+    advantages summed, A = Σ_k w_k·A_k — so a reward with a small spread counts as much as one
+    with a large spread (summing the rewards first lets the wide one dominate)."""
+    missing = sorted(set(weights) - set(components))
+    if missing:
+        raise ValueError(f"reward component(s) {missing} are not stored with the samples; cannot aggregate advantages")
+    total = sum(w * estimate(components[name], group_ids).advantages.astype(np.float64) for name, w in weights.items())
+    total = np.asarray(total, dtype=np.float32)
+    groups = np.unique(group_ids)
+    flat = sum(1 for g in groups if not np.any(total[group_ids == g]))
+    return GroupAdvantages(advantages=total, zero_std_ratio=flat / max(1, len(groups)), keep=total != 0)

@@ -95,6 +95,9 @@ class AlgorithmConfig(BaseModel):
 
 class RewardConfig(_Section):
     weights: dict[str, float] = Field(default_factory=lambda: {"shapes": 1.0})
+    aggregate: Literal["reward", "advantage"] = Field(
+        "reward", description="several rewards: advantages of the weighted total ('reward'), or each reward's "
+                              "group advantage weighted and summed ('advantage', MixGRPO's advantage_aggr)")
     options: dict[str, dict] = Field(default_factory=dict, description="per-reward constructor options")
 
     @model_validator(mode="after")

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from ..algorithms.advantages import aggregated_advantages
 from ..algorithms.base import build_algorithm
 from ..algorithms.dynamic_sampling import batch_full, groups_with_signal, trained_mask
 from ..algorithms.recipe import rollout_recipe, stored_recipe
@@ -236,11 +237,17 @@ class OnlineStages:
     def _replay(self, iteration: int, ref: TableRef):
         if self.stores.complete("replay", iteration):
             return (self.stores.latest(), self._plan(self._read(self.stores.latest(), iteration, self.PLAN_COLUMNS))), None
-        t = self._read(ref, iteration, ["run_id", "iteration", "sample_id", "group_id", "reward"])
+        t = self._read(ref, iteration, ["run_id", "iteration", "sample_id", "group_id", "reward", "rewards"])
         rewards = t["reward"].to_numpy(zero_copy_only=False)
         if np.any(np.isnan(rewards)) or t["reward"].null_count:
             raise RuntimeError(f"iteration {iteration} has unscored samples; run score first")
-        adv = self.algorithm.advantages(rewards, t["group_id"].to_numpy())
+        r = self.cfg.reward
+        if r.aggregate == "advantage" and len(r.weights) > 1:
+            comps = [{c["name"]: c["value"] for c in row} for row in t["rewards"].to_pylist()]
+            components = {name: np.array([c[name] for c in comps], np.float64) for name in r.weights}
+            adv = aggregated_advantages(self.algorithm.advantages, components, r.weights, t["group_id"].to_numpy())
+        else:
+            adv = self.algorithm.advantages(rewards, t["group_id"].to_numpy())
         upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"],
                         "advantage": pa.array(adv.advantages, pa.float32())})
         plan = self._plan(t, adv.advantages)
