@@ -144,3 +144,28 @@ def test_text_and_image_entropy_coefficients_adapt_separately_and_resume():
     image_only = build_algorithm(AlgorithmConfig(**{**cfg, "text_entropy_target": None}))
     image_only.after_optimizer_step({"entropy": 4.0})
     assert "psi" in image_only.state()  # an image-only state keeps the format earlier checkpoints saved
+
+
+def test_a_ratio_to_the_current_policy_is_one_and_never_clipped():
+    """T2I-R1: ρ = exp(logp − logp.detach()) — the gradient is A·∇logp even where the rollout's
+    (guided) log-probs are far away, which PPO's ratio against them would clip to zero."""
+    from pixrl.algorithms.replay import TokenReplayPolicy
+    from pixrl.artifacts.batch import RolloutBatch
+
+    logits = torch.zeros(1, 2, 4, requires_grad=True)
+
+    class Scored:  # fixed logits over a 4-token vocabulary in place of a model: this checks the loss's math
+        def sequence_logits(self, cond, tokens, guided):
+            return logits
+
+    batch = RolloutBatch({"tokens": np.array([[0, 1]], np.int32), "log_probs": np.array([[-5.0, -5.0]], np.float32),
+                          "advantage": np.array([1.0], np.float32)})
+    policy = TokenReplayPolicy(Scored(), None, None, TokenRecipe(), torch.device("cpu"))
+    for ratio_to, clipped in (("rollout", True), ("current", False)):
+        algo = build_algorithm(AlgorithmConfig(name="token_grpo", ratio_to=ratio_to))
+        logits.grad = None
+        ((loss, m),) = list(algo.losses(batch, policy))
+        loss.backward()
+        assert (float(logits.grad.abs().sum()) == 0.0) == clipped  # ρ = e^(5 − ln 4) ≫ 1.2: clipped
+        if not clipped:
+            assert float(m["ratio_max"]) == float(m["ratio_min"]) == 1.0

@@ -21,6 +21,8 @@ separate — α_image·H_image + α_text·H_text, each α fixed or adaptive towa
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -47,6 +49,10 @@ class TokenGRPOSettings(BaseModel):
                                                                       "(ReasonGen-R1: 2.0); bounds and step as α's")
     std_eps: float = Field(1e-4, gt=0, description="A = (r − mean)/(std + eps) (T2I-R1: 1e-4; verl: 1e-6)")
     filter_groups: bool = Field(True, description="drop groups whose rewards are all equal (DAPO)")
+    ratio_to: Literal["rollout", "current"] = Field(
+        "rollout", description="ρ against the rollout's stored log-probs (PPO), or against the current policy "
+                               "detached — T2I-R1's exp(logp − logp.detach()): 1 in value, gradient A·∇logp, never "
+                               "clipped; for one update per rollout, e.g. with train_cfg false")
 
 
 def token_group_advantages(rewards: np.ndarray, group_ids: np.ndarray, eps: float) -> GroupAdvantages:
@@ -179,6 +185,8 @@ class TokenGRPO(Algorithm):
             new_text, text_entropy = policy.text_log_probs(cot, cot_mask)
             new, old = torch.cat([new_text, new], 1), torch.cat([policy.tensor(batch["cot_log_probs"]), old], 1)
             mask = torch.cat([cot_mask, torch.ones_like(tokens)], 1)
+        if c.ratio_to == "current":
+            old = new.detach()
         loss, metrics = token_ppo_loss(new, old, policy.tensor(batch["advantage"]), c.clip_range,
                                        c.clip_range_high if c.clip_range_high is not None else c.clip_range, mask)
         metrics["entropy"] = entropy.detach().mean()
