@@ -25,9 +25,27 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def prefect_harness():
+    """Prefect's test harness (a temporary API server), its server watched as `pixrl train`'s is:
+    if pytest dies without running its teardown (SIGKILL, an abort at exit), the watchdog stops
+    the server instead of leaving it to init holding a port and the output pipe."""
+    import os
+    import subprocess
+    import sys
+
+    import psutil
     from prefect.testing.utilities import prefect_test_harness
 
+    import pixrl.flows
+
+    dog = Path(pixrl.flows.__file__).with_name("_server_watchdog.py")
     with prefect_test_harness(server_startup_timeout=120):
+        for child in psutil.Process().children(recursive=True):
+            try:
+                cmd = " ".join(child.cmdline())
+            except psutil.Error:
+                continue
+            if "uvicorn" in cmd and "prefect" in cmd:
+                subprocess.Popen([sys.executable, str(dog), str(os.getpid()), str(child.pid)])
         yield
 
 
