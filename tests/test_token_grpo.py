@@ -146,26 +146,32 @@ def test_text_and_image_entropy_coefficients_adapt_separately_and_resume():
     assert "psi" in image_only.state()  # an image-only state keeps the format earlier checkpoints saved
 
 
-def test_a_ratio_to_the_current_policy_is_one_and_never_clipped():
-    """T2I-R1: ρ = exp(logp − logp.detach()) — the gradient is A·∇logp even where the rollout's
-    (guided) log-probs are far away, which PPO's ratio against them would clip to zero."""
+def test_a_ratio_to_the_current_policy_is_one_and_never_clipped(tiny_janus):
+    """T2I-R1: ρ = exp(logp − logp.detach()) — on the tiny Janus, with stored log-probs far below
+    the policy's (as a guided rollout's can be), PPO's ratio against them clips every token (no
+    gradient) while the ratio to the current policy is exactly 1 and the gradient is A·∇logp."""
     from pixrl.algorithms.replay import TokenReplayPolicy
+    from pixrl.algorithms.token_sampling import sample_tokens
     from pixrl.artifacts.batch import RolloutBatch
+    from pixrl.models.janus import JanusProFamily
 
-    logits = torch.zeros(1, 2, 4, requires_grad=True)
-
-    class Scored:  # fixed logits over a 4-token vocabulary in place of a model: this checks the loss's math
-        def sequence_logits(self, cond, tokens, guided):
-            return logits
-
-    batch = RolloutBatch({"tokens": np.array([[0, 1]], np.int32), "log_probs": np.array([[-5.0, -5.0]], np.float32),
+    fam = JanusProFamily.load(tiny_janus[0])
+    recipe = TokenRecipe(5.0)
+    cond = fam.encode_prompts(["a red circle"])
+    traj = sample_tokens(fam, cond, [torch.Generator().manual_seed(1)], recipe)
+    batch = RolloutBatch({"tokens": traj.tokens.numpy().astype(np.int32), "log_probs": (traj.log_probs - 5.0).numpy(),
                           "advantage": np.array([1.0], np.float32)})
-    policy = TokenReplayPolicy(Scored(), None, None, TokenRecipe(), torch.device("cpu"))
-    for ratio_to, clipped in (("rollout", True), ("current", False)):
-        algo = build_algorithm(AlgorithmConfig(name="token_grpo", ratio_to=ratio_to))
-        logits.grad = None
-        ((loss, m),) = list(algo.losses(batch, policy))
-        loss.backward()
-        assert (float(logits.grad.abs().sum()) == 0.0) == clipped  # ρ = e^(5 − ln 4) ≫ 1.2: clipped
-        if not clipped:
-            assert float(m["ratio_max"]) == float(m["ratio_min"]) == 1.0
+    policy = TokenReplayPolicy(fam, None, cond, recipe, fam.device)
+    fam.model.requires_grad_(True)
+    try:
+        for ratio_to, clipped in (("rollout", True), ("current", False)):
+            algo = build_algorithm(AlgorithmConfig(name="token_grpo", ratio_to=ratio_to))
+            fam.model.zero_grad(set_to_none=True)
+            ((loss, m),) = list(algo.losses(batch, policy))
+            loss.backward()
+            grad = sum(float(p.grad.abs().sum()) for p in fam.model.parameters() if p.grad is not None)
+            assert (grad == 0.0) == clipped  # ρ = e⁵ ≫ 1 + ε with A > 0: every token clipped
+            if not clipped:
+                assert float(m["ratio_max"]) == float(m["ratio_min"]) == 1.0
+    finally:
+        fam.model.requires_grad_(False)

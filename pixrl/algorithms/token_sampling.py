@@ -133,9 +133,9 @@ def generate_tokens(family, prompts: list[str], generators: list[torch.Generator
     """Samples for free-standing prompts (evaluation, `pixrl generate`): with the chain of thought
     when the recipe asks for one."""
     if recipe.cot_tokens:
-        uniq = sorted(set(prompts))
-        cot = family.encode_cot_prompts(uniq, recipe.cot_template, recipe.cot_tokens)
-        return sample_with_cot(family, cot, [uniq.index(p) for p in prompts], generators, recipe)
+        row = {p: i for i, p in enumerate(sorted(set(prompts)))}
+        cot = family.encode_cot_prompts(list(row), recipe.cot_template, recipe.cot_tokens)
+        return sample_with_cot(family, cot, [row[p] for p in prompts], generators, recipe)
     return sample_tokens(family, family.encode_prompts(prompts), generators, recipe)
 
 

@@ -171,12 +171,11 @@ class JanusProFamily:
         context = cfg.text_config.max_position_embeddings
         n_image = cfg.vq_config.num_patches ** 2
         limit = max_sequence_length or context - n_image
-        tail = len(tok("\n\n<|Assistant|>:", add_special_tokens=False).input_ids) + 1
+        tail = cot_tail(tok)
         for prompt in prompts:
             n = len(tok(cls.image_prompt(prompt) + tok.boi_token).input_ids)
             if cot_tokens:  # as encode_cot_prompts measures it
-                n = max(n, len(tok(cls.image_prompt(cot_template.format(prompt=prompt.strip()))).input_ids) + cot_tokens,
-                        len(tok(f"<|User|>: {prompt.strip()}. ").input_ids) + cot_tokens + tail)
+                n = max(n, cot_length(*cot_parts(tok, prompt, cot_template), tail, cot_tokens))
             if n > limit:
                 raise PromptTooLong.of(prompt, n, limit, context, n_image, cot_tokens)
 
@@ -227,7 +226,12 @@ class JanusProFamily:
         for p, e in zip(prompts, enc):
             if len(e) > self.max_sequence_length:
                 raise PromptTooLong.of(p, len(e), self.max_sequence_length, self.context, self.image_token_count())
-        ids, mask = self._left_pad(enc, max(len(e) for e in enc))
+        return self._image_prompts(enc, max(len(e) for e in enc))
+
+    def _image_prompts(self, enc: list[list[int]], width: int) -> JanusPrompts:
+        """Image prompts left-padded to `width`, with their unconditional rows: every token but BOS
+        and <begin_of_image> replaced by the pad token (as Janus's generate builds them)."""
+        ids, mask = self._left_pad(enc, width)
         keep = (ids == self.bos_id) | (ids == self.boi_id)
         uncond = torch.where(keep | (mask == 0), ids, torch.full_like(ids, self.pad_id))
         dev = self.device
@@ -254,8 +258,11 @@ class JanusProFamily:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         embeds = self.model.get_input_embeddings()(ids)
         hidden, cache = self._lm(embeds, mask, positions, DynamicCache(config=self.model.config.text_config))
-        head = self.model.lm_head if text else self.model.model.generation_head
-        return head(hidden[:, -1]), DecodeState(cache, mask, positions[:, -1] + 1)
+        return self._head(text)(hidden[:, -1]), DecodeState(cache, mask, positions[:, -1] + 1)
+
+    def _head(self, text: bool):
+        """The language-model head (text tokens) or the image-generation head."""
+        return self.model.lm_head if text else self.model.model.generation_head
 
     def next_logits(self, state: DecodeState, tokens: torch.Tensor, text: bool = False) -> tuple[torch.Tensor, DecodeState]:
         """Feed the sampled image tokens [B] (to both halves with guidance; `text`: text tokens
@@ -268,8 +275,7 @@ class JanusProFamily:
             embeds = self.model.prepare_embeddings_for_image_generation(tok[:, None])
         mask = torch.cat([state.mask, state.mask.new_ones((rows, 1))], dim=1)
         hidden, cache = self._lm(embeds, mask, state.next_pos[:, None], state.cache)
-        head = self.model.lm_head if text else self.model.model.generation_head
-        return head(hidden[:, -1]), DecodeState(cache, mask, state.next_pos + 1)
+        return self._head(text)(hidden[:, -1]), DecodeState(cache, mask, state.next_pos + 1)
 
     def text_sequence_logits(self, cond: JanusPrompts, tokens: torch.Tensor) -> torch.Tensor:
         """Teacher-forced language-model logits [B, C, V] of every text token of `tokens` [B, C]
@@ -298,12 +304,11 @@ class JanusProFamily:
     def encode_cot_prompts(self, prompts: list[str], template: str, max_tokens: int) -> CotPrompts:
         """The reasoning prompts (`template` with {prompt}, as a user turn with the generation
         prompt) and the image prompts' fixed parts, for a prompt set."""
-        texts = [self.image_prompt(template.format(prompt=p.strip())) for p in prompts]
-        enc = [self.tokenizer(t).input_ids for t in texts]
-        heads = [self.tokenizer(f"<|User|>: {p.strip()}. ").input_ids for p in prompts]
-        tail = self.tokenizer("\n\n<|Assistant|>:", add_special_tokens=False).input_ids + [self.boi_id]
-        for p, e, h in zip(prompts, enc, heads):
-            n = max(len(e) + max_tokens, len(h) + max_tokens + len(tail))
+        parts = [cot_parts(self.tokenizer, p, template) for p in prompts]
+        enc, heads = [e for e, _ in parts], [h for _, h in parts]
+        tail = cot_tail(self.tokenizer)
+        for p, (e, h) in zip(prompts, parts):
+            n = cot_length(e, h, tail, max_tokens)
             if n > self.max_sequence_length:
                 raise PromptTooLong.of(p, n, self.max_sequence_length, self.context, self.image_token_count(), max_tokens)
         ids, mask = self._left_pad(enc, max(len(e) for e in enc))
@@ -321,11 +326,7 @@ class JanusProFamily:
         for r, toks, m in zip(rows, cot_tokens.tolist(), cot_mask.tolist()):
             words = [t for t, keep in zip(toks, m) if keep and t not in special]
             enc.append(cot.heads[r] + words + cot.tail)
-        ids, mask = self._left_pad(enc, cot.width)
-        keep = (ids == self.bos_id) | (ids == self.boi_id)
-        uncond = torch.where(keep | (mask == 0), ids, torch.full_like(ids, self.pad_id))
-        dev = self.device
-        return JanusPrompts(ids.to(dev), mask.to(dev), uncond.to(dev))
+        return self._image_prompts(enc, cot.width)
 
     def sequence_logits(self, cond: JanusPrompts, tokens: torch.Tensor, guided: bool) -> torch.Tensor:
         """Teacher-forced logits [R, N, V] of every image token of `tokens` [B, N] in one pass
@@ -380,6 +381,25 @@ class JanusProFamily:
         save_janus_processor(out_dir, tok, side=4 * grid, num_image_tokens=grid * grid)
         return {"model.family": cls.name, "model.path": str(out_dir), "model.max_sequence_length": 0,
                 "sampling.guidance_scale": 5.0}
+
+
+def cot_parts(tokenizer, prompt: str, template: str) -> tuple[list[int], list[int]]:
+    """A chain of thought's fixed ids for one prompt (T2I-R1's layout): the reasoning prompt — a
+    user turn of `template` with the prompt and the generation prompt — and the image prompt's head
+    `<|User|>: {prompt}. ` (BOS first), before the thought."""
+    reasoning = tokenizer(JanusProFamily.image_prompt(template.format(prompt=prompt.strip()))).input_ids
+    return reasoning, tokenizer(f"<|User|>: {prompt.strip()}. ").input_ids
+
+
+def cot_tail(tokenizer) -> list[int]:
+    """The image prompt's ids after the thought: `\n\n<|Assistant|>:<begin_of_image>`."""
+    return (tokenizer("\n\n<|Assistant|>:", add_special_tokens=False).input_ids
+            + [tokenizer.convert_tokens_to_ids(tokenizer.boi_token)])
+
+
+def cot_length(reasoning: list[int], head: list[int], tail: list[int], budget: int) -> int:
+    """The longer of the two sequences a chain of thought of `budget` tokens can make."""
+    return max(len(reasoning) + budget, len(head) + budget + len(tail))
 
 
 class PromptTooLong(ModelLoadError):

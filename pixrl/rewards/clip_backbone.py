@@ -53,6 +53,15 @@ class ClipBackbone:
         emb = getattr(emb, "pooler_output", emb)
         return torch.nn.functional.normalize(emb.float(), dim=-1)
 
+    def cosines(self, images: np.ndarray, prompts: list[str], batch_size: int) -> np.ndarray:
+        """cos(image, its prompt) per sample [B], float32, in batches of `batch_size`."""
+        out = []
+        for s in range(0, len(images), batch_size):
+            img = self.image_embeds(images[s:s + batch_size])
+            txt = self.text_embeds(list(prompts[s:s + batch_size]))
+            out.append((img * txt).sum(-1).cpu().numpy())
+        return np.concatenate(out).astype(np.float32)
+
     @torch.no_grad()
     def text_embeds(self, prompts: list[str]) -> torch.Tensor:
         """Prompts → L2-normalised text embeddings [B, D] (truncated to the tower's context)."""

@@ -26,10 +26,5 @@ class ClipScore(Reward):
         self.clip = ClipBackbone(self.path, device, self.name)
 
     def score(self, images, prompts, metadata):
-        cos = []
-        for s in range(0, len(images), self.batch_size):
-            img = self.clip.image_embeds(images[s:s + self.batch_size])
-            txt = self.clip.text_embeds(list(prompts[s:s + self.batch_size]))
-            cos.append((img * txt).sum(-1).cpu().numpy())
-        c = np.concatenate(cos).astype(np.float32)
+        c = self.clip.cosines(images, prompts, self.batch_size)
         return {self.name: c, f"{self.name}.clipscore": (self.w * np.maximum(c, 0)).astype(np.float32)}

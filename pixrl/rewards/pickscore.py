@@ -35,11 +35,6 @@ class PickScore(Reward):
         self.clip = ClipBackbone(self.path, device, self.name, self.processor_path)
 
     def score(self, images, prompts, metadata):
-        raw = []
         scale = float(torch.exp(self.clip.model.logit_scale.detach().float()))
-        for s in range(0, len(images), self.batch_size):
-            img = self.clip.image_embeds(images[s:s + self.batch_size])
-            txt = self.clip.text_embeds(list(prompts[s:s + self.batch_size]))
-            raw.append(scale * (img * txt).sum(-1).cpu().numpy())
-        r = np.concatenate(raw).astype(np.float32)
+        r = (scale * self.clip.cosines(images, prompts, self.batch_size)).astype(np.float32)
         return {self.name: (r / self.divisor).astype(np.float32), f"{self.name}.raw": r}

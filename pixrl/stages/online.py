@@ -228,8 +228,8 @@ class OnlineStages:
         P = self.cfg.sampling.prompts_per_iteration
         group_ids = t["group_id"].to_numpy()
         signal = len(groups_with_signal(t["reward"].to_numpy(), group_ids))
-        trained = len(set(group_ids[np.isin(t["sample_id"].to_numpy(zero_copy_only=False),
-                                            [sid for step in plan.steps for mb in step for sid in mb])]))
+        group_of = dict(zip(t["sample_id"].to_pylist(), group_ids.tolist()))
+        trained = len({group_of[sid] for step in plan.steps for mb in step for sid in mb})
         return {"sampling/rounds": float(int(group_ids.max()) // P + 1), "sampling/groups": float(len(set(group_ids))),
                 "sampling/groups_with_signal": float(signal), "sampling/groups_trained": float(trained),
                 "sampling/groups_short": float(max(0, P - signal))}
