@@ -67,3 +67,24 @@ def aggregated_advantages(estimate, components: dict[str, np.ndarray], weights: 
     groups = np.unique(group_ids)
     flat = sum(1 for g in groups if not np.any(total[group_ids == g]))
     return GroupAdvantages(advantages=total, zero_std_ratio=flat / max(1, len(groups)), keep=total != 0)
+
+
+def unbiased_group_advantages(rewards: np.ndarray, group_ids: np.ndarray, eps: float = 1e-8,
+                              clip: float = 5.0) -> GroupAdvantages:
+    """DanceGRPO's and MixGRPO's estimator (algorithms.md §4.2, §5.2): each group on its own,
+    A = (r − mean_g)/(std_g + eps) with torch.std's unbiased std (ddof 1) and eps 1e-8; clipped
+    to ±clip as their loss clamps it."""
+    rewards, group_ids = checked_rewards(rewards, group_ids)
+    adv = np.zeros_like(rewards)
+    groups = np.unique(group_ids)
+    flat = 0
+    for g in groups:
+        idx = group_ids == g
+        r = rewards[idx]
+        if len(r) < 2:
+            raise ValueError(f"group {g} has {len(r)} sample; the unbiased std needs groups of at least 2")
+        std = float(np.std(r, ddof=1))
+        flat += std == 0
+        adv[idx] = (r - r.mean()) / (std + eps)
+    adv = np.clip(adv, -clip, clip).astype(np.float32)
+    return GroupAdvantages(advantages=adv, zero_std_ratio=flat / max(1, len(groups)), keep=adv != 0)

@@ -5,8 +5,11 @@ needs stored (preflight refuses a run or an offline source that lacks them), for
 from rewards and groups, which samples train, and for the losses of a micro-batch of stored
 rollouts. `losses(batch, policy)` owns the loop over stored steps through the shared replay
 step and yields one loss term at a time: the trainer calls backward on each before the next is
-computed, so only one step's graph is alive (as flow_grpo's trainer does). A new GRPO-family
-algorithm is one module here + one preset + its tests.
+computed, so only one step's graph is alive (as flow_grpo's trainer does). It also shapes its
+own rollouts — `rollout_recipe` (the step kernel, which steps are stochastic and which stored),
+`sampling_weights` (a separate sampling policy, DiffusionNFT's) — so a new algorithm (the seeds'
+DanceGRPO, MixGRPO, GRPO-Guard, Flow-DPPO, DiffusionNFT) is one module here + its presets + its
+tests, never an edit to the stages or the engine.
 """
 
 from __future__ import annotations
@@ -22,9 +25,12 @@ import torch
 
 from ..config.loader import ConfigError
 from ..config.registry import Registry
-from ..config.schema import AlgorithmConfig
+from ..config.schema import AlgorithmConfig, SamplingConfig
 from .advantages import GroupAdvantages
+from .recipe import rollout_recipe
 from .replay import ReplayPolicy
+from .sampling import SamplerRecipe
+from .token_sampling import TokenRecipe
 
 
 class NoSettings(BaseModel):
@@ -50,6 +56,35 @@ class Algorithm(ABC):
     def needs_reference(self) -> bool:
         """Whether transition_loss wants the reference policy's step (e.g. KL with β > 0)."""
         return False
+
+    # --- the rollout the algorithm trains on ---------------------------------------------------
+    def check_sampling(self, sampling: SamplingConfig, step: str) -> None:
+        """Refuse sampling settings this algorithm cannot train on: a ValueError naming the fix
+        (preflight turns it into a clear error before any work)."""
+
+    def rollout_recipe(self, sampling: SamplingConfig, rng: np.random.Generator, step: str,
+                       iteration: int) -> SamplerRecipe | TokenRecipe:
+        """The sampler recipe of `iteration`'s rollouts (every round and row of it): which steps
+        are stochastic, with which kernel, which transitions are stored. `rng` is the
+        iteration's own (a pure function of the run seed and the iteration)."""
+        return rollout_recipe(sampling, rng, step)
+
+    #: rollouts sample with the algorithm's own sampling policy (its state), not the published weights
+    separate_sampler: bool = False
+
+    def sampling_weights(self) -> dict[str, torch.Tensor] | None:
+        """The trainable weights of the separate sampling policy, from the algorithm's state;
+        None: not set yet (the published weights themselves, as at the start of a run)."""
+        return None
+
+    def set_sampling_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Start the sampling policy at these weights (the pre-update ones, when none is set)."""
+        raise TypeError(f"algorithm {self.name!r} has no separate sampling policy")
+
+    def end_of_update(self, weights: dict[str, torch.Tensor], optimizer_steps: int) -> dict[str, float]:
+        """Called once after an update with the new trainable weights and how many optimizer steps
+        it took; returns metrics to log (e.g. the sampling policy's EMA decay)."""
+        return {}
 
     def advantages(self, rewards: np.ndarray, group_ids: np.ndarray) -> GroupAdvantages:
         raise TypeError(f"algorithm {self.name!r} computes no rollout advantages (offline: {self.offline})")
@@ -102,7 +137,8 @@ def _own_settings(model: type[BaseModel], name: str, values: dict) -> BaseModel:
 
 
 def _builtin() -> None:
-    from . import diffusion_dpo, flow_grpo, token_dpo, token_grpo  # noqa: F401  (registers the built-in algorithms)
+    from . import (dance_grpo, diffusion_dpo, diffusion_nft, flow_dppo, flow_grpo, grpo_guard,  # noqa: F401
+                   mix_grpo, token_dpo, token_grpo)  # (importing registers the built-in algorithms)
 
 
 ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm", "algorithms", _builtin)

@@ -3,6 +3,8 @@ per-step SDE log-prob ratio, optional KL to the reference on the step means."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -11,6 +13,18 @@ from .advantages import GroupAdvantages, group_advantages
 from .base import Algorithm, register_algorithm
 from .flow_sde import StepOut, kl_to_reference
 from .losses import ppo_clip_loss
+
+
+@dataclass
+class Transition:
+    """One stored transition of a micro-batch: its position j, step k, x_k, x_{k+1}, and the
+    trained policy's step on it (log-prob, mean, std)."""
+
+    j: int
+    k: int
+    x: torch.Tensor
+    x_next: torch.Tensor
+    new: StepOut
 
 
 class FlowGRPOSettings(BaseModel):
@@ -28,7 +42,7 @@ class FlowGRPOSettings(BaseModel):
 @register_algorithm("flow_grpo")
 class FlowGRPO(Algorithm):
     Settings = FlowGRPOSettings
-    needs = frozenset({"latents", "next_latents", "log_probs"})
+    needs = frozenset({"stored_steps", "latents", "next_latents", "log_probs"})
 
     @property
     def needs_reference(self) -> bool:
@@ -43,20 +57,29 @@ class FlowGRPO(Algorithm):
         return (advantages != 0) | (not self.settings.filter_zero_advantage)
 
     def terms(self, batch) -> int:
-        return len(batch["stored_steps"][0])
+        return int(np.sum(np.asarray(batch["stored_steps"][0]) >= 0))
+
+    def trained_positions(self, batch, policy) -> list[int]:
+        """Which stored transitions (positions in `stored_steps`; −1 pads a short window) the
+        micro-batch trains, in order."""
+        return [j for j, k in enumerate(batch["stored_steps"][0]) if k >= 0]
 
     def losses(self, batch, policy):
-        """One PPO-clip (+KL) term per stored SDE transition of the micro-batch."""
+        """One loss term per trained SDE transition of the micro-batch."""
         adv = policy.tensor(batch["advantage"])
-        for j, k in enumerate(batch["stored_steps"][0]):
+        steps = batch["stored_steps"][0]
+        for j in self.trained_positions(batch, policy):
+            k = int(steps[j])
             x, x_next = policy.tensor(batch["latents"][:, j]), policy.tensor(batch["next_latents"][:, j])
-            new = policy.step(x, x_next, int(k))
-            old = policy.tensor(batch["log_probs"][:, j])
-            ref = None
-            if self.needs_reference:
-                with torch.no_grad():
-                    ref = policy.step(x, x_next, int(k), reference=True)
-            yield self.transition_loss(new, old, adv, ref)
+            yield self.step_loss(Transition(j, k, x, x_next, policy.step(x, x_next, k)), batch, adv, policy)
+
+    def step_loss(self, tr: "Transition", batch, adv: torch.Tensor, policy):
+        """PPO-clip (+KL) of one transition, against its stored rollout log-prob."""
+        ref = None
+        if self.needs_reference:
+            with torch.no_grad():
+                ref = policy.step(tr.x, tr.x_next, tr.k, reference=True)
+        return self.transition_loss(tr.new, policy.tensor(batch["log_probs"][:, tr.j]), adv, ref)
 
     def transition_loss(self, new: StepOut, old_log_prob: torch.Tensor, advantages: torch.Tensor,
                         reference: StepOut | None = None):

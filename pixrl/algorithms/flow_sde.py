@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-SdeType = Literal["sde", "cps"]
+SdeType = Literal["sde", "cps", "dance"]
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -27,6 +27,7 @@ class StepOut:
     mean: torch.Tensor  # μ [B, ...]
     std: torch.Tensor  # [B], the std of x' given x (0 for a deterministic step)
     std_dev_t: torch.Tensor  # [B], flow_grpo's returned coefficient: s_t (SDE) or the std (CPS)
+    velocity: torch.Tensor | None = None  # v (fp32) the step was taken with
 
 
 def _bcast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -69,6 +70,10 @@ def flow_step(
         mean = x * (1 + s_t**2 / (2 * s) * dt) + v * (1 + s_t**2 * (1 - s) / (2 * s)) * dt
         std = s_t * torch.sqrt(-dt)
         coef = s_t
+    elif sde_type == "dance":  # DanceGRPO (algorithms.md §4.1): the same drift with s_t ≡ η
+        mean = x + dt * (v + noise_level**2 / (2 * s) * (x + (1 - s) * v))
+        std = noise_level * torch.sqrt(-dt)
+        coef = torch.full_like(s, noise_level)
     elif sde_type == "cps":
         std = sn * math.sin(noise_level * math.pi / 2)
         coef = std
@@ -76,7 +81,7 @@ def flow_step(
         x1_hat = x + (1 - s) * v
         mean = (1 - sn) * x0_hat + torch.sqrt(torch.clamp(sn**2 - std**2, min=0.0)) * x1_hat
     else:
-        raise ValueError(f"unknown sde_type {sde_type!r}; choose 'sde' or 'cps'")
+        raise ValueError(f"unknown sde_type {sde_type!r}; choose 'sde', 'cps' or 'dance'")
     if prev_sample is None:
         if noise_level == 0:
             prev_sample = mean
@@ -85,14 +90,14 @@ def flow_step(
                 raise ValueError("a stochastic step needs `noise` (ε) when prev_sample is not given")
             prev_sample = mean + std * noise.float()
     x_next = prev_sample.detach().float()
-    if sde_type == "sde":
+    if sde_type in ("sde", "dance"):
         safe = torch.clamp(std, min=torch.finfo(torch.float32).tiny)
         log_prob = -((x_next - mean) ** 2) / (2 * safe**2) - torch.log(safe) - _LOG_SQRT_2PI
     else:  # CPS: constants removed, unnormalised (as in flow_grpo)
         log_prob = -((x_next - mean) ** 2)
     log_prob = _mean_chw(log_prob)
     return StepOut(prev_sample=prev_sample, log_prob=log_prob, mean=mean,
-                   std=std.reshape(b, -1)[:, 0], std_dev_t=coef.reshape(b, -1)[:, 0])
+                   std=std.reshape(b, -1)[:, 0], std_dev_t=coef.reshape(b, -1)[:, 0], velocity=v)
 
 
 def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std_dev_t: torch.Tensor) -> torch.Tensor:

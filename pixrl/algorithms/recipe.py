@@ -55,4 +55,5 @@ def stored_recipe(rec: dict, step: str, train_cfg: bool = True) -> SamplerRecipe
     return SamplerRecipe(rec["steps"], rec["noise_level"], rec["sde_type"],
                          rec["guidance_scale"] if train_cfg else 1.0,
                          tuple(rec["sde_steps"]) if rec["sde_steps"] is not None else None,
-                         tuple(rec["train_steps"]))
+                         tuple(rec["train_steps"]), rec.get("shared_noise", False), rec.get("ode_solver", "euler"),
+                         rec.get("tail_compress", 1.0), rec.get("stored_width", 0))

@@ -28,6 +28,7 @@ class ReplayPolicy:
     device: torch.device
     generator: torch.Generator | None = None  # the update's own randomness (e.g. DPO's σ and ε)
     timestep_scale: float = 1000.0  # model timestep = σ · scale (diffusers' num_train_timesteps)
+    sampler: object | None = None  # the algorithm's separate sampling policy (DiffusionNFT's "old")
 
     def tensor(self, values: np.ndarray) -> torch.Tensor:
         """A stored array (host) as a tensor on the model's device."""

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .flow_sde import StepOut, flow_step
+from .ode_solvers import compressed_tail, dpm_step
 
 
 @dataclass(frozen=True)
@@ -24,9 +25,19 @@ class SamplerRecipe:
     guidance_scale: float = 1.0
     sde_steps: tuple[int, ...] | None = None  # stochastic steps; None = all
     train_steps: tuple[int, ...] = ()  # stored transitions (subset of sde_steps)
+    shared_noise: bool = False  # one initial latent per group (DanceGRPO's init_same_noise)
+    ode_solver: str = "euler"  # the deterministic steps after the last stochastic one: "euler" | "dpm2"
+    tail_compress: float = 1.0  # MixGRPO-Flash: those steps re-spaced onto this fraction of the points
+    stored_width: int = 0  # rows hold this many transitions (padded, step −1), so a run's windows that
+    # shrink near the end of the grid (MixGRPO) fit its table; 0: exactly len(train_steps)
 
     def is_sde(self, k: int) -> bool:
         return self.noise_level > 0 and (self.sde_steps is None or k in self.sde_steps)
+
+    def padded_steps(self) -> tuple[int, ...]:
+        """The stored steps as a row holds them: train_steps, then −1 up to stored_width."""
+        pad = max(0, self.stored_width - len(self.train_steps))
+        return tuple(self.train_steps) + (-1,) * pad
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -38,6 +49,7 @@ class Trajectory:
     latents: torch.Tensor  # [B, S, C, H, W] x_k at the stored steps
     next_latents: torch.Tensor  # [B, S, C, H, W] x_{k+1}
     log_probs: torch.Tensor  # [B, S]
+    means: torch.Tensor  # [B, S, C, H, W] μ of each stored transition (GRPO-Guard, Flow-DPPO)
     sigmas: torch.Tensor  # [T+1]
     timesteps: torch.Tensor  # [T]
     stored_steps: list[int] = field(default_factory=list)
@@ -66,21 +78,48 @@ def denoise_step(policy, x, k: int, sigmas, timesteps, cond, neg, recipe: Sample
                      prev_sample=prev_sample, noise=noise)
 
 
+def tail_start(recipe: SamplerRecipe) -> int:
+    """The first step the ODE solver takes over (after the last stochastic step; 0 when none
+    is stochastic); `recipe.steps` when every step is the recipe's own kernel (Euler ODE)."""
+    if recipe.ode_solver == "euler":
+        return recipe.steps
+    if recipe.ode_solver != "dpm2":
+        raise ValueError(f"unknown ode_solver {recipe.ode_solver!r}; choose 'euler' or 'dpm2'")
+    sde = [k for k in range(recipe.steps) if recipe.is_sde(k)]
+    first = max(sde) + 1 if sde else 0
+    if any(k >= first for k in recipe.train_steps):
+        raise ValueError(f"stored steps {recipe.train_steps} lie after the last stochastic step {first - 1}; "
+                         f"the ODE solver's steps carry no log-prob")
+    return first
+
+
 @torch.no_grad()
-def sample(policy, cond, neg, generators: list[torch.Generator], recipe: SamplerRecipe) -> Trajectory:
-    """Run the whole schedule for one micro-batch; store the recipe's train_steps transitions."""
+def sample(policy, cond, neg, generators: list[torch.Generator], recipe: SamplerRecipe,
+           noise_generators: list[torch.Generator] | None = None) -> Trajectory:
+    """Run the whole schedule for one micro-batch; store the recipe's train_steps transitions.
+    `noise_generators` draw the initial latents instead of `generators` (a group's shared seed
+    when recipe.shared_noise); the step noise always comes from each sample's own generator.
+    With ode_solver "dpm2" the steps after the last stochastic one are DPM-Solver++(2M) steps
+    (on a compressed grid when tail_compress < 1), continuing the data-prediction history."""
     sigmas, timesteps = policy.schedule(recipe.steps)
     shape = policy.latent_shape()
-    x = initial_noise(generators, shape)
-    stored_x, stored_next, stored_lp = [], [], []
-    for k in range(recipe.steps):
+    x = initial_noise(noise_generators or generators, shape)
+    stored_x, stored_next, stored_lp, stored_mean = [], [], [], []
+    tail = tail_start(recipe)
+    prev_x0 = None
+    for k in range(tail):
         noise = _step_noise(generators, shape) if recipe.is_sde(k) else None
         out = denoise_step(policy, x, k, sigmas, timesteps, cond, neg, recipe, noise=noise)
         if k in recipe.train_steps:
             stored_x.append(x)
             stored_next.append(out.prev_sample)
             stored_lp.append(out.log_prob)
+            stored_mean.append(out.mean)
+        if tail < recipe.steps:
+            prev_x0 = x.float() - float(sigmas[k]) * out.velocity
         x = out.prev_sample.float()
+    if tail < recipe.steps:
+        x = _ode_tail(policy, x, tail, prev_x0, sigmas, timesteps, cond, neg, recipe)
     b = x.shape[0]
     empty = torch.zeros((b, 0, *shape), device=x.device)
     return Trajectory(
@@ -88,7 +127,26 @@ def sample(policy, cond, neg, generators: list[torch.Generator], recipe: Sampler
         latents=torch.stack(stored_x, 1) if stored_x else empty,
         next_latents=torch.stack(stored_next, 1) if stored_next else empty,
         log_probs=torch.stack(stored_lp, 1) if stored_lp else torch.zeros((b, 0), device=x.device),
+        means=torch.stack(stored_mean, 1) if stored_mean else empty,
         sigmas=sigmas, timesteps=timesteps, stored_steps=list(recipe.train_steps))
+
+
+def _ode_tail(policy, x, first: int, prev_x0, sigmas, timesteps, cond, neg, recipe: SamplerRecipe) -> torch.Tensor:
+    """DPM-Solver++(2M) from step `first` to σ = 0: on the schedule's own points, or (Flash) on
+    the compressed re-shifted grid, whose model timesteps are σ · num_train_timesteps."""
+    if recipe.tail_compress < 1.0 and first > 0:
+        shift = float(policy.scheduler.config.get("shift", 1.0))
+        grid = compressed_tail(sigmas, first - 1, recipe.tail_compress, shift)
+        steps = grid[:-1] * float(policy.scheduler.config.num_train_timesteps)
+    else:
+        grid, steps = sigmas[first:], timesteps[first:]
+    prev_sigma = float(sigmas[first - 1]) if first > 0 else None
+    for i in range(len(grid) - 1):
+        v = policy.velocity(x.to(policy.dtype), steps[i:i + 1], cond, recipe.guidance_scale, neg)
+        sigma = float(grid[i])
+        x, x0 = dpm_step(x, v, sigma, float(grid[i + 1]), prev_x0, prev_sigma)
+        prev_x0, prev_sigma = x0, sigma
+    return x
 
 
 def replay_step(policy, latents, next_latents, k: int, sigmas, timesteps, cond, neg,

@@ -72,6 +72,7 @@ TRAJECTORY_FIELDS: tuple[FieldSpec, ...] = (
     F("next_latents", pa.float32(), ("S", "*latent"), role="action", step="denoise"),
     F("log_probs", pa.float32(), ("S",), role="old_log_prob"),
     F("means", pa.float32(), ("S", "*latent"), role="mean", optional=True, step="denoise"),
+    F("noise_seed", pa.int64(), optional=True, step="denoise"),  # the initial latent's seed, when a group shares one
     F("final_latent", pa.float32(), ("*latent",), role="observation", step="denoise"),
     F("tokens", pa.int32(), ("S",), role="action", step="token"),  # the sampled image tokens
     # a semantic chain of thought before the image (sampling.cot_tokens = C): its text tokens
@@ -99,7 +100,12 @@ COT_FIELDS = ("cot_tokens", "cot_mask", "cot_log_probs")
 DECODE_INPUT = {"denoise": "final_latent", "token": "tokens"}
 
 
-def fields_for(optional: Iterable[str] = (), step: str = "denoise") -> tuple[FieldSpec, ...]:
+#: a denoise rollout's stored transitions: absent from a table whose rollouts store none (S = 0,
+#: DiffusionNFT's final-latent-only rollouts), since an empty fixed-shape column cannot be stored
+TRANSITION_FIELDS = ("stored_steps", "latents", "next_latents", "log_probs", "means")
+
+
+def fields_for(optional: Iterable[str] = (), step: str = "denoise", transitions: bool = True) -> tuple[FieldSpec, ...]:
     want = set(optional)
     unknown = want - {f.name for f in TRAJECTORY_FIELDS if f.optional}
     if unknown:
@@ -107,11 +113,17 @@ def fields_for(optional: Iterable[str] = (), step: str = "denoise") -> tuple[Fie
                          f"{[f.name for f in TRAJECTORY_FIELDS if f.optional]}")
     if step not in STEP_KINDS:
         raise BatchError(f"unknown step kind {step!r}; step kinds: {', '.join(STEP_KINDS)}")
-    return tuple(f for f in TRAJECTORY_FIELDS if f.step in (None, step) and (not f.optional or f.name in want))
+    return tuple(f for f in TRAJECTORY_FIELDS if f.step in (None, step) and (not f.optional or f.name in want)
+                 and (transitions or f.name not in TRANSITION_FIELDS))
+
+
+def _transitions(dims: dict[str, Any], step: str) -> bool:
+    return step != "denoise" or dims.get("S", 1) > 0
 
 
 def schema(dims: dict[str, Any], optional: Iterable[str] = (), step: str = "denoise") -> pa.Schema:
-    return pa.schema([pa.field(f.name, f.arrow_type(dims), nullable=f.nullable) for f in fields_for(optional, step)])
+    return pa.schema([pa.field(f.name, f.arrow_type(dims), nullable=f.nullable)
+                      for f in fields_for(optional, step, _transitions(dims, step))])
 
 
 def rollout_fields(semantics) -> set[str]:
@@ -209,7 +221,8 @@ class RolloutBatch:
         a generate field that is missing is an error (a row is never stored half-built)."""
         sch = schema(dims, optional, step)
         n = len(self)
-        absent = [f.name for f in fields_for(optional, step) if f.filled_by == "generate" and f.name not in self.columns]
+        absent = [f.name for f in fields_for(optional, step, _transitions(dims, step))
+                  if f.filled_by == "generate" and f.name not in self.columns]
         if absent:
             raise BatchError(f"rollout batch lacks generate field(s) {absent}")
         arrays = [_to_arrow(FIELDS[f.name], self.columns.get(f.name), f.type, n) for f in sch]

@@ -44,8 +44,11 @@ class Engine(Protocol):
         """Family facts the stage layer records: name, semantics, latent shape, recipe extras."""
 
     def rollout(self, policy: PolicySource, prompts: list[str], seeds: list[int],
-                recipe: SamplerRecipe) -> tuple[RolloutBatch, float]:
-        """One trajectory per (prompt, seed), in order; and the compute seconds."""
+                recipe: SamplerRecipe, noise_seeds: list[int] | None = None) -> tuple[RolloutBatch, float]:
+        """One trajectory per (prompt, seed), in order; and the compute seconds. `noise_seeds`
+        (recipe.shared_noise): each row's initial latent comes from its noise seed instead; the
+        stored transitions include their means when the algorithm needs them; an algorithm with a
+        separate sampling policy (DiffusionNFT) samples with the weights in that version's state."""
 
     def decode(self, final_latents: np.ndarray) -> np.ndarray:
         """uint8 images [B, H, W, 3] (video [B, F, H, W, 3])."""

@@ -65,11 +65,12 @@ class LocalEngine:
 
     # --- rollout ------------------------------------------------------------------------------
     def rollout(self, policy: PolicySource, prompts: list[str], seeds: list[int],
-                recipe: SamplerRecipe | TokenRecipe) -> tuple[RolloutBatch, float]:
+                recipe: SamplerRecipe | TokenRecipe, noise_seeds: list[int] | None = None) -> tuple[RolloutBatch, float]:
         self.use(policy)
         if isinstance(recipe, TokenRecipe):
             return self._rollout_tokens(prompts, seeds, recipe)
         fam, mb = self.policy.family, self.cfg.sampling.micro_batch
+        model = self._sampler(policy)
         cond_all, pos = self._prompts.encode(prompts)
         neg = self._prompts.negative() if uses_negative_prompt(fam, recipe.guidance_scale) else None
         trajs = []
@@ -79,18 +80,40 @@ class LocalEngine:
             chunk = prompts[start:start + mb]
             cond = cond_all.select([pos[p] for p in chunk])
             gens = generators(seeds[start:start + len(chunk)], fam.device)
-            trajs.append(sample(fam, cond, neg.expand(len(chunk)) if neg else None, gens, recipe))
+            shared = generators(noise_seeds[start:start + len(chunk)], fam.device) if noise_seeds else None
+            trajs.append(sample(model, cond, neg.expand(len(chunk)) if neg else None, gens, recipe, shared))
         seconds = time.perf_counter() - t0
         n = len(prompts)
-        cat = lambda name: _host(torch.cat([getattr(t, name) for t in trajs]))  # noqa: E731
+        steps = recipe.padded_steps()
+        pad = len(steps) - len(recipe.train_steps)
+
+        def cat(name: str) -> np.ndarray:  # transitions padded with zeros up to stored_width
+            out = _host(torch.cat([getattr(t, name) for t in trajs]))
+            if pad and name != "final":
+                out = np.concatenate([out, np.zeros((n, pad, *out.shape[2:]), out.dtype)], axis=1)
+            return out
+
         tile = lambda a: np.tile(_host(a), (n, 1))  # noqa: E731
         batch = RolloutBatch({
             "timesteps": tile(trajs[0].timesteps), "sigmas": tile(trajs[0].sigmas),
-            "stored_steps": np.tile(np.array(recipe.train_steps, np.int32), (n, 1)),
+            "stored_steps": np.tile(np.array(steps, np.int32), (n, 1)),
             "latents": cat("latents"), "next_latents": cat("next_latents"), "log_probs": cat("log_probs"),
             "final_latent": cat("final"),
         })
+        if "means" in self.algorithm.needs:
+            batch = batch.with_columns(means=cat("means"))
         return batch, seconds
+
+    def _sampler(self, policy: PolicySource):
+        """What the rollout samples with: the family (the published weights), or a frozen view
+        with the algorithm's own sampling weights, read from that version's algorithm state."""
+        if not self.algorithm.separate_sampler:
+            return self.policy.family
+        pol = self.policy
+        pol.ensure_optimizer(policy.checkpoint_dir if policy.with_optimizer else None)
+        self.algorithm.load_state(pol.algorithm_state)
+        weights = self.algorithm.sampling_weights()
+        return self.policy.family if weights is None else pol.frozen_view(weights)
 
     def _rollout_tokens(self, prompts: list[str], seeds: list[int], recipe: TokenRecipe) -> tuple[RolloutBatch, float]:
         """A token family's rollout: the sampled image tokens and their teacher-forced log-probs,
@@ -154,6 +177,11 @@ class LocalEngine:
             recipe = getattr(algo, "token_recipe", None) or TokenRecipe()
         neg = self._prompts.negative() if recipe is not None and uses_negative_prompt(fam, recipe.guidance_scale) else None
         reference = pol.reference() if algo.needs_reference else None
+        sampler = None
+        if algo.separate_sampler:  # the sampling policy as of the rollout (initially the weights themselves)
+            if algo.sampling_weights() is None:
+                algo.set_sampling_weights({k: v.detach().clone() for k, v in pol.state().items()})
+            sampler = pol.frozen_view(algo.sampling_weights())
         on_device = lambda name: torch.from_numpy(batch[name][0].copy()).to(fam.device) if name in batch else None  # noqa: E731
         sigmas, timesteps = on_device("sigmas"), on_device("timesteps")
         gen = torch.Generator(device=fam.device).manual_seed(seed)
@@ -173,7 +201,7 @@ class LocalEngine:
             if isinstance(recipe, TokenRecipe):
                 return TokenReplayPolicy(fam, reference, cond, recipe, fam.device)
             return ReplayPolicy(fam, reference, cond, neg.expand(len(rows)) if neg else None, sigmas, timesteps,
-                                recipe, fam.device, gen, float(fam.scheduler.config.num_train_timesteps))
+                                recipe, fam.device, gen, float(fam.scheduler.config.num_train_timesteps), sampler)
 
         pol.module.train()
         params = list(pol.trainable_parameters().values())
@@ -206,6 +234,7 @@ class LocalEngine:
         seconds = time.perf_counter() - t0
         pol.module.eval()
         metrics = {"update_compute_s": seconds, "lr": opt.param_groups[0]["lr"], "optimizer_steps": float(len(plan))}
+        metrics.update(algo.end_of_update(pol.state(), len(plan)))
         for key, vals in acc.items():
             agg = np.min if key == "ratio_min" else np.max if key in ("ratio_max", "onpolicy_ratio_dev") else np.mean
             metrics[key] = float(agg(vals))

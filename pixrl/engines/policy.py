@@ -39,6 +39,7 @@ class TrainablePolicy:
             p.requires_grad_(True)
         self._base_state = {k: v.detach().clone() for k, v in self.trainable_parameters().items()}
         self._reference = None
+        self._frozen: torch.nn.Module | None = None  # frozen_view's copy
         self._explicit_reference = False
         self.weights_id = BASE
         self.optimizer: torch.optim.Optimizer | None = None
@@ -127,6 +128,30 @@ class TrainablePolicy:
         self._reference = ref
         self._explicit_reference = True
 
+    def frozen_view(self, weights: dict[str, torch.Tensor]) -> "_FrozenView":
+        """A velocity model with these trainable weights, frozen, beside the trained one (e.g.
+        DiffusionNFT's sampling policy). One copy of the module is kept and refilled per call."""
+        if self._frozen is None:
+            self._frozen = copy.deepcopy(self.module).requires_grad_(False)
+        params = dict(self._frozen.named_parameters())
+        missing = set(self.trainable_parameters()) - set(weights)
+        if missing:
+            raise ValueError(f"sampling weights lack {len(missing)} trainable tensors, e.g. {sorted(missing)[:3]}")
+        with torch.no_grad():
+            for k in self.trainable_parameters():
+                params[k].copy_(weights[k].to(params[k].dtype))
+        return _FrozenView(self, self._frozen)
+
+    def module_call(self, module: torch.nn.Module, method: str, *args, **kwargs) -> torch.Tensor:
+        """A family method computed with `module` in place of the trained one, without gradient."""
+        with torch.no_grad():
+            live = self.family.transformer
+            self.family.transformer = module
+            try:
+                return getattr(self.family, method)(*args, **kwargs)
+            finally:
+                self.family.transformer = live
+
     def reference_call(self, method: str, *args, **kwargs) -> torch.Tensor:
         """A family method (`velocity`, `sequence_logits`) under the reference policy: adapters
         disabled (LoRA) or a frozen base copy, unless set_reference chose a checkpoint."""
@@ -143,12 +168,7 @@ class TrainablePolicy:
                 with torch.no_grad():
                     for k, base in self._base_state.items():
                         params[k].copy_(base)
-            live = self.family.transformer
-            self.family.transformer = self._reference
-            try:
-                return getattr(self.family, method)(*args, **kwargs)
-            finally:
-                self.family.transformer = live
+        return self.module_call(self._reference, method, *args, **kwargs)
 
 
 class _ReferenceView:
@@ -158,8 +178,25 @@ class _ReferenceView:
         self._policy = policy
         self.dtype = policy.family.dtype
 
+    def __getattr__(self, name: str):  # schedule, latent_shape, scheduler: the family's own
+        return getattr(self._policy.family, name)
+
     def velocity(self, *args, **kwargs) -> torch.Tensor:
         return self._policy.reference_call("velocity", *args, **kwargs)
 
     def sequence_logits(self, *args, **kwargs) -> torch.Tensor:
         return self._policy.reference_call("sequence_logits", *args, **kwargs)
+
+
+class _FrozenView:
+    """A frozen copy of the trained module with other weights, wherever the family is used."""
+
+    def __init__(self, policy: TrainablePolicy, module: torch.nn.Module):
+        self._policy, self._module = policy, module
+        self.dtype = policy.family.dtype
+
+    def __getattr__(self, name: str):
+        return getattr(self._policy.family, name)
+
+    def velocity(self, *args, **kwargs) -> torch.Tensor:
+        return self._policy.module_call(self._module, "velocity", *args, **kwargs)

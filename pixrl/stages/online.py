@@ -19,7 +19,7 @@ import pyarrow as pa
 from ..algorithms.advantages import aggregated_advantages
 from ..algorithms.base import build_algorithm
 from ..algorithms.dynamic_sampling import batch_full, groups_with_signal, trained_mask
-from ..algorithms.recipe import rollout_recipe, stored_recipe
+from ..algorithms.recipe import stored_recipe
 from ..artifacts.batch import COT_FIELDS, DECODE_INPUT, RolloutBatch
 from ..artifacts.checkpoints import CheckpointRef, save_checkpoint
 from ..artifacts.media import decode_media, media_bytes, png_bytes
@@ -99,7 +99,7 @@ class OnlineStages:
         cfg, s = self.cfg, self.cfg.sampling
         rng = np.random.default_rng(seed_of(cfg.run.seed, iteration, 0))
         prompts = choose_prompts(self.prompt_items, s.prompts_per_iteration, rng)
-        recipe = rollout_recipe(s, rng, self.step_kind)
+        recipe = self.algorithm.rollout_recipe(s, rng, self.step_kind, iteration)
         if rnd:
             rng = np.random.default_rng(seed_of(cfg.run.seed, iteration, 0, rnd))
             prompts = choose_prompts(self.prompt_items, s.prompts_per_iteration, rng)
@@ -115,7 +115,12 @@ class OnlineStages:
         first = rnd * s.prompts_per_iteration  # round r holds group slots [r·P, (r+1)·P)
         rows = [(first + k, g, p) for k, p in enumerate(prompts) for g in range(s.group_size)]
         seeds = [seed_of(cfg.run.seed, iteration, 1, slot, g) for slot, g, _ in rows]
-        batch, seconds = self.engine.rollout(self.source(policy), [p.prompt for _, _, p in rows], seeds, recipe)
+        shared = getattr(recipe, "shared_noise", False)  # a group's members start from one latent
+        noise_seeds = [seed_of(cfg.run.seed, iteration, 3, slot) for slot, _, _ in rows] if shared else None
+        batch, seconds = self.engine.rollout(self.source(policy), [p.prompt for _, _, p in rows], seeds, recipe,
+                                             noise_seeds=noise_seeds)
+        if shared:
+            batch = batch.with_columns(noise_seed=noise_seeds)
         info = self.engine.describe()
         n, sem = len(rows), info["semantics"]
         if self.step_kind == "token":
@@ -134,6 +139,7 @@ class OnlineStages:
             family=[info["family"]] * n, regime=[sem.regime.value] * n, step_kind=[sem.step.value] * n,
             recipe=[recipe_json] * n)
         optional = ("poster",) if info.get("video") else COT_FIELDS if "cot_tokens" in batch else ()
+        optional += tuple(f for f in ("means", "noise_seed") if f in batch)
         table = batch.to_arrow(batch.dims(), optional=optional, step=self.step_kind)
         metrics = self._commit_record("generate", iteration, rnd,
                                       {"images_per_s": n / seconds, "generate_compute_s": seconds})
@@ -273,14 +279,14 @@ class OnlineStages:
         """The update of `iteration` from its stored rows into `out_dir` (the run's checkpoint, or
         a replay's scratch directory when record=False: nothing of the run's is written then)."""
         a = self.cfg.algorithm
-        schedule = ["timesteps", "sigmas", "stored_steps"] if self.step_kind == "denoise" else []
+        schedule = ["timesteps", "sigmas"] if self.step_kind == "denoise" else []
         cot = COT_FIELDS if self.step_kind == "token" and self.cfg.sampling.cot_tokens else ()
         cols = ["sample_id", "prompt", *sorted(self.algorithm.needs), *cot, "advantage", *schedule, "recipe", "group_id"]
         batch = RolloutBatch.from_arrow(self._read(ref, iteration, list(dict.fromkeys(cols))))
         row = {sid: i for i, sid in enumerate(batch["sample_id"])}
         rows = [[[row[sid] for sid in mb] for mb in step] for step in plan.steps]
         recipe = stored_recipe(json.loads(batch["recipe"][0]), self.step_kind, a.train_cfg)
-        result = self.engine.train(self.source(policy), batch, rows, recipe,
+        result = self.engine.train(self.source(policy), batch, rows, recipe, seed=seed_of(self.cfg.run.seed, iteration, 2),
                                    prompt_sets=self._rounds(batch["group_id"]))  # as the rollout encoded them
         counters = {"iteration": iteration, "optimizer_steps": len(plan.steps), "policy_version_in": policy.version,
                     "policy_model_in": policy.model_name}

@@ -28,6 +28,7 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
             raise ValueError(f"algorithm {algo.name!r} trains from archived rollouts, not in the online loop; "
                              f"run it with `pixrl dpo --from RUN`, or choose an online algorithm")
         if online:
+            algo.check_sampling(cfg.sampling, family.semantics.step.value)
             lacking = sorted(set(algo.needs) - rollout_fields(family.semantics))
             if lacking:
                 raise ValueError(f"algorithm {algo.name!r} needs trajectory field(s) {lacking}, which "
