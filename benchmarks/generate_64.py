@@ -13,6 +13,8 @@ import torch
 
 from pixrl.algorithms.sampling import SamplerRecipe
 from pixrl.config.environment import apply_defaults
+from pixrl.config.schema import DatasetConfig
+from pixrl.datasets.prompts import split_items
 from pixrl.datasets.shapes.evaluate import eval_set, generate_images
 from pixrl.engines.assets import resolve_asset
 from pixrl.models.sd3 import SD3Family
@@ -29,7 +31,7 @@ def main() -> None:
     t0 = time.perf_counter()
     fam = SD3Family.load(resolve_asset("builtin:mini_shapes"), max_sequence_length=0)
     load_s = time.perf_counter() - t0
-    items = eval_set("heldout", per_category=13)[:64]
+    items = eval_set(split_items(DatasetConfig(), "heldout"), per_category=13)[:64]
     recipe = SamplerRecipe(steps=a.steps, noise_level=0.0, guidance_scale=a.guidance)
     generate_images(fam, [p["prompt"] for p, _ in items[:4]], [s for _, s in items[:4]], recipe)  # warm-up
     t1 = time.perf_counter()

@@ -94,7 +94,7 @@ class StageProgress:
 
 
 _NOT_CATEGORIES = {"heldout/accuracy", "heldout/champion_version", "heldout/n", "heldout/sample_accuracy",
-                   "heldout/partial"}
+                   "heldout/partial", "heldout/accuracy_ci_low", "heldout/accuracy_ci_high"}
 
 
 def update_summary(metrics: dict) -> str:

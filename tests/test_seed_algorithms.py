@@ -369,3 +369,13 @@ def test_a_setting_of_another_algorithm_is_refused_naming_the_valid_ones():
         preflight(load_config("shapes_diffusion_nft", ["sampling.guidance_scale=4.5"]))
     with pytest.raises(PreflightError, match="unset sampling.window_size"):
         preflight(load_config("shapes_mix_grpo", ["sampling.window_size=2"]))
+
+
+def test_dpo_sigmas_follow_the_shifted_training_schedule():
+    """flow_grpo draws DPO's σ from SD3's shifted schedule: with shift 3 the 10/50/90th percentiles are
+    ≈ 0.46/0.75/0.92 (unshifted logit-normal: ≈ 0.22/0.50/0.78)."""
+    from pixrl.algorithms.diffusion_dpo import sample_sigmas
+
+    s = sample_sigmas(200_000, "logit_normal", torch.Generator().manual_seed(0))
+    assert np.allclose(np.quantile(s.numpy(), [0.1, 0.5, 0.9]), [0.22, 0.50, 0.78], atol=0.01)
+    assert np.allclose(np.quantile(shifted(s, 3.0).numpy(), [0.1, 0.5, 0.9]), [0.46, 0.75, 0.92], atol=0.01)

@@ -5,7 +5,7 @@ import pytest
 from scipy import ndimage
 
 from pixrl.datasets.shapes.judge import judge
-from pixrl.datasets.shapes.prompts import (CATEGORIES, PromptError, all_prompts, composition_key,
+from pixrl.datasets.shapes.prompts import (CATEGORIES, MIN_HELDOUT, PromptError, all_prompts, composition_key,
                                            holdout_group, missing_primitives, parse, split_prompts, text_of)
 from pixrl.datasets.shapes.render import render_prompt
 
@@ -38,7 +38,8 @@ def test_prompts_cover_six_categories_and_parse_back():
     assert m["relation"] == "above" and m["objects"][0] == {"shape": "circle", "color": "blue", "count": 1}
 
 
-@pytest.mark.parametrize("bad", ["a purple circle", "five squares", "a circle near a square", ""])
+@pytest.mark.parametrize("bad", ["a purple circle", "five squares", "a circle near a square", "",
+                                 "four circles and a square", "two circles to the left of a square"])
 def test_parse_rejects_text_outside_the_language(bad):
     with pytest.raises(PromptError):
         parse(bad)
@@ -52,6 +53,30 @@ def test_heldout_compositions_never_occur_in_train():
     assert {p["category"] for p in split["heldout"]} == set(CATEGORIES) - {"single_object"}
     words = lambda ps: {w for p in ps for w in p["prompt"].split()}  # noqa: E731
     assert words(split["heldout"]) <= words(split["train"])
+
+
+def test_the_grammar_crosses_colour_with_count_and_position_and_count_with_two_objects():
+    texts = {p["prompt"]: p["category"] for p in all_prompts()}
+    assert texts["two red circles"] == "counting" and texts["four yellow triangles"] == "counting"
+    assert texts["a red circle to the left of a blue square"] == "position"
+    assert texts["two circles and a square"] == "two_object" and texts["a triangle and three squares"] == "two_object"
+    assert parse("three blue squares")["objects"] == [{"shape": "square", "color": "blue", "count": 3}]
+
+
+def test_every_category_but_single_object_holds_out_six_compositions_disjoint_from_train():
+    """Held out are whole compositions (hold-out groups), ≥ MIN_HELDOUT per category, among them
+    combinations train never shows: a coloured count, a coloured relation, counts beside another shape."""
+    split = split_prompts()
+    train = {holdout_group(p) for p in split["train"]}
+    for cat in CATEGORIES:
+        held = {holdout_group(p) for p in split["heldout"] if p["category"] == cat}
+        assert not (held & train)
+        assert len(held) >= (0 if cat == "single_object" else MIN_HELDOUT), (cat, len(held))
+    held = split["heldout"]
+    assert any(p["category"] == "counting" and p["objects"][0]["color"] for p in held)
+    assert any(p["category"] == "position" and p["objects"][0]["color"] for p in held)
+    assert any(p["category"] == "two_object" and max(o["count"] for o in p["objects"]) > 1 for p in held)
+    assert missing_primitives(split["train"]) == []
 
 
 def test_split_holds_relations_out_in_both_orders_and_keeps_every_primitive_in_train():

@@ -110,7 +110,7 @@ def _policy(checkpoint: Optional[str], run: Optional[str], workdir: str, steps: 
     except (PolicyNotFound, ModelLoadError, ConfigError, FileNotFoundError) as exc:
         _fail(str(exc), exc=exc)
     s = cfg.sampling.model_copy(update={"eval_steps": steps} if steps else {})
-    return policy, eval_recipe(s, policy.family.semantics.step.value)
+    return policy, eval_recipe(s, policy.family.semantics.step.value), cfg
 
 
 @app.command("eval")
@@ -133,8 +133,14 @@ def eval_cmd(
 
     from ..datasets.shapes.evaluate import evaluate
 
-    policy, recipe = _policy(checkpoint, run, workdir, steps, config)
-    res = evaluate(policy.family, split, recipe, per_category)
+    from ..datasets.prompts import PromptSetError, split_items
+
+    policy, recipe, cfg = _policy(checkpoint, run, workdir, steps, config)
+    try:
+        items = split_items(cfg.dataset, split)
+    except (PromptSetError, FileNotFoundError) as exc:
+        _fail(str(exc), exc=exc)
+    res = evaluate(policy.family, items, recipe, per_category)
     how = (f"{recipe.steps} ODE steps" if hasattr(recipe, "steps") else
            f"token sampling, temperature {recipe.temperature}, top-k {recipe.top_k or 'off'}")
     table = Table(title=f"shapes eval · {split} · {res['n']} samples · {how}, cfg {recipe.guidance_scale}")
@@ -189,7 +195,7 @@ def generate(
     from ..artifacts.media import media_bytes
     from ..datasets.shapes.evaluate import generate_images
 
-    policy, recipe = _policy(checkpoint, run, workdir, steps)
+    policy, recipe, _ = _policy(checkpoint, run, workdir, steps)
     pairs = [(t, seed * 1000 + i * samples + k) for i, t in enumerate(texts) for k in range(samples)]
     imgs = generate_images(policy.family, [t for t, _ in pairs], [s for _, s in pairs], recipe)
     od = Path(out)

@@ -120,3 +120,17 @@ def choose_prompts(items: list[PromptItem], n: int, rng: np.random.Generator) ->
         return out
     idx = rng.choice(len(items), size=n, replace=len(items) < n)
     return [items[int(i)] for i in idx]
+
+
+def split_items(dataset, split: str) -> list[PromptItem]:
+    """The prompt items of a split of the configured dataset: 'train' is dataset.path, 'heldout'
+    dataset.heldout_path (what evaluation judges)."""
+    from ..engines.assets import resolve_asset
+
+    if split not in ("train", "heldout"):
+        raise ValueError(f"unknown split {split!r}; choose 'train' or 'heldout'")
+    path = dataset.path if split == "train" else dataset.heldout_path
+    if path is None:
+        raise PromptSetError(f"dataset.heldout_path is not set for dataset {dataset.name!r}; point it at a held-out "
+                             f"prompt file to evaluate on the held-out split")
+    return load_prompt_set(resolve_asset(path), dataset.name)

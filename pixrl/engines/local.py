@@ -21,6 +21,7 @@ from ..algorithms.token_sampling import TokenRecipe, sample_tokens, sample_with_
 from ..artifacts.batch import RolloutBatch
 from ..artifacts.checkpoints import load_weights
 from ..config.schema import ExperimentConfig
+from ..datasets.prompts import split_items
 from ..datasets.registry import get_evaluator
 from ..models.base import uses_negative_prompt
 from ..rewards.compose import RewardSet
@@ -254,4 +255,5 @@ class LocalEngine:
     # --- evaluate -----------------------------------------------------------------------------
     def evaluate(self, policy: PolicySource, dataset: str, split: str, per_category: int) -> dict:
         self.use(policy)
-        return get_evaluator(dataset)(self.policy.family, split, self.cfg.sampling, per_category)
+        items = split_items(self.cfg.dataset, split)
+        return get_evaluator(dataset)(self.policy.family, items, self.cfg.sampling, per_category)

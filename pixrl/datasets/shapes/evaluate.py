@@ -1,6 +1,8 @@
 """GenEval-style evaluation on the shapes world: fixed prompts × fixed seeds, deterministic ODE
 sampling, the rule-based judge; accuracy per category and overall (mean of categories, as
-GenEval reports it), plus the pooled sample accuracy and mean partial credit."""
+GenEval reports it) with a 95% bootstrap interval, plus the pooled sample accuracy and mean
+partial credit. The prompts are the dataset's prompt file for the split (dataset.path /
+dataset.heldout_path), so a checkpoint is evaluated on the world it was pretrained for."""
 
 from __future__ import annotations
 
@@ -11,18 +13,42 @@ from ...algorithms.token_sampling import TokenRecipe, generate_tokens
 from ...models.base import uses_negative_prompt
 from ..registry import register_evaluator
 from .judge import judge
-from .prompts import CATEGORIES, split_prompts
+from .prompts import CATEGORIES
+
+#: the seed set every evaluation of every run shares (sample i of category c: EVAL_SEED·1000 + c·100000 + i)
+EVAL_SEED = 1234
+BOOTSTRAP_DRAWS = 2000
 
 
-def eval_set(split: str, per_category: int = 48, seed: int = 1234) -> list[tuple[dict, int]]:
-    """(prompt, seed) pairs: per category, cycle through its prompts up to `per_category` samples."""
-    prompts = split_prompts()[split]
+def _meta(item) -> dict:
+    """A prompt item (PromptItem, or a dict with 'prompt' and the metadata) as the judge's dict."""
+    return item if isinstance(item, dict) else {"prompt": item.prompt, **item.meta}
+
+
+def eval_set(items, per_category: int = 48, seed: int = EVAL_SEED) -> list[tuple[dict, int]]:
+    """(prompt, seed) pairs: per category, cycle through its prompts (in file order) up to
+    `per_category` samples; the seeds depend only on the category and the sample's index."""
+    prompts = [_meta(it) for it in items]
     out = []
     for ci, cat in enumerate(CATEGORIES):
-        ps = [p for p in prompts if p["category"] == cat]
+        ps = [p for p in prompts if p.get("category") == cat]
         for i in range(per_category if ps else 0):
             out.append((ps[i % len(ps)], seed * 1000 + ci * 100_000 + i))
     return out
+
+
+def bootstrap_interval(per_category: dict[str, list[float]], draws: int = BOOTSTRAP_DRAWS,
+                       level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """Percentile interval of the mean-of-categories accuracy, resampling each category's samples
+    with replacement (stratified, so every draw keeps the categories' sizes)."""
+    rng = np.random.default_rng(seed)
+    stats = np.zeros(draws)
+    for vals in per_category.values():
+        v = np.asarray(vals, dtype=np.float64)
+        stats += v[rng.integers(0, len(v), size=(draws, len(v)))].mean(axis=1)
+    stats /= len(per_category)
+    lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
 
 
 def generate_images(family, prompts: list[str], seeds: list[int], recipe: SamplerRecipe | TokenRecipe,
@@ -45,24 +71,28 @@ def generate_images(family, prompts: list[str], seeds: list[int], recipe: Sample
     return np.concatenate(imgs)
 
 
-def evaluate(family, split: str, recipe: SamplerRecipe, per_category: int = 48) -> dict:
-    items = eval_set(split, per_category)
-    imgs = generate_images(family, [p["prompt"] for p, _ in items], [s for _, s in items], recipe)
+def evaluate(family, items, recipe: SamplerRecipe | TokenRecipe, per_category: int = 48) -> dict:
+    """Accuracy of `family` on prompt `items` (a split's PromptItems), `per_category` samples each."""
+    pairs = eval_set(items, per_category)
+    if not pairs:
+        raise ValueError("the prompt set has no prompts of the shapes categories to evaluate")
+    imgs = generate_images(family, [p["prompt"] for p, _ in pairs], [s for _, s in pairs], recipe)
     per: dict[str, list[float]] = {}
     partial: list[float] = []
-    for (p, _), img in zip(items, imgs):
+    for (p, _), img in zip(pairs, imgs):
         frames = img if img.ndim == 4 else img[None]  # a clip is judged frame by frame, then averaged
         rs = [judge(f, p) for f in frames]
         per.setdefault(p["category"], []).append(float(np.mean([r["correct"] for r in rs])))
         partial.append(float(np.mean([r["partial"] for r in rs])))
     cats = {k: float(np.mean(v)) for k, v in per.items()}
-    return {"accuracy": float(np.mean(list(cats.values()))),
+    lo, hi = bootstrap_interval(per)
+    return {"accuracy": float(np.mean(list(cats.values()))), "accuracy_ci_low": lo, "accuracy_ci_high": hi,
             "sample_accuracy": float(np.mean([x for v in per.values() for x in v])),
-            "partial": float(np.mean(partial)), "n": len(items), "split": split, **cats}
+            "partial": float(np.mean(partial)), "n": len(pairs), **cats}
 
 
 @register_evaluator("shapes")
-def evaluate_heldout(family, split: str, sampling, per_category: int) -> dict:
+def evaluate_split(family, items, sampling, per_category: int) -> dict:
     """The registered shapes evaluator: the shared deterministic ODE recipe of `sampling` (a token
-    family: its sampling transform)."""
-    return evaluate(family, split, eval_recipe(sampling, family.semantics.step.value), per_category)
+    family: its sampling transform) on the split's prompt items."""
+    return evaluate(family, items, eval_recipe(sampling, family.semantics.step.value), per_category)

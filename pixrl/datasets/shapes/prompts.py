@@ -93,39 +93,60 @@ def parse(text: str) -> dict:
     return {"category": _category(objs), "objects": objs, "relation": None}
 
 
+#: shapes a scene holds at most (the 2×2 placement grid)
+MAX_SHAPES = 4
+
+
 def _category(objs: list[dict]) -> str:
+    if sum(o["count"] for o in objs) > MAX_SHAPES:
+        raise PromptError(f"{sum(o['count'] for o in objs)} shapes do not fit the world's {MAX_SHAPES} places")
     if len(objs) == 1:
         o = objs[0]
         if o["count"] > 1:
-            return "counting"
+            return "counting"  # "three triangles", "two red circles"
         return "colors" if o["color"] else "single_object"
-    if len(objs) == 2 and all(o["count"] == 1 for o in objs):
-        return "color_attr" if all(o["color"] for o in objs) else "two_object"
+    if len(objs) == 2:
+        if all(o["count"] == 1 for o in objs) and all(o["color"] for o in objs):
+            return "color_attr"
+        return "two_object"  # "a circle and a square", "two circles and a square"
     raise PromptError(f"unsupported composition: {objs}")
 
 
+#: the count pairs of a two-object prompt (first, second), at most MAX_SHAPES shapes in all
+_TWO_OBJECT_COUNTS = tuple((a, b) for a in range(1, MAX_SHAPES) for b in range(1, MAX_SHAPES) if a + b <= MAX_SHAPES)
+
+
 def all_prompts() -> list[dict]:
-    """Every templated prompt of the six categories (metadata dicts, text under 'prompt')."""
+    """Every templated prompt of the six categories (metadata dicts, text under 'prompt').
+
+    The grammar crosses colour with count ("two red circles": counting) and with position ("a
+    red circle to the left of a blue square"), and count with two objects ("two circles and a
+    square"), so that held-out prompts can ask for combinations train never shows (see
+    `split_prompts`)."""
+    def obj(shape, color=None, count=1):
+        return {"shape": shape, "color": color, "count": count}
+
     metas: list[dict] = []
     for s in SHAPES:
-        metas.append({"objects": [{"shape": s, "color": None, "count": 1}], "relation": None})
+        metas.append({"objects": [obj(s)], "relation": None})
     for s1, s2 in itertools.permutations(SHAPES, 2):
-        metas.append({"objects": [{"shape": s1, "color": None, "count": 1},
-                                  {"shape": s2, "color": None, "count": 1}], "relation": None})
+        for n1, n2 in _TWO_OBJECT_COUNTS:
+            metas.append({"objects": [obj(s1, count=n1), obj(s2, count=n2)], "relation": None})
     for n in (2, 3, 4):
-        for s in SHAPES:
-            metas.append({"objects": [{"shape": s, "color": None, "count": n}], "relation": None})
+        for c in (None, *COLORS):
+            for s in SHAPES:
+                metas.append({"objects": [obj(s, c, n)], "relation": None})
     for c in COLORS:
         for s in SHAPES:
-            metas.append({"objects": [{"shape": s, "color": c, "count": 1}], "relation": None})
+            metas.append({"objects": [obj(s, c)], "relation": None})
     for rel in RELATIONS:
         for s1, s2 in itertools.permutations(SHAPES, 2):
-            metas.append({"objects": [{"shape": s1, "color": None, "count": 1},
-                                      {"shape": s2, "color": None, "count": 1}], "relation": rel})
+            metas.append({"objects": [obj(s1), obj(s2)], "relation": rel})
+            for c1, c2 in itertools.permutations(COLORS, 2):
+                metas.append({"objects": [obj(s1, c1), obj(s2, c2)], "relation": rel})
     for (c1, c2) in itertools.permutations(COLORS, 2):
         for (s1, s2) in itertools.permutations(SHAPES, 2):
-            metas.append({"objects": [{"shape": s1, "color": c1, "count": 1},
-                                      {"shape": s2, "color": c2, "count": 1}], "relation": None})
+            metas.append({"objects": [obj(s1, c1), obj(s2, c2)], "relation": None})
     out = []
     for m in metas:
         m["category"] = _category(m["objects"]) if not m["relation"] else "position"
@@ -156,7 +177,7 @@ def holdout_group(meta: dict) -> str:
     fails the held-out prompt by construction; held out together, only the relation itself
     transfers to them."""
     if meta.get("relation"):
-        pair = "+".join(sorted(o["shape"] for o in meta["objects"]))
+        pair = "+".join(sorted(json.dumps(o, sort_keys=True) for o in meta["objects"]))
         return f"position:{pair}:{_AXIS[meta['relation']]}"
     return composition_key(meta)
 
@@ -175,23 +196,35 @@ def missing_primitives(train: list[dict]) -> list[str]:
     missing += [f"{s} in 2 colours" for s in SHAPES if len({c for c, ss in pairs if ss == s}) < 2]
     counts = {o["count"] for m in train for o in m["objects"]}
     missing += [f"count {n}" for n in NUMBER_WORDS if n not in counts]
+    coloured_counts = {o["count"] for m in train for o in m["objects"] if o.get("color") and o["count"] > 1}
+    missing += [f"count {n} of a coloured shape" for n in (2, 3, 4) if n not in coloured_counts]
+    related = {o.get("color") for m in train if m.get("relation") for o in m["objects"]}
+    missing += [f"{c} in a relation" for c in COLORS if c not in related]
+    multi = {o["shape"] for m in train if len(m["objects"]) == 2 for o in m["objects"] if o["count"] > 1}
+    missing += [f"several {s}s beside another shape" for s in SHAPES if s not in multi]
     words = {w for m in train for w in m["prompt"].split()}
     missing += [f"word {w!r}" for w in sorted({w for m in all_prompts() for w in m["prompt"].split()} - words)]
     return missing
+
+
+#: every category but single-object holds out at least this many compositions (hold-out groups),
+#: so that a category's held-out accuracy does not move with one composition
+MIN_HELDOUT = 6
 
 
 def split_prompts(seed: int = 0, heldout_fraction: float = 0.25) -> dict[str, list[dict]]:
     """Train / held-out split over hold-out groups (see `holdout_group`), per category.
 
     Groups are drawn in a seeded order; a group is held out only if train keeps every primitive
-    (`missing_primitives`), until the category's share is reached. single_object (3 prompts)
-    stays in train: holding one out would remove a shape word from training."""
+    (`missing_primitives`), until the category's share — at least MIN_HELDOUT groups — is
+    reached. single_object (3 prompts) stays in train: holding one out would remove a shape word
+    from training."""
     rng = np.random.default_rng(seed)
     prompts = all_prompts()
     held_groups: set[str] = set()
     for cat in CATEGORIES:
         groups = sorted({holdout_group(p) for p in prompts if p["category"] == cat})
-        n_held = 0 if cat == "single_object" else max(1, round(heldout_fraction * len(groups)))
+        n_held = 0 if cat == "single_object" else max(MIN_HELDOUT, round(heldout_fraction * len(groups)))
         chosen = 0
         for g in rng.permutation(groups).tolist():
             if chosen == n_held:

@@ -50,11 +50,29 @@ class PretrainConfig:
     relation_twins: float = 0.0  # fraction of each denoiser batch made of relation-flipped twin pairs
 
 
+#: the largest share of pretraining captions position prompts get. The wider grammar has 232
+#: train position prompts of 353 (colour × position); drawn uniformly they would be two thirds of
+#: every batch, and this model cannot read relations (docs/miniature.md § Position). The first
+#: grammar's share was 17%.
+POSITION_SHARE = 0.2
+
+
+def caption_weights(prompts: list[dict], position_share: float = POSITION_SHARE) -> np.ndarray | None:
+    """Sampling probabilities of the train captions: uniform (None), except that position prompts
+    together get at most `position_share` of the draws."""
+    pos = np.array([p["category"] == "position" for p in prompts])
+    if not pos.any() or pos.all() or pos.mean() <= position_share:
+        return None
+    w = np.where(pos, position_share / pos.sum(), (1 - position_share) / (~pos).sum())
+    return w / w.sum()
+
+
 class SceneStream:
     """Endless batches of (uint8 image, caption) from train-split prompts, deterministic per seed."""
 
     def __init__(self, seed: int):
         self.prompts = split_prompts()["train"]
+        self.weights = caption_weights(self.prompts)
         self.rng = np.random.default_rng(seed)
         texts = {p["prompt"] for p in self.prompts}
         # relation prompts whose flip ("left of" <-> "right of") is a train prompt too; the split
@@ -81,7 +99,10 @@ class SceneStream:
         return _to_tensor(np.stack(images + flipped)), [m["prompt"] for m in both], both
 
     def batch(self, n: int) -> tuple[torch.Tensor, list[str], list[dict]]:
-        idx = self.rng.integers(len(self.prompts), size=n)
+        if self.weights is None:
+            idx = self.rng.integers(len(self.prompts), size=n)
+        else:
+            idx = self.rng.choice(len(self.prompts), size=n, p=self.weights)
         seeds = self.rng.integers(2**31, size=n)
         metas = [self.prompts[i] for i in idx]
         return self.render(list(zip(metas, seeds))), [m["prompt"] for m in metas], metas
