@@ -4,6 +4,8 @@ before and after, the reward curve (CSV + PNG), the resolved config, and evidenc
 
     .venv/bin/python benchmarks/record_validation.py --name shapes_flow_grpo_v1 --iterations 200 [key=value ...]
     .venv/bin/python benchmarks/record_validation.py --name shapes_token_grpo_v1 --config shapes_token_grpo ...
+    .venv/bin/python benchmarks/record_validation.py --name shapes_dance_grpo --config shapes_dance_grpo \
+        --minutes 45 --per-category 96 run.eval_every=20     # a row of docs/algorithms/README.md's table
 """
 
 from __future__ import annotations
@@ -39,8 +41,13 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--reuse", action="store_true", help="the run exists in --workdir: only evaluate and record")
     ap.add_argument("--config", default=None, help="experiment preset or YAML (default: the default recipe)")
+    ap.add_argument("--minutes", type=float, default=None,
+                    help="wall-clock training budget (run.time_budget_minutes); --iterations is then only a cap")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
+    if a.minutes:
+        a.overrides = [*a.overrides, f"run.time_budget_minutes={a.minutes}"]
+        a.iterations = max(a.iterations, 100_000)
     out_dir = ROOT / "docs" / "runs" / a.name
     out_dir.mkdir(parents=True, exist_ok=True)
     wd = Path(a.workdir or out_dir / "work").resolve()
@@ -77,12 +84,19 @@ def main() -> None:
     summary["train_after_detail"] = _eval(["--split", "train", "--run", a.name], wd, a.per_category)
     summary["eval_after_s"] = time.time() - t2
     for split in ("heldout", "train"):
-        summary[f"{split}_before"] = summary[f"{split}_before_detail"]["accuracy"]
-        summary[f"{split}_after"] = summary[f"{split}_after_detail"]["accuracy"]
+        for when in ("before", "after"):
+            d = summary[f"{split}_{when}_detail"]
+            summary[f"{split}_{when}"] = d["accuracy"]
+            if "accuracy_ci_low" in d:  # 95% bootstrap interval over the evaluation samples
+                summary[f"{split}_{when}_ci"] = [d["accuracy_ci_low"], d["accuracy_ci_high"]]
         summary[f"{split}_lift"] = summary[f"{split}_after"] - summary[f"{split}_before"]
+    if "heldout_after_ci" in summary:
+        summary["heldout_rose"] = summary["heldout_after_ci"][0] > summary["heldout_before"]
+    summary["wall_minutes"] = summary["train_s"] / 60
 
     keys = ["reward/reward/mean", "reward/shapes.correct/mean", "reward/shapes.partial/mean", "zero_std_ratio",
-            "loss", "clipfrac", "approx_kl", "grad_norm", "optimizer_steps", "time/iteration_s", "heldout/accuracy"]
+            "loss", "clipfrac", "approx_kl", "grad_norm", "optimizer_steps", "time/iteration_s", "heldout/accuracy",
+            "images_per_s"]
     hist = {k: {m.step: m.value for m in c.get_metric_history(info["run_id"], k)} for k in keys}
     steps = sorted(hist["reward/reward/mean"])
     with (out_dir / "reward_curve.csv").open("w", newline="") as f:
@@ -97,6 +111,12 @@ def main() -> None:
     summary["optimizer_updates"] = int(sum(hist["optimizer_steps"].values()))
     summary["iteration_compute_s"] = float(sum(hist["time/iteration_s"].values()))  # excludes any downtime
     summary["heldout_curve"] = {int(k): v for k, v in sorted(hist["heldout/accuracy"].items())}
+    summary["iterations_done"] = len(steps)
+    summary["seconds_per_iteration"] = float(np.mean(list(hist["time/iteration_s"].values())))
+    summary["images_per_s"] = float(np.mean(list(hist["images_per_s"].values())))
+    if summary["heldout_curve"]:  # the periodic evaluations inside the run (run.eval_every)
+        best = max(summary["heldout_curve"].items(), key=lambda kv: (kv[1], -kv[0]))
+        summary["heldout_best"], summary["heldout_best_iteration"] = best[1], best[0]
     run = c.get_run(info["run_id"])
     import shutil
     import tempfile

@@ -191,3 +191,20 @@ def test_sample_grid_logged_once_per_iteration(trained):
     before = sorted(a.path for a in client.list_artifacts(out["run_id"], "images"))
     assert log_sample_grid(stores, out["run_id"], 1, 4) is False
     assert sorted(a.path for a in client.list_artifacts(out["run_id"], "images")) == before
+
+
+def test_a_time_budget_ends_the_run_normally_after_the_iteration_it_expires_in(tiny_checkpoint, tmp_path,
+                                                                               prefect_harness):
+    """run.time_budget_minutes: no iteration starts once the budget is spent; the run then ends
+    FINISHED with its last policy evaluated, and the MLflow run says where it stopped."""
+    args = ["train", "--iterations", "5", "--run", "budget", "reward=jpeg_compressibility",
+            *tiny_overrides(tiny_checkpoint, tmp_path), "run.time_budget_minutes=0.0001", "run.eval_every=3",
+            "run.eval_per_category=1"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert set(lance.dataset(out["table_uri"]).to_table()["iteration"].to_pylist()) == {0}
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.get_run(out["run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["pixrl.stopped_by_budget"] == "1"
+    assert sorted(m.step for m in client.get_metric_history(out["run_id"], "heldout/accuracy")) == [0, 1]

@@ -154,6 +154,9 @@ class RunConfig(_Section):
     engine: Literal["local"] = Field("local", description="where the compute runs (the stage layer is the same "
                                                            "for every engine)")
     iterations: int = Field(40, ge=1)
+    time_budget_minutes: float | None = Field(None, gt=0, description="stop starting iterations once this process has "
+                                              "trained this long (wall clock; the run then ends normally, evaluated "
+                                              "after its last iteration); None: run.iterations decides")
     seed: int = 0
     workdir: str = "work"
     store_root: str | None = None  # Lance root; default <workdir>/lance (local path or object-store URI)

@@ -85,6 +85,14 @@ def seed_fork(spec: RunSpec, fork: dict) -> None:
                    fork["iteration"], fork["from_stage"], TrajectoryStore(spec.table_uri), spec.run_id)
 
 
+def log_budget_reached(spec, iteration: int, minutes: float) -> None:
+    """The run stops early: said on the terminal and recorded on the MLflow run."""
+    from prefect import get_run_logger
+
+    get_run_logger().info("time budget of %g minutes reached after %d iterations; the run ends here", minutes, iteration)
+    RunStores(spec).tracker.client.set_tag(spec.run_id, "pixrl.stopped_by_budget", str(iteration))
+
+
 @flow(name="pixrl-train")
 def train(config: dict, workdir: str = "work", resume_run_id: str | None = None, fork: dict | None = None) -> dict:
     """Run `run.iterations` RL iterations from the base weights; returns where the results are.
@@ -113,10 +121,17 @@ def _train(cfg: ExperimentConfig, workdir: str, resume_run_id: str | None, fork:
     every = cfg.run.eval_every if has_evaluator(cfg.dataset.name) else 0
     progress_id = start_progress(spec)
     yield_to_compute()  # the run's API-heavy opening is over; the server's background work now yields
+    budget = cfg.run.time_budget_minutes
+    began = time.monotonic()
     try:
         if every and start == 0:
             evaluate.with_options(task_run_name="evaluate[after=0]")(spec, 0, policy)
         for it in range(start, cfg.run.iterations):
+            if budget is not None and it > start and time.monotonic() - began >= 60 * budget:
+                log_budget_reached(spec, it, budget)
+                if every and it % every:  # the last iteration's policy is evaluated, as at the end of a run
+                    evaluate.with_options(task_run_name=f"evaluate[after={it}]")(spec, it, policy)
+                break
             progress.clear(spec.run_id, it)
             done = stores.published(it)
             if done is not None:  # resume: the iteration is published, so every stage of it is committed
