@@ -118,13 +118,7 @@ class TrainablePolicy:
         """Use a frozen copy with these trainable weights (e.g. a registered checkpoint) as the
         reference instead of the base model."""
         ref = copy.deepcopy(self.module).requires_grad_(False)
-        params = dict(ref.named_parameters())
-        missing = set(self.trainable_parameters()) - set(weights)
-        if missing:
-            raise ValueError(f"reference checkpoint lacks {len(missing)} trainable tensors, e.g. {sorted(missing)[:3]}")
-        with torch.no_grad():
-            for k in self.trainable_parameters():
-                params[k].copy_(weights[k].to(params[k].dtype))
+        self._fill(ref, weights, "reference checkpoint")
         self._reference = ref
         self._explicit_reference = True
 
@@ -133,14 +127,18 @@ class TrainablePolicy:
         DiffusionNFT's sampling policy). One copy of the module is kept and refilled per call."""
         if self._frozen is None:
             self._frozen = copy.deepcopy(self.module).requires_grad_(False)
-        params = dict(self._frozen.named_parameters())
+        self._fill(self._frozen, weights, "sampling weights")
+        return _FrozenView(self, self._frozen)
+
+    def _fill(self, module: torch.nn.Module, weights: dict[str, torch.Tensor], what: str) -> None:
+        """Copy `weights` into a copy of the module's trainable tensors; all of them must be there."""
         missing = set(self.trainable_parameters()) - set(weights)
         if missing:
-            raise ValueError(f"sampling weights lack {len(missing)} trainable tensors, e.g. {sorted(missing)[:3]}")
+            raise ValueError(f"{what} lack(s) {len(missing)} trainable tensors, e.g. {sorted(missing)[:3]}")
+        params = dict(module.named_parameters())
         with torch.no_grad():
             for k in self.trainable_parameters():
                 params[k].copy_(weights[k].to(params[k].dtype))
-        return _FrozenView(self, self._frozen)
 
     def module_call(self, module: torch.nn.Module, method: str, *args, **kwargs) -> torch.Tensor:
         """A family method computed with `module` in place of the trained one, without gradient."""
