@@ -85,12 +85,12 @@ def seed_fork(spec: RunSpec, fork: dict) -> None:
                    fork["iteration"], fork["from_stage"], TrajectoryStore(spec.table_uri), spec.run_id)
 
 
-def log_budget_reached(spec, iteration: int, minutes: float) -> None:
+def log_budget_reached(tracker, run_id: str, iteration: int, minutes: float) -> None:
     """The run stops early: said on the terminal and recorded on the MLflow run."""
     from prefect import get_run_logger
 
     get_run_logger().info("time budget of %g minutes reached after %d iterations; the run ends here", minutes, iteration)
-    RunStores(spec).tracker.client.set_tag(spec.run_id, "pixrl.stopped_by_budget", str(iteration))
+    tracker.client.set_tag(run_id, "pixrl.stopped_by_budget", str(iteration))
 
 
 @flow(name="pixrl-train")
@@ -128,7 +128,7 @@ def _train(cfg: ExperimentConfig, workdir: str, resume_run_id: str | None, fork:
             evaluate.with_options(task_run_name="evaluate[after=0]")(spec, 0, policy)
         for it in range(start, cfg.run.iterations):
             if budget is not None and it > start and time.monotonic() - began >= 60 * budget:
-                log_budget_reached(spec, it, budget)
+                log_budget_reached(tracker, spec.run_id, it, budget)
                 if every and it % every:  # the last iteration's policy is evaluated, as at the end of a run
                     evaluate.with_options(task_run_name=f"evaluate[after={it}]")(spec, it, policy)
                 break
