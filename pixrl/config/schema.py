@@ -151,8 +151,9 @@ class RetentionConfig(_Section):
 
 class RunConfig(_Section):
     name: str = "default"
-    engine: Literal["local"] = Field("local", description="where the compute runs (the stage layer is the same "
-                                                           "for every engine)")
+    engine: Literal["local", "ray"] = Field("local", description="where the compute runs: this process, or Ray "
+                                                                  "workers (settings under `ray`); the stage layer "
+                                                                  "is the same for every engine")
     iterations: int = Field(40, ge=1)
     time_budget_minutes: float | None = Field(None, gt=0, description="stop starting iterations once this process has "
                                               "trained this long (wall clock; the run then ends normally, evaluated "
@@ -194,6 +195,39 @@ class RunConfig(_Section):
         return self
 
 
+class WorkerResources(_Section):
+    """What one Ray worker of a kind reserves (Ray's logical resources)."""
+
+    num_cpus: float = Field(1, ge=0)
+    num_gpus: float = Field(0, ge=0, description="1: the worker owns a GPU (its model goes to cuda)")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom resources, e.g. {node_a: 1}")
+
+
+class RayConfig(_Section):
+    """The Ray engine (`run.engine=ray`): where the cluster is and its worker pools."""
+
+    address: str = Field("", description="'' starts a local Ray for this run; 'auto' joins the cluster this node "
+                                         "belongs to (`ray start`); 'HOST:PORT' a cluster's GCS; "
+                                         "'ray://HOST:10001' through the Ray client")
+    rollout_workers: int = Field(2, ge=1, description="actors that generate (and decode, and evaluate)")
+    reward_workers: int = Field(1, ge=1, description="actors that score (model-based rewards load once per actor)")
+    trainer_workers: int = Field(2, ge=1, description="ranks of the update's torch.distributed group")
+    rollout: WorkerResources = WorkerResources()
+    reward: WorkerResources = WorkerResources()
+    trainer: WorkerResources = WorkerResources()
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="the trainer group's torch.distributed "
+                                                                          "backend; auto: nccl on GPU, gloo on CPU")
+    num_cpus: int | None = Field(None, ge=1, description="a local Ray's logical CPUs; None: what the workers reserve "
+                                                         "(at least this machine's cores)")
+    object_store_mb: int = Field(512, ge=64, description="a local Ray's object store")
+    max_restarts: int = Field(3, ge=0, description="times a dead worker is restarted; the stage's task retry then "
+                                                   "reruns its call on the restarted worker")
+    connect_timeout_s: float = Field(10.0, gt=0, description="how long reaching `address` may take before the "
+                                                             "run stops, naming it")
+    runtime_env: dict = Field(default_factory=dict, description="Ray runtime_env for every worker (env_vars, "
+                                                                "py_executable, working_dir, …)")
+
+
 class DPOConfig(_Section):
     """Offline Diffusion-DPO over archived rollouts (`pixrl dpo`): where the pairs come from and
     how they are formed. The loss (β, σ sampling), optimizer and LoRA are in `algorithm`."""
@@ -228,6 +262,7 @@ class ExperimentConfig(_Section):
     reward: RewardConfig = RewardConfig()
     dataset: DatasetConfig = DatasetConfig()
     run: RunConfig = RunConfig()
+    ray: RayConfig = RayConfig()
     dpo: DPOConfig | None = None  # set by the offline DPO experiments only
 
     @model_validator(mode="before")

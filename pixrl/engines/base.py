@@ -2,7 +2,7 @@
 rollout batch, latents into images, images into rewards, and stored batches into new trainable
 state. It never touches Prefect, MLflow or the stage records, and never decides whether work is
 needed: the stage layer (pixrl.stages) asks the stores, calls the engine, then records and
-commits — identically for every engine (`run.engine`: local today; Ray in its own module).
+commits — identically for every engine (`run.engine`: local, or ray — engines/ray_engine.py).
 
 Policies travel as `PolicySource` (a local checkpoint directory + its id, or the base weights),
 so an engine loads exactly the version a stage names.
@@ -83,4 +83,8 @@ def build_engine(cfg) -> Engine:
         from .local import LocalEngine
 
         return LocalEngine(cfg)
-    raise ValueError(f"run.engine={name!r} is not available; engines: local")
+    if name == "ray":
+        from .ray_engine import RayEngine
+
+        return RayEngine(cfg)
+    raise ValueError(f"run.engine={name!r} is not available; engines: local, ray")

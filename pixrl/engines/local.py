@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from ..algorithms.base import build_algorithm
-from ..algorithms.replay import ReplayPolicy, TokenReplayPolicy
 from ..algorithms.sampling import SamplerRecipe, generators, sample
 from ..algorithms.token_sampling import TokenRecipe, sample_tokens, sample_with_cot
 from ..artifacts.batch import RolloutBatch
@@ -26,8 +25,9 @@ from ..datasets.registry import get_evaluator
 from ..models.base import uses_negative_prompt
 from ..rewards.compose import RewardSet
 from .base import PolicySource, TrainResult
-from .policy import ALGORITHM_STATE, TrainablePolicy
+from .policy import TrainablePolicy
 from .prompt_cache import PromptCache
+from .update import run_update
 
 
 log = logging.getLogger("pixrl.train")
@@ -46,6 +46,7 @@ class LocalEngine:
         self.rewards = RewardSet(cfg.reward.weights, cfg.reward.options, device=cfg.model.device)
         self._policy: TrainablePolicy | None = None
         self._prompts: PromptCache | None = None
+        self.collective = None  # a trainer rank's process group (engines/collective.py); None: one process
 
     @property
     def policy(self) -> TrainablePolicy:
@@ -66,10 +67,15 @@ class LocalEngine:
 
     # --- rollout ------------------------------------------------------------------------------
     def rollout(self, policy: PolicySource, prompts: list[str], seeds: list[int],
-                recipe: SamplerRecipe | TokenRecipe, noise_seeds: list[int] | None = None) -> tuple[RolloutBatch, float]:
+                recipe: SamplerRecipe | TokenRecipe, noise_seeds: list[int] | None = None,
+                rows: tuple[int, int] | None = None) -> tuple[RolloutBatch, float]:
+        """`rows` = (start, stop): sample only those rows of the call (a rollout worker's share;
+        start a multiple of sampling.micro_batch), with the prompts encoded as the whole call
+        encodes them — so the shards of a call concatenate to the whole call, bit for bit."""
         self.use(policy)
+        lo, hi = rows or (0, len(prompts))
         if isinstance(recipe, TokenRecipe):
-            return self._rollout_tokens(prompts, seeds, recipe)
+            return self._rollout_tokens(prompts, seeds, recipe, lo, hi)
         fam, mb = self.policy.family, self.cfg.sampling.micro_batch
         model = self._sampler(policy)
         cond_all, pos = self._prompts.encode(prompts)
@@ -77,14 +83,14 @@ class LocalEngine:
         trajs = []
         t0 = time.perf_counter()
         self.policy.module.eval()
-        for start in range(0, len(prompts), mb):
-            chunk = prompts[start:start + mb]
+        for start in range(lo, hi, mb):
+            chunk = prompts[start:min(start + mb, hi)]
             cond = cond_all.select([pos[p] for p in chunk])
             gens = generators(seeds[start:start + len(chunk)], fam.device)
             shared = generators(noise_seeds[start:start + len(chunk)], fam.device) if noise_seeds else None
             trajs.append(sample(model, cond, neg.expand(len(chunk)) if neg else None, gens, recipe, shared))
         seconds = time.perf_counter() - t0
-        n = len(prompts)
+        n = hi - lo
         steps = recipe.padded_steps()
         pad = len(steps) - len(recipe.train_steps)
 
@@ -116,7 +122,8 @@ class LocalEngine:
         weights = self.algorithm.sampling_weights()
         return self.policy.family if weights is None else pol.frozen_view(weights)
 
-    def _rollout_tokens(self, prompts: list[str], seeds: list[int], recipe: TokenRecipe) -> tuple[RolloutBatch, float]:
+    def _rollout_tokens(self, prompts: list[str], seeds: list[int], recipe: TokenRecipe,
+                        lo: int, hi: int) -> tuple[RolloutBatch, float]:
         """A token family's rollout: the sampled image tokens and their teacher-forced log-probs,
         per micro-batch (the geometry replay uses)."""
         fam, mb = self.policy.family, self.cfg.sampling.micro_batch
@@ -125,8 +132,8 @@ class LocalEngine:
         self.policy.module.eval()
         trajs = []
         t0 = time.perf_counter()
-        for start in range(0, len(prompts), mb):
-            chunk = prompts[start:start + mb]
+        for start in range(lo, hi, mb):
+            chunk = prompts[start:min(start + mb, hi)]
             gens = generators(seeds[start:start + len(chunk)], fam.device)
             rows = [pos[p] for p in chunk]
             trajs.append(sample_with_cot(fam, cot, rows, gens, recipe) if cot
@@ -165,85 +172,9 @@ class LocalEngine:
             raise
 
     def _train(self, policy: PolicySource, batch: RolloutBatch, plan, recipe, seed: int, prompt_sets) -> TrainResult:
-        pol, algo, fam = self.policy, self.algorithm, self.policy.family
-        opt = pol.ensure_optimizer(policy.checkpoint_dir if policy.with_optimizer else None)
-        algo.load_state(pol.algorithm_state)
-        prompts = batch["prompt"]
-        # the prompts as the rollout encoded them: one set per generation round
-        sets = np.zeros(len(prompts), np.int64) if prompt_sets is None else np.asarray(prompt_sets)
-        encoded = {s: self._prompts.encode([p for p, k in zip(prompts, sets) if k == s]) for s in np.unique(sets)}
-        cots = {s: fam.encode_cot_prompts(list(pos), recipe.cot_template, recipe.cot_tokens)  # CoT: per set, too
-                for s, (_, pos) in encoded.items()} if isinstance(recipe, TokenRecipe) and recipe.cot_tokens else {}
-        if recipe is None and fam.semantics.step.value == "token":  # offline: the algorithm's scored policy
-            recipe = getattr(algo, "token_recipe", None) or TokenRecipe()
-        neg = self._prompts.negative() if recipe is not None and uses_negative_prompt(fam, recipe.guidance_scale) else None
-        reference = pol.reference() if algo.needs_reference else None
-        sampler = None
-        if algo.separate_sampler:  # the sampling policy as of the rollout (initially the weights themselves)
-            if algo.sampling_weights() is None:
-                algo.set_sampling_weights({k: v.detach().clone() for k, v in pol.state().items()})
-            sampler = pol.frozen_view(algo.sampling_weights())
-        on_device = lambda name: torch.from_numpy(batch[name][0].copy()).to(fam.device) if name in batch else None  # noqa: E731
-        sigmas, timesteps = on_device("sigmas"), on_device("timesteps")
-        gen = torch.Generator(device=fam.device).manual_seed(seed)
-
-        def replay_policy(rows: list[int]) -> ReplayPolicy | TokenReplayPolicy:
-            (s, *more) = {sets[i] for i in rows}
-            if more:
-                raise ValueError(f"a micro-batch spans prompt sets {sorted({s, *more})}; plan micro-batches within one")
-            cond_all, pos = encoded[s]
-            set_rows = [pos[prompts[i]] for i in rows]
-            if cots:  # the image prompts embed the stored chains of thought
-                cot = cots[s]
-                on = lambda name: torch.from_numpy(np.asarray(batch[name])[rows]).to(fam.device)  # noqa: E731
-                cond = fam.cot_image_prompts(cot, set_rows, on("cot_tokens").long(), on("cot_mask").long())
-                return TokenReplayPolicy(fam, reference, cond, recipe, fam.device, cot.text.select(set_rows))
-            cond = cond_all.select(set_rows)
-            if isinstance(recipe, TokenRecipe):
-                return TokenReplayPolicy(fam, reference, cond, recipe, fam.device)
-            return ReplayPolicy(fam, reference, cond, neg.expand(len(rows)) if neg else None, sigmas, timesteps,
-                                recipe, fam.device, gen, float(fam.scheduler.config.num_train_timesteps), sampler)
-
-        pol.module.train()
-        params = list(pol.trainable_parameters().values())
-        acc: dict[str, list[float]] = {}
-        history: list[dict[str, float]] = []
-        t0 = time.perf_counter()
-        for opt_step, step_batches in enumerate(plan):
-            step_acc: dict[str, list[float]] = {}
-            opt.zero_grad(set_to_none=True)
-            n_terms = sum(algo.terms(batch.select(mb)) for mb in step_batches)
-            for mb in step_batches:
-                for loss, m in algo.losses(batch.select(mb), replay_policy(mb)):
-                    if opt_step == 0 and "ratio_max" in m:  # before any update: off-policy drift is numerics only
-                        m["onpolicy_ratio_dev"] = torch.max(torch.abs(m["ratio_max"] - 1), torch.abs(m["ratio_min"] - 1))
-                    (loss / n_terms).backward()
-                    m["loss"] = loss.detach()
-                    for key, val in m.items():
-                        acc.setdefault(key, []).append(float(val))
-                        step_acc.setdefault(key, []).append(float(val))
-            gnorm = torch.nn.utils.clip_grad_norm_(params, self.cfg.algorithm.max_grad_norm)
-            acc.setdefault("grad_norm", []).append(float(gnorm))
-            opt.step()
-            step_means = {**{k: float(np.mean(v)) for k, v in step_acc.items()}, "grad_norm": float(gnorm)}
-            for key, val in algo.after_optimizer_step(step_means).items():
-                acc.setdefault(key, []).append(val)
-                step_means[key] = val
-            history.append(step_means)
-            if (opt_step + 1) % 25 == 0 or opt_step + 1 == len(plan):
-                log.info("update step %d/%d  loss %.4f", opt_step + 1, len(plan), history[-1].get("loss", float("nan")))
-        seconds = time.perf_counter() - t0
-        pol.module.eval()
-        metrics = {"update_compute_s": seconds, "lr": opt.param_groups[0]["lr"], "optimizer_steps": float(len(plan))}
-        metrics.update(algo.end_of_update(pol.state(), len(plan)))
-        for key, vals in acc.items():
-            agg = np.min if key == "ratio_min" else np.max if key in ("ratio_max", "onpolicy_ratio_dev") else np.mean
-            metrics[key] = float(agg(vals))
-        pol.algorithm_state = algo.state()
-        saved = opt.state_dict()
-        if pol.algorithm_state is not None:
-            saved = {**saved, ALGORITHM_STATE: pol.algorithm_state}
-        return TrainResult(pol.state(), saved, metrics, history)
+        return run_update(self.policy, self._prompts, self.algorithm, self.cfg.algorithm.max_grad_norm,
+                          policy.checkpoint_dir if policy.with_optimizer else None, batch, plan, recipe, seed,
+                          prompt_sets, self.collective)
 
     def mark(self, checkpoint_id: str) -> None:
         self.policy.mark(checkpoint_id)

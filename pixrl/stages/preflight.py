@@ -53,6 +53,13 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
         if hasattr(family, "check_prompts"):  # a token family: prompt + image tokens within the context
             family.check_prompts(path, [it.prompt for it in items], cfg.model.max_sequence_length,
                                  s.cot_tokens, s.cot_template)
+        if cfg.run.engine == "ray":  # Ray installed and its cluster answering, before anything is written
+            from ..engines.ray_cluster import RayUnavailable, check_address
+
+            try:
+                check_address(cfg.ray)
+            except RayUnavailable as exc:
+                raise ValueError(str(exc)) from None
         rewards = RewardSet(cfg.reward.weights, cfg.reward.options)
         rewards.check_media(getattr(family, "video", False))
         rewards.check_installed()

@@ -16,9 +16,18 @@ def _stages(spec: RunSpec, kind: type):
     config of the same run: it must not reuse the run's engine and its settings)."""
     key = (spec.run_id, kind)
     if key not in _CURRENT or _CURRENT[key].spec != spec:
-        _CURRENT.clear()  # one run's model at a time
+        close_all()  # one run's model (and workers) at a time
         _CURRENT[key] = kind(spec, build_engine(spec.cfg))
     return _CURRENT[key]
+
+
+def close_all() -> None:
+    """Drop the cached stage layers, stopping their engines' workers (the Ray engine's actors)."""
+    for stages in _CURRENT.values():
+        close = getattr(stages.engine, "close", None)
+        if close is not None:
+            close()
+    _CURRENT.clear()
 
 
 def online_stages(spec: RunSpec) -> OnlineStages:

@@ -1,0 +1,94 @@
+"""How the ranks of one update agree: a single process (nothing to agree on), or a
+torch.distributed group (gloo on CPU, NCCL on GPU) whose ranks each replay a share of every
+optimizer step's micro-batches.
+
+Data parallelism here is the gradient all-reduce that DDP performs, done once per optimizer step
+instead of through DDP's module wrapper: an algorithm's loss runs many forwards per backward
+(one per stored step, the reference's without gradient) through the family's own call sites,
+and a rank may hold no micro-batch of a step — neither fits DDP's one-forward-per-backward
+reducer. Each rank sums ∇(loss / n_terms) over its micro-batches with the step's global n_terms;
+summing those sums over the ranks gives the single-process gradient, so clipping and the
+optimizer step are the same on every rank and the ranks never drift apart.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+
+BUCKET_ELEMENTS = 8 * 1024 * 1024  # all-reduce in buckets of up to 8M elements of one dtype
+
+
+class SingleProcess:
+    rank, world = 0, 1
+
+    def mine(self, items: list) -> list:
+        return items
+
+    def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        pass
+
+    def gather(self, obj) -> list:
+        return [obj]
+
+
+class TorchDistributed:
+    """This process's rank in an initialised process group."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+
+    @classmethod
+    def join(cls, rank: int, world: int, master: str, backend: str, timeout_s: float = 300.0) -> "TorchDistributed":
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+        return cls(rank, world)
+
+    def mine(self, items: list) -> list:
+        """This rank's share: every world-th item, starting at its rank."""
+        return items[self.rank::self.world]
+
+    def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """Sum the gradients over the ranks (a parameter without a gradient counts as zeros)."""
+        import torch.distributed as dist
+
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault(p.grad.dtype, []).append(p)
+        for group in by_dtype.values():
+            bucket, size = [], 0
+            for p in group + [None]:
+                if p is not None and (size + p.grad.numel() <= BUCKET_ELEMENTS or not bucket):
+                    bucket.append(p)
+                    size += p.grad.numel()
+                    continue
+                if bucket:
+                    flat = torch.cat([q.grad.reshape(-1) for q in bucket])
+                    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+                    offset = 0
+                    for q in bucket:
+                        q.grad.copy_(flat[offset:offset + q.grad.numel()].view_as(q.grad))
+                        offset += q.grad.numel()
+                bucket, size = ([p], p.grad.numel()) if p is not None else ([], 0)
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank."""
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

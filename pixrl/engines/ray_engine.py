@@ -1,0 +1,186 @@
+"""The Ray engine (`run.engine=ray`): the Engine protocol over pools of Ray actors — rollout
+workers, reward workers on their own resources, and a trainer group under torch.distributed.
+The stage layer, the stores, resume and lineage are the local engine's; only where the compute
+runs changes.
+
+- rollout: each worker generates a contiguous run of whole micro-batches, with the prompts
+  encoded as the whole call encodes them, so the concatenated shards are the local engine's rows
+  bit for bit; decode splits at the family's decode batch for the same reason;
+- score: contiguous shards over the reward workers (a model-based scorer loads once per worker);
+- train: every rank replays its share of each optimizer step's micro-batches, gradients summed
+  over the group (engines/collective.py); rank 0 returns the new state, which the stage layer
+  checkpoints and publishes; rollout workers load exactly the version a stage names, from the
+  checkpoint store — weights move by version, never actor to actor.
+
+Prefect tasks call this engine directly (engine calls from the tasks, not prefect-ray's task
+runner): actors keep models and optimizer moments loaded across stages and iterations, while the
+task runner's remote functions are stateless (and under an ephemeral Prefect API each Ray
+worker would start its own server).
+
+A worker that dies mid-call is restarted by Ray (`ray.max_restarts`); the call fails as a
+transient WorkerLost, and the stage's task retry reruns it on the restarted worker. A trainer
+group that lost a rank is rebuilt whole before the next update.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..artifacts.batch import RolloutBatch
+from ..errors import exception_chain
+from ..rewards.base import ScoringError
+from ..stages.faults import TransientError
+from .base import PolicySource, TrainResult
+from .ray_cluster import actor_options, connect, import_ray, worker_threads
+from .ray_workers import RewardWorker, RolloutWorker, TrainerWorker
+
+
+class WorkerLost(TransientError):
+    """A Ray worker died during a call (node lost, OOM, killed); a retry runs on its restart."""
+
+
+def _shards(n: int, unit: int, parts: int) -> list[tuple[int, int]]:
+    """Up to `parts` contiguous [lo, hi) ranges covering n rows, each starting on a multiple of
+    `unit` (whole micro-batches / decode batches), as even as whole units allow."""
+    units = math.ceil(n / unit)
+    bounds = np.linspace(0, units, min(parts, units) + 1).round().astype(int)
+    return [(int(a) * unit, min(int(b) * unit, n)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+class RayEngine:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.ray = import_ray()
+        self.started = connect(cfg)
+        self._cfg_json = cfg.model_dump(mode="json")
+        r = cfg.ray
+        self.rollout_workers = [self._actor(RolloutWorker, r.rollout, i) for i in range(r.rollout_workers)]
+        self.reward_workers = [self._actor(RewardWorker, r.reward, i) for i in range(r.reward_workers)]
+        self.trainers: list | None = None
+        self._described: dict | None = None
+        self._decode_batch: int | None = None
+
+    def _actor(self, cls, res, index: int, restarts: int | None = None):
+        opts = actor_options(res, self.cfg.ray, restarts)
+        return self.ray.remote(cls).options(**opts).remote(self._cfg_json, index, worker_threads(res, self.cfg))
+
+    def _get(self, refs: list, what: str, workers: list) -> list:
+        """ray.get of one call per worker; a dead worker → WorkerLost, a worker's error → re-raised
+        with the worker named (ScoringError stays a ScoringError: the user fixes the scorer)."""
+        exc_types = self.ray.exceptions
+        try:
+            return self.ray.get(refs)
+        except (exc_types.RayActorError, exc_types.ObjectLostError) as exc:
+            raise WorkerLost(f"a Ray worker died during {what} ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+                             f"the stage's retry reruns it on the restarted worker") from exc
+        except exc_types.RayTaskError as exc:
+            cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+            i = next((k for k, ref in enumerate(refs) if _failed(self.ray, ref)), None)
+            name = f"{what} worker {i}" if i is not None else f"a {what} worker"
+            if i is not None:
+                try:
+                    w = self.ray.get(workers[i].where.remote(), timeout=10)
+                    name += f" (node {w['node']}, pid {w['pid']})"
+                except Exception:  # noqa: BLE001 - the message still names the worker's index
+                    pass
+            err_type = ScoringError if any(isinstance(e, ScoringError) for e in exception_chain(cause)) else RuntimeError
+            raise err_type(f"{name}: {type(cause).__name__}: {cause}") from cause
+
+    # --- facts --------------------------------------------------------------------------------
+    def describe(self) -> dict:
+        if self._described is None:
+            info = self._get([self.rollout_workers[0].describe.remote()], "rollout", self.rollout_workers)[0]
+            self._described = {**info, "engine": "ray"}
+        return self._described
+
+    # --- rollout, decode, score ---------------------------------------------------------------
+    def rollout(self, policy: PolicySource, prompts: list[str], seeds: list[int], recipe,
+                noise_seeds: list[int] | None = None) -> tuple[RolloutBatch, float]:
+        shards = _shards(len(prompts), self.cfg.sampling.micro_batch, len(self.rollout_workers))
+        refs = [w.rollout.remote(policy, prompts, seeds, recipe, noise_seeds, rows)
+                for w, rows in zip(self.rollout_workers, shards)]
+        parts = self._get(refs, "rollout", self.rollout_workers)
+        return RolloutBatch.concat([b for b, _ in parts]), max(s for _, s in parts)
+
+    def decode(self, final_latents: np.ndarray) -> np.ndarray:
+        if self._decode_batch is None:
+            self._decode_batch = self._get([self.rollout_workers[0].decode_batch.remote()], "decode",
+                                           self.rollout_workers)[0]
+        shards = _shards(len(final_latents), self._decode_batch, len(self.rollout_workers))
+        refs = [w.decode.remote(final_latents[lo:hi]) for w, (lo, hi) in zip(self.rollout_workers, shards)]
+        return np.concatenate(self._get(refs, "decode", self.rollout_workers))
+
+    def score(self, images: np.ndarray, prompts: list[str], metadata: list[dict],
+              sample_ids: list[str]) -> dict[str, np.ndarray]:
+        shards = _shards(len(images), 1, len(self.reward_workers))
+        refs = [w.score.remote(images[lo:hi], prompts[lo:hi], metadata[lo:hi], sample_ids[lo:hi])
+                for w, (lo, hi) in zip(self.reward_workers, shards)]
+        parts = self._get(refs, "reward", self.reward_workers)
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+    # --- train --------------------------------------------------------------------------------
+    def _trainer_group(self) -> list:
+        """The trainer ranks, joined in one process group (built on first use, rebuilt whole
+        after a rank was lost: a survivor's group cannot take a new member)."""
+        if self.trainers is None:
+            r = self.cfg.ray
+            backend = r.backend if r.backend != "auto" else ("nccl" if r.trainer.num_gpus > 0 else "gloo")
+            ranks = [self._actor(TrainerWorker, r.trainer, i, restarts=0) for i in range(r.trainer_workers)]
+            master = self._get([ranks[0].rendezvous.remote()], "trainer", ranks)[0]
+            self._get([t.join.remote(len(ranks), master, backend) for t in ranks], "trainer", ranks)
+            self.trainers = ranks
+        return self.trainers
+
+    def _drop_trainers(self) -> None:
+        for t in self.trainers or []:
+            self.ray.kill(t, no_restart=True)
+        self.trainers = None
+
+    def train(self, policy: PolicySource, batch: RolloutBatch, plan, recipe, seed: int = 0,
+              reference: PolicySource | None = None, prompt_sets=None) -> TrainResult:
+        ranks = self._trainer_group()
+        batch_ref = self.ray.put(batch)
+        try:
+            results = self._get([t.train.remote(policy, batch_ref, plan, recipe, seed, reference, prompt_sets)
+                                 for t in ranks], "trainer", ranks)
+        except BaseException:
+            self._drop_trainers()  # a rank may be dead or hold half-stepped weights
+            raise
+        return results[0]
+
+    def mark(self, checkpoint_id: str) -> None:
+        if self.trainers is not None:
+            self._get([t.mark.remote(checkpoint_id) for t in self.trainers], "trainer", self.trainers)
+
+    def invalidate(self) -> None:
+        if self.trainers is not None:
+            try:
+                self._get([t.invalidate.remote() for t in self.trainers], "trainer", self.trainers)
+            except Exception:  # noqa: BLE001 - a lost rank: the group is rebuilt before the next update
+                self._drop_trainers()
+
+    # --- evaluate -----------------------------------------------------------------------------
+    def evaluate(self, policy: PolicySource, dataset: str, split: str, per_category: int) -> dict:
+        ref = self.rollout_workers[0].evaluate.remote(policy, dataset, split, per_category)
+        return self._get([ref], "rollout", self.rollout_workers)[0]
+
+    def close(self) -> None:
+        """Stop this engine's workers (and the local Ray it started)."""
+        for w in [*self.rollout_workers, *self.reward_workers, *(self.trainers or [])]:
+            self.ray.kill(w, no_restart=True)
+        self.trainers = None
+        if self.started and self.ray.is_initialized():
+            self.ray.shutdown()
+
+
+def _failed(ray, ref) -> bool:
+    ready, _ = ray.wait([ref], timeout=0)
+    if not ready:
+        return False
+    try:
+        ray.get(ref, timeout=0)
+    except Exception:  # noqa: BLE001 - this is the failed call
+        return True
+    return False

@@ -1,0 +1,133 @@
+"""The Ray engine's workers: plain classes that `ray.remote` turns into actors. Each holds what
+the local engine holds for its kind of work, loaded once and kept across stages and iterations:
+
+- RolloutWorker: the family and the policy version it last loaded (rollout, decode, evaluate);
+- RewardWorker: the reward set, its model-based scorers set up once on the worker's device;
+- TrainerWorker: one rank of the update's torch.distributed group (weights, optimizer moments).
+
+Every computation is the local engine's own code (a LocalEngine inside the actor), so a shard
+of a call gives exactly the rows the local engine gives for them.
+
+Drills: `PIXRL_WORKER_FAULT=<kind>:<index>:<marker>` (comma-separated) makes worker <index> of
+<kind> (rollout, reward, trainer) SIGKILL itself when its next call begins, once — the marker
+file, created first, records that it fired (it must be on a filesystem the worker sees).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+FAULT_ENV = "PIXRL_WORKER_FAULT"
+
+
+def worker_fault_point(kind: str, index: int) -> None:
+    for item in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
+        f_kind, f_index, marker = item.split(":", 2)
+        if (f_kind, int(f_index)) != (kind, index):
+            continue
+        try:
+            Path(marker).touch(exist_ok=False)  # once: a restarted worker finds the marker
+        except FileExistsError:
+            continue
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _engine(cfg_json: dict, threads: int):
+    import torch
+
+    from ..config.schema import ExperimentConfig
+    from .local import LocalEngine
+
+    cfg = ExperimentConfig.model_validate(cfg_json)
+    torch.set_num_threads(threads)
+    return LocalEngine(cfg)
+
+
+class _Worker:
+    kind = "worker"
+
+    def __init__(self, cfg_json: dict, index: int, threads: int):
+        self.index = index
+        self.engine = _engine(cfg_json, threads)
+
+    def where(self) -> dict:
+        """Node, PID and visible devices: error messages name the worker by these."""
+        import ray
+
+        return {"kind": self.kind, "index": self.index, "node": ray.util.get_node_ip_address(), "pid": os.getpid(),
+                "gpus": [str(g) for g in ray.get_gpu_ids()]}
+
+
+class RolloutWorker(_Worker):
+    kind = "rollout"
+
+    def describe(self) -> dict:
+        return self.engine.describe()
+
+    def rollout(self, policy, prompts, seeds, recipe, noise_seeds, rows):
+        worker_fault_point(self.kind, self.index)
+        return self.engine.rollout(policy, prompts, seeds, recipe, noise_seeds=noise_seeds, rows=rows)
+
+    def decode(self, final_latents):
+        worker_fault_point(self.kind, self.index)
+        return self.engine.decode(final_latents)
+
+    def decode_batch(self) -> int:
+        return int(getattr(self.engine.policy.family, "decode_batch", 64))
+
+    def evaluate(self, policy, dataset: str, split: str, per_category: int) -> dict:
+        return self.engine.evaluate(policy, dataset, split, per_category)
+
+
+class RewardWorker(_Worker):
+    kind = "reward"
+
+    def score(self, images, prompts, metadata, sample_ids):
+        worker_fault_point(self.kind, self.index)
+        return self.engine.score(images, prompts, metadata, sample_ids)
+
+
+class TrainerWorker(_Worker):
+    kind = "trainer"
+
+    def rendezvous(self) -> str:
+        """host:port for the group's TCP store: this node's address and a port free on it."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"{ray.util.get_node_ip_address()}:{port}"
+
+    def join(self, world: int, master: str, backend: str) -> int:
+        from .collective import TorchDistributed
+
+        self.engine.collective = TorchDistributed.join(self.index, world, master, backend)
+        return self.index
+
+    def train(self, policy, batch, plan, recipe, seed, reference, prompt_sets):
+        """Every rank trains; rank 0 returns the new state (the others: None, nothing to move)."""
+        worker_fault_point(self.kind, self.index)
+        result = self.engine.train(policy, batch, plan, recipe, seed=seed, reference=reference,
+                                   prompt_sets=prompt_sets)
+        return result if self.index == 0 else None
+
+    def mark(self, checkpoint_id: str) -> None:
+        self.engine.mark(checkpoint_id)
+
+    def invalidate(self) -> None:
+        self.engine.invalidate()
+
+    def trainable_digest(self) -> str:
+        """sha256 over the trainable tensors: ranks of one group must agree."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for name, t in sorted(self.engine.policy.state().items()):
+            h.update(name.encode())
+            h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()

@@ -1,0 +1,135 @@
+"""One update: optimizer steps over the plan's micro-batches with the configured algorithm's
+losses, replaying the stored rows through the loaded policy — the same code in one process and
+on every rank of a trainer group (`collective`: which micro-batches are this rank's, how the
+gradients and the step metrics are summed over the ranks).
+
+The update's own randomness (DanceGRPO's trained steps, DiffusionNFT's and Diffusion-DPO's noise
+levels and noise) comes from one generator per micro-batch, seeded from (update seed, optimizer
+step, micro-batch), so a micro-batch draws the same numbers whichever rank replays it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from ..algorithms.replay import ReplayPolicy, TokenReplayPolicy
+from ..algorithms.token_sampling import TokenRecipe
+from ..artifacts.batch import RolloutBatch
+from ..models.base import uses_negative_prompt
+from ..stages.plan import seed_of
+from .base import TrainResult
+from .collective import SingleProcess
+from .policy import ALGORITHM_STATE, TrainablePolicy
+from .prompt_cache import PromptCache
+
+log = logging.getLogger("pixrl.train")
+
+
+class ReplayFactory:
+    """The replay view of a micro-batch's rows: their conditioning as the rollout encoded it
+    (one prompt set per dynamic-sampling round), the rollout's schedule and guidance."""
+
+    def __init__(self, pol: TrainablePolicy, prompts: PromptCache, algo, batch: RolloutBatch, recipe, prompt_sets):
+        fam = pol.family
+        self.pol, self.fam, self.batch, self.recipe = pol, fam, batch, recipe
+        self.prompts = batch["prompt"]
+        self.sets = np.zeros(len(self.prompts), np.int64) if prompt_sets is None else np.asarray(prompt_sets)
+        self.encoded = {s: prompts.encode([p for p, k in zip(self.prompts, self.sets) if k == s])
+                        for s in np.unique(self.sets)}
+        self.cots = {s: fam.encode_cot_prompts(list(pos), recipe.cot_template, recipe.cot_tokens)  # CoT: per set
+                     for s, (_, pos) in self.encoded.items()} \
+            if isinstance(recipe, TokenRecipe) and recipe.cot_tokens else {}
+        self.neg = prompts.negative() if recipe is not None and uses_negative_prompt(fam, recipe.guidance_scale) else None
+        self.reference = pol.reference() if algo.needs_reference else None
+        self.sampler = None
+        if algo.separate_sampler:  # the sampling policy as of the rollout (initially the weights themselves)
+            if algo.sampling_weights() is None:
+                algo.set_sampling_weights({k: v.detach().clone() for k, v in pol.state().items()})
+            self.sampler = pol.frozen_view(algo.sampling_weights())
+        on_device = lambda name: torch.from_numpy(batch[name][0].copy()).to(fam.device) if name in batch else None  # noqa: E731
+        self.sigmas, self.timesteps = on_device("sigmas"), on_device("timesteps")
+
+    def __call__(self, rows: list[int], gen: torch.Generator) -> ReplayPolicy | TokenReplayPolicy:
+        fam, recipe = self.fam, self.recipe
+        (s, *more) = {self.sets[i] for i in rows}
+        if more:
+            raise ValueError(f"a micro-batch spans prompt sets {sorted({s, *more})}; plan micro-batches within one")
+        cond_all, pos = self.encoded[s]
+        set_rows = [pos[self.prompts[i]] for i in rows]
+        if self.cots:  # the image prompts embed the stored chains of thought
+            cot = self.cots[s]
+            on = lambda name: torch.from_numpy(np.asarray(self.batch[name])[rows]).to(fam.device)  # noqa: E731
+            cond = fam.cot_image_prompts(cot, set_rows, on("cot_tokens").long(), on("cot_mask").long())
+            return TokenReplayPolicy(fam, self.reference, cond, recipe, fam.device, cot.text.select(set_rows))
+        cond = cond_all.select(set_rows)
+        if isinstance(recipe, TokenRecipe):
+            return TokenReplayPolicy(fam, self.reference, cond, recipe, fam.device)
+        return ReplayPolicy(fam, self.reference, cond, self.neg.expand(len(rows)) if self.neg else None, self.sigmas,
+                            self.timesteps, recipe, fam.device, gen, float(fam.scheduler.config.num_train_timesteps),
+                            self.sampler)
+
+
+def _aggregate(key: str, vals: list[float]) -> float:
+    agg = np.min if key == "ratio_min" else np.max if key in ("ratio_max", "onpolicy_ratio_dev") else np.mean
+    return float(agg(vals))
+
+
+def run_update(pol: TrainablePolicy, prompts: PromptCache, algo, max_grad_norm: float, checkpoint_dir,
+               batch: RolloutBatch, plan: list[list[list[int]]], recipe, seed: int, prompt_sets,
+               collective=None) -> TrainResult:
+    """Optimizer steps from the loaded weights (+ the optimizer state of `checkpoint_dir`)."""
+    coll = collective or SingleProcess()
+    fam = pol.family
+    opt = pol.ensure_optimizer(checkpoint_dir)
+    algo.load_state(pol.algorithm_state)
+    if recipe is None and fam.semantics.step.value == "token":  # offline: the algorithm's scored policy
+        recipe = getattr(algo, "token_recipe", None) or TokenRecipe()
+    replay_policy = ReplayFactory(pol, prompts, algo, batch, recipe, prompt_sets)
+    pol.module.train()
+    params = list(pol.trainable_parameters().values())
+    acc: dict[str, list[float]] = {}
+    history: list[dict[str, float]] = []
+    t0 = time.perf_counter()
+    for opt_step, step_batches in enumerate(plan):
+        opt.zero_grad(set_to_none=True)
+        n_terms = sum(algo.terms(batch.select(mb)) for mb in step_batches)
+        mine: dict[str, list[float]] = {}
+        for j, mb in coll.mine(list(enumerate(step_batches))):
+            gen = torch.Generator(device=fam.device).manual_seed(seed_of(seed, opt_step, j))
+            for loss, m in algo.losses(batch.select(mb), replay_policy(mb, gen)):
+                if opt_step == 0 and "ratio_max" in m:  # before any update: off-policy drift is numerics only
+                    m["onpolicy_ratio_dev"] = torch.max(torch.abs(m["ratio_max"] - 1), torch.abs(m["ratio_min"] - 1))
+                (loss / n_terms).backward()
+                m["loss"] = loss.detach()
+                for key, val in m.items():
+                    mine.setdefault(key, []).append(float(val))
+        step_acc: dict[str, list[float]] = {}
+        for part in coll.gather(mine):  # every rank's values, in rank order
+            for key, vals in part.items():
+                step_acc.setdefault(key, []).extend(vals)
+                acc.setdefault(key, []).extend(vals)
+        coll.reduce_gradients(params)
+        gnorm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        acc.setdefault("grad_norm", []).append(float(gnorm))
+        opt.step()
+        step_means = {**{k: float(np.mean(v)) for k, v in step_acc.items()}, "grad_norm": float(gnorm)}
+        for key, val in algo.after_optimizer_step(step_means).items():
+            acc.setdefault(key, []).append(val)
+            step_means[key] = val
+        history.append(step_means)
+        if (opt_step + 1) % 25 == 0 or opt_step + 1 == len(plan):
+            log.info("update step %d/%d  loss %.4f", opt_step + 1, len(plan), history[-1].get("loss", float("nan")))
+    seconds = time.perf_counter() - t0
+    pol.module.eval()
+    metrics = {"update_compute_s": seconds, "lr": opt.param_groups[0]["lr"], "optimizer_steps": float(len(plan))}
+    metrics.update(algo.end_of_update(pol.state(), len(plan)))
+    metrics.update({key: _aggregate(key, vals) for key, vals in acc.items()})
+    pol.algorithm_state = algo.state()
+    saved = opt.state_dict()
+    if pol.algorithm_state is not None:
+        saved = {**saved, ALGORITHM_STATE: pol.algorithm_state}
+    return TrainResult(pol.state(), saved, metrics, history)
