@@ -5,17 +5,31 @@ the requested policy version differs from what is already in memory)."""
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from ..artifacts.checkpoints import load_optimizer_state, load_weights, read_counters
 from ..config.schema import ExperimentConfig
 from ..models.registry import get_family
+from ..stages.plan import seed_of
 from .assets import resolve_model_path
 
 BASE = "base"
 ALGORITHM_STATE = "pixrl_algorithm"  # key of the algorithm's own state in the saved optimizer state
+
+
+@contextmanager
+def seeded(run_seed: int, device) -> Iterator[None]:
+    """Random initialisation (LoRA's A matrices) drawn from the run seed, not from whatever the
+    process's global generator holds: a resumed process, and every rank of a trainer group,
+    build the same base adapter. The global generator's state is left as it was."""
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed_of(run_seed, 4))
+        yield
 
 
 class TrainablePolicy:
@@ -32,8 +46,9 @@ class TrainablePolicy:
             from peft import LoraConfig
 
             lc = cfg.algorithm.lora
-            self.module.add_adapter(LoraConfig(r=lc.rank, lora_alpha=lc.alpha, init_lora_weights=lc.init,
-                                               target_modules=list(self.family.lora_targets)))
+            with seeded(cfg.run.seed, self.family.device):  # every process starts from the same adapter
+                self.module.add_adapter(LoraConfig(r=lc.rank, lora_alpha=lc.alpha, init_lora_weights=lc.init,
+                                                   target_modules=list(self.family.lora_targets)))
         self.module.requires_grad_(False)
         for p in self.trainable_parameters().values():
             p.requires_grad_(True)

@@ -55,8 +55,11 @@ def check_address(r: RayConfig) -> None:
                              f"with `ray start --head` there, or set ray.address='' for a local Ray") from None
 
 
-def _worker_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
+def worker_runtime_env(r: RayConfig) -> dict:
+    """ray.runtime_env, with this process's pixrl/HF settings among its env_vars (read when a
+    worker is created, so a restarted worker sees what its first start saw)."""
+    forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
+    return {**r.runtime_env, "env_vars": {**forwarded, **r.runtime_env.get("env_vars", {})}}
 
 
 def connect(cfg: ExperimentConfig) -> bool:
@@ -66,17 +69,16 @@ def connect(cfg: ExperimentConfig) -> bool:
     if ray.is_initialized():
         return False
     check_address(r)
-    env = {**r.runtime_env, "env_vars": {**_worker_env(), **r.runtime_env.get("env_vars", {})}}
     if r.address in ("", "local"):
         asked = r.rollout_workers * r.rollout.num_cpus + r.reward_workers * r.reward.num_cpus \
             + r.trainer_workers * r.trainer.num_cpus
         cpus = r.num_cpus or max(int(asked + 0.999), os.cpu_count() or 1)
         gpus = _local_gpus()
         ray.init(num_cpus=cpus, num_gpus=gpus, object_store_memory=r.object_store_mb * 1024 * 1024,
-                 include_dashboard=False, log_to_driver=False, runtime_env=env, namespace="pixrl")
+                 include_dashboard=False, log_to_driver=False, namespace="pixrl")
         return True
     try:
-        ray.init(address=r.address, runtime_env=env, log_to_driver=False, namespace="pixrl")
+        ray.init(address=r.address, log_to_driver=False, namespace="pixrl")
     except (ConnectionError, RuntimeError) as exc:
         raise RayUnavailable(f"ray.address={r.address!r}: could not join the cluster ({exc}); check "
                              f"`ray status` on the head, or set ray.address='' for a local Ray") from None
@@ -95,7 +97,8 @@ def _local_gpus() -> int:
 def actor_options(res: WorkerResources, r: RayConfig, restarts: int | None = None) -> dict:
     """ray.remote options of one worker of a kind."""
     return {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus, "resources": dict(res.resources),
-            "max_restarts": r.max_restarts if restarts is None else restarts, "max_task_retries": 0}
+            "max_restarts": r.max_restarts if restarts is None else restarts, "max_task_retries": 0,
+            "runtime_env": worker_runtime_env(r)}
 
 
 def worker_threads(res: WorkerResources, cfg: ExperimentConfig) -> int:

@@ -66,27 +66,38 @@ class RayEngine:
         opts = actor_options(res, self.cfg.ray, restarts)
         return self.ray.remote(cls).options(**opts).remote(self._cfg_json, index, worker_threads(res, self.cfg))
 
-    def _get(self, refs: list, what: str, workers: list) -> list:
-        """ray.get of one call per worker; a dead worker → WorkerLost, a worker's error → re-raised
-        with the worker named (ScoringError stays a ScoringError: the user fixes the scorer)."""
-        exc_types = self.ray.exceptions
+    def _get(self, refs: list, what: str, workers: list, rows: list[tuple[str, str]] | None = None) -> list:
+        """The results of one call per worker, once every call has ended. A worker that died →
+        WorkerLost (transient: the stage retries on its restart), whatever the others raised
+        meanwhile (a trainer rank fails when its peer dies); a worker's own error → re-raised
+        naming the worker and, for a shard of rows, its first and last sample (a ScoringError
+        stays one: the user fixes the scorer, a retry would not)."""
+        ray, errors = self.ray, self.ray.exceptions
+        ray.wait(refs, num_returns=len(refs))
+        out, failures = [], []
+        for i, ref in enumerate(refs):
+            try:
+                out.append(ray.get(ref))
+            except (errors.RayActorError, errors.ObjectLostError) as exc:
+                raise WorkerLost(f"{what} worker {i} died ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+                                 f"the stage's retry reruns it on the restarted worker") from exc
+            except errors.RayTaskError as exc:
+                failures.append((i, exc.cause if isinstance(exc.cause, BaseException) else exc))
+        if not failures:
+            return out
+        i, cause = failures[0]
+        name = f"{what} worker {i}{self._where(workers[i])}"
+        if rows is not None:
+            name += f", samples {rows[i][0]} … {rows[i][1]}"
+        err_type = ScoringError if any(isinstance(e, ScoringError) for e in exception_chain(cause)) else RuntimeError
+        raise err_type(f"{name}: {type(cause).__name__}: {cause}") from cause
+
+    def _where(self, worker) -> str:
         try:
-            return self.ray.get(refs)
-        except (exc_types.RayActorError, exc_types.ObjectLostError) as exc:
-            raise WorkerLost(f"a Ray worker died during {what} ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
-                             f"the stage's retry reruns it on the restarted worker") from exc
-        except exc_types.RayTaskError as exc:
-            cause = exc.cause if isinstance(exc.cause, BaseException) else exc
-            i = next((k for k, ref in enumerate(refs) if _failed(self.ray, ref)), None)
-            name = f"{what} worker {i}" if i is not None else f"a {what} worker"
-            if i is not None:
-                try:
-                    w = self.ray.get(workers[i].where.remote(), timeout=10)
-                    name += f" (node {w['node']}, pid {w['pid']})"
-                except Exception:  # noqa: BLE001 - the message still names the worker's index
-                    pass
-            err_type = ScoringError if any(isinstance(e, ScoringError) for e in exception_chain(cause)) else RuntimeError
-            raise err_type(f"{name}: {type(cause).__name__}: {cause}") from cause
+            w = self.ray.get(worker.where.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - the message still names the worker's index
+            return ""
+        return f" (node {w['node']}, pid {w['pid']})"
 
     # --- facts --------------------------------------------------------------------------------
     def describe(self) -> dict:
@@ -117,7 +128,8 @@ class RayEngine:
         shards = _shards(len(images), 1, len(self.reward_workers))
         refs = [w.score.remote(images[lo:hi], prompts[lo:hi], metadata[lo:hi], sample_ids[lo:hi])
                 for w, (lo, hi) in zip(self.reward_workers, shards)]
-        parts = self._get(refs, "reward", self.reward_workers)
+        names = [(sample_ids[lo], sample_ids[hi - 1]) for lo, hi in shards]
+        parts = self._get(refs, "reward", self.reward_workers, names)
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
     # --- train --------------------------------------------------------------------------------
@@ -174,13 +186,3 @@ class RayEngine:
         if self.started and self.ray.is_initialized():
             self.ray.shutdown()
 
-
-def _failed(ray, ref) -> bool:
-    ready, _ = ray.wait([ref], timeout=0)
-    if not ready:
-        return False
-    try:
-        ray.get(ref, timeout=0)
-    except Exception:  # noqa: BLE001 - this is the failed call
-        return True
-    return False

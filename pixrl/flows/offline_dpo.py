@@ -19,6 +19,7 @@ from ..config.schema import ExperimentConfig
 from ..run import RunSpec
 from ..stages.offline import check_selection
 from ..stages.runs import existing_run, reopen_run, start_run, tracker_for
+from ..stages.session import release_workers
 from ..tasks import dpo as stages
 from .interrupts import end_status
 from .api_server import yield_to_compute
@@ -55,7 +56,10 @@ def offline_dpo(config: dict, workdir: str = "work", resume_run_id: str | None =
     archived rollouts; returns where results are."""
     cfg = ExperimentConfig.model_validate(config)
     with RunLock(workdir, cfg.run.name):
-        return _offline_dpo(cfg, workdir, resume_run_id)
+        try:
+            return _offline_dpo(cfg, workdir, resume_run_id)
+        finally:
+            release_workers()
 
 
 def _offline_dpo(cfg: ExperimentConfig, workdir: str, resume_run_id: str | None) -> dict:

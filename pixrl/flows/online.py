@@ -27,7 +27,7 @@ from ..stages import progress
 from ..stages.completion import RunStores
 from ..stages.lineage import seed_fork_rows
 from ..stages.preflight import preflight
-from ..stages.session import online_stages
+from ..stages.session import online_stages, release_workers
 from ..stages.runs import existing_run, fork_tags, reopen_run, start_run, tracker_for
 from ..tasks.report import report_iteration, start_progress, update_progress
 from ..tasks.retry import with_retries
@@ -106,7 +106,10 @@ def train(config: dict, workdir: str = "work", resume_run_id: str | None = None,
     cfg = ExperimentConfig.model_validate(config)
     preflight(cfg)
     with RunLock(workdir, cfg.run.name):  # before anything of the run is written
-        return _train(cfg, workdir, resume_run_id, fork)
+        try:
+            return _train(cfg, workdir, resume_run_id, fork)
+        finally:
+            release_workers()
 
 
 def _train(cfg: ExperimentConfig, workdir: str, resume_run_id: str | None, fork: dict | None) -> dict:

@@ -30,6 +30,13 @@ def close_all() -> None:
     _CURRENT.clear()
 
 
+def release_workers() -> None:
+    """At the end of a flow: stop engines that hold workers outside this process (Ray actors keep
+    CPUs, GPUs and memory reserved); an in-process engine stays cached for the next flow."""
+    if any(hasattr(stages.engine, "close") for stages in _CURRENT.values()):
+        close_all()
+
+
 def online_stages(spec: RunSpec) -> OnlineStages:
     return _stages(spec, OnlineStages)
 

@@ -1,0 +1,204 @@
+"""The Ray engine on a local Ray cluster the tests start (CPU): sharded rollout equal to the
+local engine, a 2-rank update equal to one process, two iterations of the default recipe through
+the real flow, workers killed mid-stage, a reward worker that keeps failing, and an address that
+answers nothing."""
+
+import json
+from pathlib import Path
+
+import lance
+import numpy as np
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from conftest import tiny_overrides
+from pixrl.algorithms.sampling import SamplerRecipe
+from pixrl.cli import app
+from pixrl.config.loader import load_config
+from pixrl.engines.base import PolicySource
+from pixrl.engines.local import LocalEngine
+from pixrl.engines.ray_engine import _shards
+
+ray = pytest.importorskip("ray")
+
+RAY_RUN = ["run.engine=ray", "run.threads=1", "ray.rollout_workers=2", "ray.reward_workers=1", "ray.trainer_workers=2"]
+PROMPTS = ["a red circle", "a blue square", "two green triangles", "a yellow circle"] * 5  # 20 rows, 5 micro-batches
+RECIPE = SamplerRecipe(steps=4, noise_level=0.7, sde_steps=(0, 1), train_steps=(0, 1))
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray for the module (logical CPUs for 5 workers on a 2-core machine)."""
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, object_store_memory=256 * 1024 * 1024, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def one_thread():
+    """Bit-identity needs equal intra-op threads on both sides (workers run run.threads=1)."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _cfg(ckpt: Path, workdir: Path, *extra: str):
+    return load_config(None, tiny_overrides(ckpt, workdir) + RAY_RUN + ["reward=jpeg_compressibility", *extra])
+
+
+def test_shards_cover_the_rows_in_whole_units():
+    assert _shards(20, 4, 2) == [(0, 8), (8, 20)]
+    assert _shards(16, 4, 2) == [(0, 8), (8, 16)]
+    assert _shards(3, 4, 2) == [(0, 3)]  # fewer units than workers: one shard
+    assert _shards(10, 1, 3) == [(0, 3), (3, 7), (7, 10)]
+
+
+def test_sharded_rollout_decode_and_score_equal_the_local_engine(ray_cluster, one_thread, tiny_checkpoint, tmp_path):
+    from pixrl.engines.ray_engine import RayEngine
+
+    cfg = _cfg(tiny_checkpoint, tmp_path)
+    engine, local = RayEngine(cfg), LocalEngine(cfg)
+    try:
+        seeds = list(range(len(PROMPTS)))
+        got, _ = engine.rollout(PolicySource(), PROMPTS, seeds, RECIPE)
+        want, _ = local.rollout(PolicySource(), PROMPTS, seeds, RECIPE)
+        for name in ("latents", "next_latents", "log_probs", "final_latent", "sigmas", "timesteps"):
+            assert np.array_equal(got[name], want[name]), name  # whole micro-batches per worker: bit for bit
+        images = engine.decode(got["final_latent"])
+        assert np.array_equal(images, local.decode(want["final_latent"]))
+        ids = [f"s{i}" for i in range(len(PROMPTS))]
+        scores = engine.score(images, PROMPTS, [{}] * len(PROMPTS), ids)
+        expect = local.score(images, PROMPTS, [{}] * len(PROMPTS), ids)
+        assert set(scores) == set(expect) and all(np.array_equal(scores[k], expect[k]) for k in expect)
+        assert engine.describe()["engine"] == "ray"
+        # a shard that splits the local engine's micro-batches runs other geometry: within 1e-6
+        part, _ = local.rollout(PolicySource(), PROMPTS, seeds, RECIPE, rows=(2, 6))
+        for name in ("latents", "log_probs", "final_latent"):
+            np.testing.assert_allclose(part[name], want[name][2:6], rtol=0, atol=1e-6)
+    finally:
+        engine.close()
+
+
+def _update_batch(local: LocalEngine):
+    seeds = list(range(len(PROMPTS)))
+    batch, _ = local.rollout(PolicySource(), PROMPTS, seeds, RECIPE)
+    adv = np.linspace(-1.5, 1.5, len(PROMPTS)).astype(np.float32)
+    return batch.with_columns(prompt=PROMPTS, advantage=adv)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_two_rank_update_equals_the_single_process_update(ray_cluster, one_thread, tiny_checkpoint, tmp_path, lora):
+    """Steps of 3, 1 and 1 micro-batches (the rollout's own): a rank replays two of a step, or
+    none of it."""
+    from pixrl.engines.ray_engine import RayEngine
+
+    extra = ["algorithm.lora.enabled=true", "algorithm.lora.rank=4", "algorithm.lora.alpha=8"] if lora else []
+    cfg = _cfg(tiny_checkpoint, tmp_path, "ray.rollout_workers=1", *extra)
+    local = LocalEngine(cfg)
+    batch = _update_batch(local)
+    mb = [list(range(i, i + 4)) for i in range(0, len(PROMPTS), 4)]
+    plan = [mb[:3], [mb[3]], [mb[4]]]
+    want = local.train(PolicySource(), batch, plan, RECIPE, seed=3)
+    engine = RayEngine(cfg)
+    try:
+        got = engine.train(PolicySource(), batch, plan, RECIPE, seed=3)
+        digests = ray.get([t.trainable_digest.remote() for t in engine.trainers])
+        assert digests[0] == digests[1], "the ranks' weights drifted apart"
+    finally:
+        engine.close()
+    assert set(got.weights) == set(want.weights) and (not lora or all("lora_" in k for k in want.weights))
+    base = LocalEngine(cfg).policy.state()
+    assert any(not torch.equal(want.weights[k], base[k]) for k in base), "the update changed nothing"
+    for k, w in want.weights.items():
+        scale = float(w.abs().max()) or 1.0
+        assert float((got.weights[k] - w).abs().max()) <= 1e-6 * scale, k
+    assert got.metrics["optimizer_steps"] == 3.0
+    assert got.metrics["onpolicy_ratio_dev"] == 0.0
+    np.testing.assert_allclose(got.metrics["grad_norm"], want.metrics["grad_norm"], rtol=1e-5)
+    np.testing.assert_allclose(got.metrics["loss"], want.metrics["loss"], rtol=1e-5, atol=1e-9)
+
+
+def _train(tmp_path: Path, ckpt: Path, run: str, *extra: str):
+    res = CliRunner().invoke(app, ["train", "--iterations", "2", "--run", run, "reward=jpeg_compressibility",
+                                   *tiny_overrides(ckpt, tmp_path), *RAY_RUN, *extra])
+    return res
+
+
+def _final_weights(tmp_path: Path, run: str) -> dict:
+    last = sorted((tmp_path / "checkpoints" / run).glob("*/it_*"))[-1]
+    return load_file(str(last / "trainable.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_cluster, prefect_harness, tiny_checkpoint, tmp_path_factory):
+    """Two iterations of the default recipe on the Ray engine, with held-out evaluations."""
+    work = tmp_path_factory.mktemp("ray-run")
+    res = _train(work, tiny_checkpoint, "ray", "run.eval_every=1", "run.eval_per_category=1")
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    return work, json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_two_iterations_on_the_ray_engine(uninterrupted):
+    work, out = uninterrupted
+    ds = lance.dataset(out["table_uri"])
+    t = ds.to_table()
+    assert t.num_rows == 16 and sorted(set(t["iteration"].to_pylist())) == [0, 1]
+    assert all(t[c].null_count == 0 for c in ("image", "reward", "advantage", "log_probs", "latents"))
+    assert {json.loads(r)["engine"] for r in t["recipe"].to_pylist()} == {"ray"}
+    tags = ds.tags.list()  # one commit per table stage (generate, decode, score, replay), as the local engine
+    assert {k: v["version"] for k, v in tags.items()} == {"ray-it0-generate": 1, "ray-it1-generate": 5}
+    assert ds.version == 8
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    versions = client.search_model_versions(f"name='{out['model_name']}'")
+    assert sorted(int(v.version) for v in versions) == [1, 2]
+    metrics = client.get_run(out["run_id"]).data.metrics
+    assert "heldout/accuracy" in metrics and metrics["onpolicy_ratio_dev"] == 0.0
+    steps = [m.step for m in client.get_metric_history(out["run_id"], "heldout/accuracy")]
+    assert steps == [0, 1, 2]
+
+
+def test_a_rollout_worker_killed_mid_generate_is_retried_on_its_restart(uninterrupted, tiny_checkpoint, tmp_path,
+                                                                        monkeypatch):
+    monkeypatch.setenv("PIXRL_WORKER_FAULT", f"rollout:1:{tmp_path / 'fired'}")
+    res = _train(tmp_path, tiny_checkpoint, "ray")
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    assert (tmp_path / "fired").exists(), "the worker fault never fired"
+    want = _final_weights(uninterrupted[0], "ray")
+    got = _final_weights(tmp_path, "ray")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_trainer_rank_killed_mid_update_rebuilds_the_group(uninterrupted, tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("PIXRL_WORKER_FAULT", f"trainer:1:{tmp_path / 'fired'}")
+    res = _train(tmp_path, tiny_checkpoint, "ray")
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    assert (tmp_path / "fired").exists(), "the worker fault never fired"
+    want = _final_weights(uninterrupted[0], "ray")
+    got = _final_weights(tmp_path, "ray")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_reward_worker_that_keeps_failing_fails_score_naming_worker_and_samples(ray_cluster, prefect_harness,
+                                                                                  tiny_checkpoint, tmp_path):
+    res = CliRunner().invoke(app, ["train", "--iterations", "1", "--run", "dead-judge", "reward=remote",
+                                   "reward.options.remote.url=http://127.0.0.1:9", "reward.options.remote.retries=0",
+                                   *tiny_overrides(tiny_checkpoint, tmp_path), *RAY_RUN])
+    assert res.exit_code != 0
+    msg = str(res.exception) + res.output
+    assert "reward worker 0" in msg and "00000-000-00" in msg and "127.0.0.1:9" in msg, msg
+    t = lance.dataset(str(tmp_path / "lance" / "dead-judge" / "trajectories.lance")).to_table()
+    assert t.num_rows == 8 and t["reward"].null_count == 8  # generated and decoded; nothing scored was written
+    assert not (tmp_path / "checkpoints" / "dead-judge").exists() or \
+        not list((tmp_path / "checkpoints" / "dead-judge").glob("*/it_*"))
+
+
+def test_an_address_that_answers_nothing_stops_before_any_work(tiny_checkpoint, tmp_path):
+    res = CliRunner().invoke(app, ["train", "--iterations", "1", *tiny_overrides(tiny_checkpoint, tmp_path),
+                                   "run.engine=ray", "ray.address=127.0.0.1:9", "ray.connect_timeout_s=2"])
+    assert res.exit_code == 2, res.output
+    assert "ray.address='127.0.0.1:9'" in res.output and "ray start --head" in res.output
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "lance").exists()
