@@ -56,3 +56,27 @@ def test_bad_settings_are_refused_naming_them(judge, tmp_path):
     r = build_reward("vlm_judge", path=judge.path, yes=("Yes indeed",))
     with pytest.raises(ScoringError, match="one token each"):
         r.ensure_setup("cpu")
+
+
+def test_vllm_backend_reads_the_answer_probabilities_from_the_top_logprobs():
+    """OpenAI's chat-completions schema, as vLLM fills it: exact spellings summed, others ignored."""
+    from math import log
+
+    from pixrl.rewards.vlm_judge_vllm import answer_probs
+
+    top = [{"token": "Yes", "logprob": log(0.5)}, {"token": "yes", "logprob": log(0.1)},
+           {"token": " Yes", "logprob": log(0.05)}, {"token": "No", "logprob": log(0.2)},
+           {"token": "Maybe", "logprob": log(0.15)}]
+    py, pn = answer_probs(top, ("Yes", "yes"), ("No", "no"))
+    assert abs(py - 0.6) < 1e-12 and abs(pn - 0.2) < 1e-12
+    assert answer_probs([{"token": "Maybe", "logprob": 0.0}], ("Yes",), ("No",)) == (0.0, 0.0)
+
+
+def test_vllm_backend_settings_and_an_unreachable_server_fail_naming_them():
+    with pytest.raises(ValueError, match="reward.options.vlm_judge.url"):
+        build_reward("vlm_judge", backend="vllm")
+    with pytest.raises(ValueError, match="not one of transformers, vllm"):
+        build_reward("vlm_judge", backend="sglang", url="http://127.0.0.1:9")
+    r = build_reward("vlm_judge", backend="vllm", url="http://127.0.0.1:9")  # no checkout needed: the server has it
+    with pytest.raises(ScoringError, match=r"no vLLM server answers at http://127.0.0.1:9.*vllm serve"):
+        r.ensure_setup("cpu")

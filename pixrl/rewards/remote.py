@@ -8,14 +8,12 @@ ScoringError names the URL and the cause, and the score stage writes nothing.
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 
 from .base import Reward, ScoringError, register_reward
+from .http_post import post_json
 from .wire import encode_batch
-
-TRANSIENT_STATUS = {502, 503, 504}
 
 
 @register_reward("remote")
@@ -37,26 +35,9 @@ class RemoteReward(Reward):
         self.client = httpx.Client(timeout=self.timeout, headers=headers)
 
     def _post(self, payload: dict) -> dict:
-        import httpx
-
-        last = None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            try:
-                r = self.client.post(f"{self.url}/score", json=payload)
-            except httpx.TransportError as exc:  # refused, reset, timed out: the service may come back
-                last = f"{type(exc).__name__}: {exc}"
-                continue
-            if r.status_code in TRANSIENT_STATUS:
-                last = f"HTTP {r.status_code}"
-                continue
-            if r.status_code != 200:
-                raise ScoringError(f"reward service {self.url} refused the batch: HTTP {r.status_code} "
-                                   f"{_detail(r)}")
-            return r.json()["scores"]
-        raise ScoringError(f"reward service {self.url} unreachable after {self.retries + 1} attempts ({last}); "
-                           f"start it with `pixrl reward-serve`, or fix reward.options.remote.url")
+        return post_json(self.client, f"{self.url}/score", payload, self.retries, self.backoff,
+                         f"reward service {self.url}",
+                         "start it with `pixrl reward-serve`, or fix reward.options.remote.url")["scores"]
 
     def score(self, images, prompts, metadata):
         parts: dict[str, list] = {}
@@ -70,9 +51,3 @@ class RemoteReward(Reward):
         out.update({f"{self.name}.{k}": np.asarray(v, np.float32) for k, v in parts.items()})
         return out
 
-
-def _detail(r) -> str:
-    try:
-        return str(r.json().get("detail"))
-    except ValueError:
-        return r.text[:200]

@@ -9,6 +9,8 @@ the placeholder expanded to the image's patch count (grid t·h·w / merge²), Qw
 pixels — from the checkout's tokenizer and image processor, without the processor class (it
 insists on a video processor, which needs torchvision). Rows are left-padded; a batch scores as
 its images alone to float precision.
+
+`backend=vllm` asks the same question of the model served by vLLM (rewards/vlm_judge_vllm.py).
 """
 
 from __future__ import annotations
@@ -28,23 +30,38 @@ class VlmJudge(Reward):
     value_range = (0.0, 1.0)
 
     def __init__(self, path: str = "", question: str = DEFAULT_QUESTION, yes: tuple[str, ...] = ("Yes", "yes"),
-                 no: tuple[str, ...] = ("No", "no"), batch_size: int = 8, dtype: str = "float32"):
+                 no: tuple[str, ...] = ("No", "no"), batch_size: int = 8, dtype: str = "float32",
+                 backend: str = "transformers", url: str = "", served_model: str = "", top_logprobs: int = 20,
+                 concurrency: int = 16):
+        if backend not in ("transformers", "vllm"):
+            raise ValueError(f"reward vlm_judge: backend {backend!r} is not one of transformers, vllm")
+        if "{prompt}" not in question:
+            raise ValueError("reward vlm_judge: the question must contain {prompt} (where the image's prompt goes)")
+        self.question, self.batch_size, self.dtype, self.backend = question, batch_size, dtype, backend
+        self.yes_words, self.no_words = tuple(yes), tuple(no)
+        self.model = None
+        if backend == "vllm":  # the model lives in the server: vlm_judge_vllm.py
+            from .vlm_judge_vllm import VllmJudgeClient
+
+            self.path = path
+            self.vllm = VllmJudgeClient(url, served_model or path, question, self.yes_words, self.no_words,
+                                        top_logprobs, concurrency)
+            return
         p = Path(path) if path else None
         if p is None or not (p / "config.json").is_file() or not (p / "preprocessor_config.json").is_file():
             raise ValueError(f"reward vlm_judge: {path!r} is not a Qwen-VL checkout in the transformers layout (config.json "
                              f"and preprocessor_config.json); set reward.options.vlm_judge.path to a local copy of e.g. "
-                             f"Qwen/Qwen2.5-VL-7B-Instruct")
-        if "{prompt}" not in question:
-            raise ValueError("reward vlm_judge: the question must contain {prompt} (where the image's prompt goes)")
-        self.path, self.question, self.batch_size, self.dtype = str(p), question, batch_size, dtype
-        self.yes_words, self.no_words = tuple(yes), tuple(no)
-        self.model = None
+                             f"Qwen/Qwen2.5-VL-7B-Instruct (or serve it with vLLM: backend=vllm, url=…)")
+        self.path = str(p)
 
     def setup(self, device: str = "cpu") -> None:
         from transformers import AutoModelForImageTextToText, AutoTokenizer
         from transformers import Qwen2VLImageProcessorPil as ImageProcessor  # the slow one: no torchvision
 
         super().setup(device)
+        if self.backend == "vllm":
+            self.vllm.setup()
+            return
         try:
             self.model = AutoModelForImageTextToText.from_pretrained(self.path, dtype=getattr(torch, self.dtype))
             self.tokenizer = AutoTokenizer.from_pretrained(self.path, padding_side="left")
@@ -83,6 +100,8 @@ class VlmJudge(Reward):
     @torch.no_grad()
     def answer_probs(self, images: np.ndarray, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(p(yes), p(no)) of the first answer token, each summed over its spellings."""
+        if self.backend == "vllm":
+            return self.vllm.answer_probs(images, prompts)
         logits = self.model(**self.inputs(images, prompts)).logits[:, -1].float()
         p = torch.softmax(logits, dim=-1)
         return p[:, self.yes].sum(-1).cpu().numpy(), p[:, self.no].sum(-1).cpu().numpy()
