@@ -24,7 +24,7 @@ from pixrl.engines.ray_engine import _shards
 
 ray = pytest.importorskip("ray")
 
-RAY_RUN = ["run.engine=ray", "run.threads=1", "ray.rollout_workers=2", "ray.reward_workers=1", "ray.trainer_workers=2"]
+RAY_RUN = ["run.engine=ray", "ray.rollout_workers=2", "ray.reward_workers=1", "ray.trainer_workers=2"]
 PROMPTS = ["a red circle", "a blue square", "two green triangles", "a yellow circle"] * 5  # 20 rows, 5 micro-batches
 RECIPE = SamplerRecipe(steps=4, noise_level=0.7, sde_steps=(0, 1), train_steps=(0, 1))
 
@@ -38,16 +38,19 @@ def ray_cluster():
     ray.shutdown()
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def one_thread():
-    """Bit-identity needs equal intra-op threads on both sides (workers run run.threads=1)."""
+    """Bit-identity needs equal intra-op threads on both sides (workers run 1, the CPU each
+    reserves); the test process's own count is restored, so later tests see what they expect."""
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
 
 
 def _cfg(ckpt: Path, workdir: Path, *extra: str):
-    return load_config(None, tiny_overrides(ckpt, workdir) + RAY_RUN + ["reward=jpeg_compressibility", *extra])
+    """The engines' config; run.threads=1 makes the in-process local engine match the workers."""
+    return load_config(None, tiny_overrides(ckpt, workdir) + RAY_RUN
+                       + ["run.threads=1", "reward=jpeg_compressibility", *extra])
 
 
 def test_shards_cover_the_rows_in_whole_units():
@@ -57,7 +60,7 @@ def test_shards_cover_the_rows_in_whole_units():
     assert _shards(10, 1, 3) == [(0, 3), (3, 7), (7, 10)]
 
 
-def test_sharded_rollout_decode_and_score_equal_the_local_engine(ray_cluster, one_thread, tiny_checkpoint, tmp_path):
+def test_sharded_rollout_decode_and_score_equal_the_local_engine(ray_cluster, tiny_checkpoint, tmp_path):
     from pixrl.engines.ray_engine import RayEngine
 
     cfg = _cfg(tiny_checkpoint, tmp_path)
@@ -91,7 +94,7 @@ def _update_batch(local: LocalEngine):
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_two_rank_update_equals_the_single_process_update(ray_cluster, one_thread, tiny_checkpoint, tmp_path, lora):
+def test_two_rank_update_equals_the_single_process_update(ray_cluster, tiny_checkpoint, tmp_path, lora):
     """Steps of 3, 1 and 1 micro-batches (the rollout's own): a rank replays two of a step, or
     none of it."""
     from pixrl.engines.ray_engine import RayEngine
