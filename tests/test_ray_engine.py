@@ -60,7 +60,7 @@ def test_shards_cover_the_rows_in_whole_units():
     assert _shards(10, 1, 3) == [(0, 3), (3, 7), (7, 10)]
 
 
-def test_sharded_rollout_decode_and_score_equal_the_local_engine(ray_cluster, tiny_checkpoint, tmp_path):
+def test_sharded_rollout_decode_score_and_evaluate_equal_the_local_engine(ray_cluster, tiny_checkpoint, tmp_path):
     from pixrl.engines.ray_engine import RayEngine
 
     cfg = _cfg(tiny_checkpoint, tmp_path)
@@ -78,6 +78,9 @@ def test_sharded_rollout_decode_and_score_equal_the_local_engine(ray_cluster, ti
         expect = local.score(images, PROMPTS, [{}] * len(PROMPTS), ids)
         assert set(scores) == set(expect) and all(np.array_equal(scores[k], expect[k]) for k in expect)
         assert engine.describe()["engine"] == "ray"
+        # held-out evaluation: 70 images in shards of whole generation batches (64 + 6), judged together
+        got_eval = engine.evaluate(PolicySource(), "shapes", "heldout", 14)
+        assert got_eval == local.evaluate(PolicySource(), "shapes", "heldout", 14) and got_eval["n"] > 64
         # a shard that splits the local engine's micro-batches runs other geometry: within 1e-6
         part, _ = local.rollout(PolicySource(), PROMPTS, seeds, RECIPE, rows=(2, 6))
         for name in ("latents", "log_probs", "final_latent"):

@@ -7,6 +7,7 @@ runs changes.
   encoded as the whole call encodes them, so the concatenated shards are the local engine's rows
   bit for bit; decode splits at the family's decode batch for the same reason;
 - score: contiguous shards over the reward workers (a model-based scorer loads once per worker);
+- evaluate: the evaluation's images in shards of whole generation batches, judged here;
 - train: every rank replays its share of each optimizer step's micro-batches, gradients summed
   over the group (engines/collective.py); rank 0 returns the new state, which the stage layer
   checkpoints and publishes; rollout workers load exactly the version a stage names, from the
@@ -175,8 +176,20 @@ class RayEngine:
 
     # --- evaluate -----------------------------------------------------------------------------
     def evaluate(self, policy: PolicySource, dataset: str, split: str, per_category: int) -> dict:
-        ref = self.rollout_workers[0].evaluate.remote(policy, dataset, split, per_category)
-        return self._get([ref], "rollout", self.rollout_workers)[0]
+        """The dataset's evaluator with its images made in shards over the rollout workers (whole
+        generation batches each: the images one process makes), judged here; an evaluator that
+        cannot be split runs whole on worker 0."""
+        from ..datasets.prompts import split_items
+        from ..datasets.registry import get_evaluator
+
+        ev = get_evaluator(dataset)
+        if not all(hasattr(ev, part) for part in ("pairs", "images", "aggregate")):
+            ref = self.rollout_workers[0].evaluate.remote(policy, dataset, split, per_category)
+            return self._get([ref], "rollout", self.rollout_workers)[0]
+        pairs = ev.pairs(split_items(self.cfg.dataset, split), per_category)
+        shards = _shards(len(pairs), ev.batch, len(self.rollout_workers))
+        refs = [w.eval_images.remote(policy, dataset, pairs[lo:hi]) for w, (lo, hi) in zip(self.rollout_workers, shards)]
+        return ev.aggregate(pairs, np.concatenate(self._get(refs, "rollout", self.rollout_workers)))
 
     def close(self) -> None:
         """Stop this engine's workers (and the local Ray it started)."""

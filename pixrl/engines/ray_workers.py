@@ -1,7 +1,7 @@
 """The Ray engine's workers: plain classes that `ray.remote` turns into actors. Each holds what
 the local engine holds for its kind of work, loaded once and kept across stages and iterations:
 
-- RolloutWorker: the family and the policy version it last loaded (rollout, decode, evaluate);
+- RolloutWorker: the family and the policy version it last loaded (rollout, decode, evaluation images);
 - RewardWorker: the reward set, its model-based scorers set up once on the worker's device;
 - TrainerWorker: one rank of the update's torch.distributed group (weights, optimizer moments).
 
@@ -79,6 +79,13 @@ class RolloutWorker(_Worker):
 
     def evaluate(self, policy, dataset: str, split: str, per_category: int) -> dict:
         return self.engine.evaluate(policy, dataset, split, per_category)
+
+    def eval_images(self, policy, dataset: str, pairs: list) -> object:
+        """The images of a shard of an evaluation's (prompt, seed) pairs, under `policy`."""
+        from ..datasets.registry import get_evaluator
+
+        self.engine.use(policy)
+        return get_evaluator(dataset).images(self.engine.policy.family, pairs, self.engine.cfg.sampling)
 
 
 class RewardWorker(_Worker):

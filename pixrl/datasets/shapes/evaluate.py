@@ -71,12 +71,8 @@ def generate_images(family, prompts: list[str], seeds: list[int], recipe: Sample
     return np.concatenate(imgs)
 
 
-def evaluate(family, items, recipe: SamplerRecipe | TokenRecipe, per_category: int = 48) -> dict:
-    """Accuracy of `family` on prompt `items` (a split's PromptItems), `per_category` samples each."""
-    pairs = eval_set(items, per_category)
-    if not pairs:
-        raise ValueError("the prompt set has no prompts of the shapes categories to evaluate")
-    imgs = generate_images(family, [p["prompt"] for p, _ in pairs], [s for _, s in pairs], recipe)
+def judge_images(pairs: list[tuple[dict, int]], imgs: np.ndarray) -> dict:
+    """The metrics of an evaluation from its (prompt, seed) pairs and their images, in order."""
     per: dict[str, list[float]] = {}
     partial: list[float] = []
     for (p, _), img in zip(pairs, imgs):
@@ -91,8 +87,39 @@ def evaluate(family, items, recipe: SamplerRecipe | TokenRecipe, per_category: i
             "partial": float(np.mean(partial)), "n": len(pairs), **cats}
 
 
-@register_evaluator("shapes")
-def evaluate_split(family, items, sampling, per_category: int) -> dict:
+def evaluate(family, items, recipe: SamplerRecipe | TokenRecipe, per_category: int = 48) -> dict:
+    """Accuracy of `family` on prompt `items` (a split's PromptItems), `per_category` samples each."""
+    pairs = eval_set(items, per_category)
+    if not pairs:
+        raise ValueError("the prompt set has no prompts of the shapes categories to evaluate")
+    imgs = generate_images(family, [p["prompt"] for p, _ in pairs], [s for _, s in pairs], recipe)
+    return judge_images(pairs, imgs)
+
+
+class ShapesEvaluator:
     """The registered shapes evaluator: the shared deterministic ODE recipe of `sampling` (a token
-    family: its sampling transform) on the split's prompt items."""
-    return evaluate(family, items, eval_recipe(sampling, family.semantics.step.value), per_category)
+    family: its sampling transform) on the split's prompt items. In three parts, so an engine
+    with several rollout workers can generate the images in shards of whole generation batches
+    (`batch`: the same images as one process makes) and judge them together."""
+
+    batch = 64  # generate_images' batch: shards start on its multiples
+
+    def pairs(self, items, per_category: int) -> list[tuple[dict, int]]:
+        pairs = eval_set(items, per_category)
+        if not pairs:
+            raise ValueError("the prompt set has no prompts of the shapes categories to evaluate")
+        return pairs
+
+    def images(self, family, pairs: list[tuple[dict, int]], sampling) -> np.ndarray:
+        recipe = eval_recipe(sampling, family.semantics.step.value)
+        return generate_images(family, [p["prompt"] for p, _ in pairs], [s for _, s in pairs], recipe, self.batch)
+
+    def aggregate(self, pairs: list[tuple[dict, int]], images: np.ndarray) -> dict:
+        return judge_images(pairs, images)
+
+    def __call__(self, family, items, sampling, per_category: int) -> dict:
+        pairs = self.pairs(items, per_category)
+        return self.aggregate(pairs, self.images(family, pairs, sampling))
+
+
+evaluate_split = register_evaluator("shapes")(ShapesEvaluator())
