@@ -167,19 +167,13 @@ def test_two_iterations_on_the_ray_engine(uninterrupted):
     assert steps == [0, 1, 2]
 
 
-def test_a_rollout_worker_killed_mid_generate_is_retried_on_its_restart(uninterrupted, tiny_checkpoint, tmp_path,
-                                                                        monkeypatch):
-    monkeypatch.setenv("PIXRL_WORKER_FAULT", f"rollout:1:{tmp_path / 'fired'}")
-    res = _train(tmp_path, tiny_checkpoint, "ray")
-    assert res.exit_code == 0, res.output + repr(res.exception)
-    assert (tmp_path / "fired").exists(), "the worker fault never fired"
-    want = _final_weights(uninterrupted[0], "ray")
-    got = _final_weights(tmp_path, "ray")
-    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
-
-
-def test_a_trainer_rank_killed_mid_update_rebuilds_the_group(uninterrupted, tiny_checkpoint, tmp_path, monkeypatch):
-    monkeypatch.setenv("PIXRL_WORKER_FAULT", f"trainer:1:{tmp_path / 'fired'}")
+@pytest.mark.parametrize("kind", ["rollout", "trainer"])
+def test_a_worker_killed_mid_stage_is_retried_and_the_run_ends_as_if_uninterrupted(kind, uninterrupted,
+                                                                                  tiny_checkpoint, tmp_path,
+                                                                                  monkeypatch):
+    """Rollout worker 1 dies as generate begins (Ray restarts it; the stage's retry reruns), or
+    trainer rank 1 dies as update begins (rank 0 fails in its collective; the group is rebuilt)."""
+    monkeypatch.setenv("PIXRL_WORKER_FAULT", f"{kind}:1:{tmp_path / 'fired'}")
     res = _train(tmp_path, tiny_checkpoint, "ray")
     assert res.exit_code == 0, res.output + repr(res.exception)
     assert (tmp_path / "fired").exists(), "the worker fault never fired"
