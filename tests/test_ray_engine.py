@@ -16,6 +16,8 @@ from typer.testing import CliRunner
 
 from conftest import tiny_overrides
 from pixrl.algorithms.sampling import SamplerRecipe
+from pixrl.artifacts.rollout_rows import RowSink, rows_table
+from pixrl.artifacts.trajectories import StoreError, TrajectoryStore
 from pixrl.cli import app
 from pixrl.config.loader import load_config
 from pixrl.engines.base import PolicySource
@@ -78,6 +80,23 @@ def test_sharded_rollout_decode_score_and_evaluate_equal_the_local_engine(ray_cl
         expect = local.score(images, PROMPTS, [{}] * len(PROMPTS), ids)
         assert set(scores) == set(expect) and all(np.array_equal(scores[k], expect[k]) for k in expect)
         assert engine.describe()["engine"] == "ray"
+        # workers write their rows as fragments; one commit holds exactly the rows a local append writes
+        cols = {"run_id": ["r"] * len(PROMPTS), "iteration": [0] * len(PROMPTS), "sample_id": ids,
+                "prompt_id": ids, "prompt": PROMPTS, "prompt_meta": ["{}"] * len(PROMPTS),
+                "group_id": [i // 4 for i in range(len(PROMPTS))], "sample_index": [i % 4 for i in range(len(PROMPTS))],
+                "seed": seeds, "policy_version": [0] * len(PROMPTS), "family": ["sd3"] * len(PROMPTS),
+                "regime": ["full_sequence"] * len(PROMPTS), "step_kind": ["denoise"] * len(PROMPTS),
+                "recipe": ["{}"] * len(PROMPTS)}
+        remote_store, local_store = TrajectoryStore(str(tmp_path / "ray.lance")), TrajectoryStore(str(tmp_path / "local.lance"))
+        sink = RowSink(remote_store.uri, cols, False, "denoise", create=True)
+        fragments, schema, _ = engine.rollout_to_store(PolicySource(), PROMPTS, seeds, RECIPE, sink=sink)
+        assert len(fragments) == 2  # one per worker
+        ref = remote_store.commit_appended(fragments, schema, True, "r", 0)
+        local_ref = local_store.append(rows_table(want, cols, False, "denoise"))
+        assert ref.version == local_ref.version == 1
+        assert remote_store.dataset().to_table().equals(local_store.dataset().to_table())
+        with pytest.raises(StoreError, match="already holds rows"):
+            remote_store.commit_appended(fragments, schema, False, "r", 0)
         # held-out evaluation: 70 images in shards of whole generation batches (64 + 6), judged together
         got_eval = engine.evaluate(PolicySource(), "shapes", "heldout", 14)
         assert got_eval == local.evaluate(PolicySource(), "shapes", "heldout", 14) and got_eval["n"] > 64

@@ -57,7 +57,7 @@ def _serve(*extra: str) -> tuple[subprocess.Popen, str]:
 
 @pytest.fixture(scope="module")
 def server():
-    proc, url = _serve("--token", TOKEN, "--max-mb", "1")
+    proc, url = _serve("--token", TOKEN, "--max-mb", "1", "--max-batch", "4")
     yield url
     proc.terminate()
     proc.wait(10)
@@ -104,6 +104,26 @@ def test_refusals_name_the_problem(server, batch):
     assert httpx.post(f"{server}/score", json={"prompts": ["x"]}, headers=auth).status_code == 422
     with pytest.raises(ScoringError, match="HTTP 500 .*no shapes metadata"):  # a scorer's failure, named
         _remote(server).score(images[:1], ["free text"], [{}])
+    five = np.concatenate([images, images[:1]]), [*prompts, prompts[0]], [*meta, meta[0]]
+    many = httpx.post(f"{server}/score", json=encode_batch(*five), headers=auth)  # 5 > --max-batch 4
+    assert many.status_code == 413 and "batch limit of 4" in many.json()["detail"]
+
+
+def test_metrics_count_requests_refusals_and_images(server, batch):
+    import httpx
+
+    def counters() -> dict[str, float]:
+        text = httpx.get(f"{server}/metrics").text
+        return {k: float(v) for k, v in (ln.split() for ln in text.splitlines() if ln and not ln.startswith("#"))}
+
+    images, prompts, meta = batch
+    before = counters()
+    _remote(server, batch=2).score(images[:3], prompts[:3], meta[:3])  # two requests: 2 + 1 images
+    assert httpx.post(f"{server}/score", json=encode_batch(images[:1], prompts[:1], meta[:1])).status_code == 401
+    after = counters()
+    delta = lambda k: after.get(f"pixrl_reward_{k}_total", 0) - before.get(f"pixrl_reward_{k}_total", 0)  # noqa: E731
+    assert delta("requests") == 3 and delta("refused") == 1 and delta("images") == 3
+    assert after["pixrl_reward_scoring_seconds_total"] > before.get("pixrl_reward_scoring_seconds_total", 0)
 
 
 def test_concurrent_clients_lose_no_request(server, batch):

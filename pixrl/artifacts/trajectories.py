@@ -107,15 +107,27 @@ class TrajectoryStore:
         """Append one iteration's rows; refuses to add a (run_id, iteration) that is already there
         (with `where`: rows of it matching `where`, e.g. one sampling round's groups)."""
         run, it = _one_key(table, "append")
-        if self.count(run, it, where=where):
-            raise StoreError(f"{self.uri} already holds rows for run {run!r} iteration {it}"
-                             + (f" where {where}" if where else "")
-                             + "; refusing to overwrite (resume skips complete stages instead)")
+        self.ensure_absent(run, it, where)
         if self.exists():
             ds = lance.write_dataset(table, self.uri, mode="append")
         else:
             ds = lance.write_dataset(table, self.uri, schema=table.schema, mode="create")
         return TableRef(self.uri, ds.version)
+
+    def ensure_absent(self, run: str, it: int, where: str | None = None) -> None:
+        """Refuse to add rows of a (run_id, iteration) [matching `where`] that the table holds."""
+        if self.count(run, it, where=where):
+            raise StoreError(f"{self.uri} already holds rows for run {run!r} iteration {it}"
+                             + (f" where {where}" if where else "")
+                             + "; refusing to overwrite (resume skips complete stages instead)")
+
+    def commit_appended(self, fragments: list, schema: pa.Schema, create: bool, run: str, it: int,
+                        where: str | None = None) -> TableRef:
+        """Commit fragments that workers wrote (artifacts/rollout_rows.py) as one new version."""
+        from .rollout_rows import commit_fragments
+
+        self.ensure_absent(run, it, where)
+        return TableRef(self.uri, commit_fragments(self.uri, fragments, schema, create))
 
     def merge(self, table: pa.Table, where: str | None = None) -> TableRef:
         """Fill columns of existing rows, matched on the key; never inserts rows. `table` holds

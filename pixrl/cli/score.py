@@ -110,6 +110,9 @@ def reward_serve(
     token: Optional[str] = typer.Option(None, "--token", envvar="PIXRL_REWARD_TOKEN",
                                         help="bearer token /score requires (default: $PIXRL_REWARD_TOKEN; none: open)"),
     max_mb: float = typer.Option(64.0, "--max-mb", help="largest request body accepted"),
+    max_batch: int = typer.Option(256, "--max-batch", help="most images in one request"),
+    queue_timeout: float = typer.Option(600.0, "--queue-timeout", help="seconds a request may wait behind others "
+                                                                       "before it is answered 503 (retry later)"),
     device: str = typer.Option("cpu", "--device"),
 ) -> None:
     """Serve a reward set over HTTP (GET /health, POST /score) for runs with reward=remote."""
@@ -128,6 +131,7 @@ def reward_serve(
         rewards.check_installed()
     except (KeyError, ValueError) as exc:
         _fail(exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc), exc=exc)
-    console.print(f"serving {', '.join(weights)} at http://{host}:{port} (POST /score, GET /health)"
+    console.print(f"serving {', '.join(weights)} at http://{host}:{port} (POST /score, GET /health, GET /metrics)"
                   + ("" if token else " — no token: anyone who reaches the port can score"))
-    uvicorn.run(build_app(rewards, token, int(max_mb * 2**20)), host=host, port=port, log_level="warning")
+    uvicorn.run(build_app(rewards, token, int(max_mb * 2**20), max_batch, queue_timeout), host=host, port=port,
+                log_level="warning")

@@ -4,6 +4,11 @@ state. It never touches Prefect, MLflow or the stage records, and never decides 
 needed: the stage layer (pixrl.stages) asks the stores, calls the engine, then records and
 commits — identically for every engine (`run.engine`: local, or ray — engines/ray_engine.py).
 
+An engine whose workers can write the trajectory table themselves also offers
+`rollout_to_store(policy, prompts, seeds, recipe, noise_seeds, sink) -> (fragments, schema,
+seconds)`: the same rows as `rollout`, written as uncommitted Lance fragments through the stage's
+`RowSink` (artifacts/rollout_rows.py); the stage layer then commits them as one version.
+
 Policies travel as `PolicySource` (a local checkpoint directory + its id, or the base weights),
 so an engine loads exactly the version a stage names.
 """

@@ -5,7 +5,9 @@ runs changes.
 
 - rollout: each worker generates a contiguous run of whole micro-batches, with the prompts
   encoded as the whole call encodes them, so the concatenated shards are the local engine's rows
-  bit for bit; decode splits at the family's decode batch for the same reason;
+  bit for bit, and writes them to the trajectory table as uncommitted fragments that the stage
+  commits in one version (`rollout_to_store`: the latents never pass through the driver); decode
+  splits at the family's decode batch for the same reason;
 - score: contiguous shards over the reward workers (a model-based scorer loads once per worker);
 - evaluate: the evaluation's images in shards of whole generation batches, judged here;
 - train: every rank replays its share of each optimizer step's micro-batches, gradients summed
@@ -115,6 +117,17 @@ class RayEngine:
                 for w, rows in zip(self.rollout_workers, shards)]
         parts = self._get(refs, "rollout", self.rollout_workers)
         return RolloutBatch.concat([b for b, _ in parts]), max(s for _, s in parts)
+
+    def rollout_to_store(self, policy: PolicySource, prompts: list[str], seeds: list[int], recipe,
+                         noise_seeds: list[int] | None = None, sink=None) -> tuple[list, object, float]:
+        """The same shards as `rollout`, each worker writing its rows as Lance fragments through
+        `sink` (artifacts/rollout_rows.py): (every fragment in row order, the rows' schema, the
+        slowest worker's seconds). The stage commits them as one version."""
+        shards = _shards(len(prompts), self.cfg.sampling.micro_batch, len(self.rollout_workers))
+        refs = [w.rollout_rows.remote(policy, prompts, seeds, recipe, noise_seeds, rows, sink)
+                for w, rows in zip(self.rollout_workers, shards)]
+        parts = self._get(refs, "rollout", self.rollout_workers)
+        return [f for frags, _, _ in parts for f in frags], parts[0][1], max(sec for _, _, sec in parts)
 
     def decode(self, final_latents: np.ndarray) -> np.ndarray:
         if self._decode_batch is None:

@@ -70,6 +70,12 @@ class RolloutWorker(_Worker):
         worker_fault_point(self.kind, self.index)
         return self.engine.rollout(policy, prompts, seeds, recipe, noise_seeds=noise_seeds, rows=rows)
 
+    def rollout_rows(self, policy, prompts, seeds, recipe, noise_seeds, rows, sink):
+        """Rows [lo, hi) of the call, written as uncommitted fragments: (fragments, schema, seconds)."""
+        batch, seconds = self.rollout(policy, prompts, seeds, recipe, noise_seeds, rows)
+        table = sink.rows(batch, *rows)
+        return sink.write(table), table.schema, seconds
+
     def decode(self, final_latents):
         worker_fault_point(self.kind, self.index)
         return self.engine.decode(final_latents)

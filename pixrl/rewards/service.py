@@ -4,15 +4,20 @@ serves rewards. `GET /health` names the rewards; `POST /score` takes the wire fo
 rewards/wire.py and returns every component, exactly what RewardSet.score returns in process.
 
 A bearer token (when set) guards /score (401 without it); a body over the size limit is refused
-before it is read (413); a malformed payload is a 422 naming the problem; a scorer failure is a
-500 with the ScoringError's message. Scoring is serialised by a lock (a model is not
-thread-safe); requests queue, none is dropped. FastAPI and uvicorn come with Prefect.
+before it is read (413), as is a request of more images than the batch limit; a malformed
+payload is a 422 naming the problem; a scorer failure is a 500 with the ScoringError's message.
+Scoring is serialised by a lock (a model is not thread-safe); requests queue, none is dropped —
+unless one has waited longer than the queue timeout, which gets a 503 (the client's retry comes
+back later). `GET /metrics` reports requests, refusals, failures, images and seconds scored and
+the time spent waiting, in Prometheus' text format. FastAPI and uvicorn come with Prefect.
 """
 
 from __future__ import annotations
 
 import hmac
 import threading
+import time
+from collections import Counter
 
 import numpy as np
 from pydantic import BaseModel, Field
@@ -29,21 +34,51 @@ class ScoreRequest(BaseModel):
     sample_ids: list[str] | None = None
 
 
-def build_app(rewards: RewardSet, token: str | None = None, max_bytes: int = 64 << 20):
+class ServiceMetrics:
+    """Counters behind GET /metrics (Prometheus text exposition format)."""
+
+    def __init__(self):
+        self.counts: Counter[str] = Counter()
+        self.seconds: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def add(self, count: str, n: int = 1, seconds: str | None = None, value: float = 0.0) -> None:
+        with self._lock:
+            self.counts[count] += n
+            if seconds:
+                self.seconds[seconds] += value
+
+    def text(self) -> str:
+        with self._lock:
+            lines = []
+            for name, v in sorted(self.counts.items()):
+                lines += [f"# TYPE pixrl_reward_{name}_total counter", f"pixrl_reward_{name}_total {v}"]
+            for name, v in sorted(self.seconds.items()):
+                lines += [f"# TYPE pixrl_reward_{name}_seconds_total counter", f"pixrl_reward_{name}_seconds_total {v:.6f}"]
+        return "\n".join(lines) + "\n"
+
+
+def build_app(rewards: RewardSet, token: str | None = None, max_bytes: int = 64 << 20, max_batch: int = 256,
+              queue_timeout_s: float = 600.0):
     from fastapi import FastAPI, HTTPException, Request
+    from fastapi.responses import PlainTextResponse
 
     app = FastAPI(title="pixrl reward service")
     lock = threading.Lock()
+    stats = ServiceMetrics()
 
     @app.middleware("http")
     async def _limits(request: Request, call_next):
         from fastapi.responses import JSONResponse
 
         if request.url.path == "/score":
+            stats.add("requests")
             if token and not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {token}"):
+                stats.add("refused")
                 return JSONResponse({"detail": "missing or wrong bearer token"}, status_code=401)
             size = request.headers.get("content-length")
             if size is not None and int(size) > max_bytes:
+                stats.add("refused")
                 return JSONResponse({"detail": f"request body of {int(size)} bytes exceeds the limit of {max_bytes}; "
                                                f"send fewer images per request or raise --max-mb"}, status_code=413)
         return await call_next(request)
@@ -52,9 +87,17 @@ def build_app(rewards: RewardSet, token: str | None = None, max_bytes: int = 64 
     def health() -> dict:
         return {"status": "ok", "rewards": rewards.weights}
 
+    @app.get("/metrics", response_class=PlainTextResponse)
+    def metrics() -> str:
+        return stats.text()
+
     @app.post("/score")
     def score(req: ScoreRequest) -> dict:  # a sync endpoint: FastAPI runs it in its thread pool
         n = len(req.images)
+        if n > max_batch:
+            stats.add("refused")
+            raise HTTPException(413, f"{n} images in one request exceed the batch limit of {max_batch}; split the "
+                                     f"request (reward.options.remote.batch) or raise --max-batch")
         meta = req.metadata if req.metadata is not None else [{}] * n
         ids = req.sample_ids if req.sample_ids is not None else [f"request[{i}]" for i in range(n)]
         if not len(req.prompts) == len(meta) == len(ids) == n:
@@ -63,12 +106,22 @@ def build_app(rewards: RewardSet, token: str | None = None, max_bytes: int = 64 
         try:
             images = decode_images(req.images)
         except ValueError as exc:
+            stats.add("refused")
             raise HTTPException(422, str(exc)) from None
-        with lock:
-            try:
-                out = rewards.score(images, req.prompts, meta, ids)
-            except ScoringError as exc:
-                raise HTTPException(500, str(exc)) from None
+        t0 = time.perf_counter()
+        if not lock.acquire(timeout=queue_timeout_s):
+            stats.add("timed_out")
+            raise HTTPException(503, f"waited {queue_timeout_s:.0f} s behind other requests; retry later")
+        try:
+            t1 = time.perf_counter()
+            stats.add("waits", seconds="queue_wait", value=t1 - t0)
+            out = rewards.score(images, req.prompts, meta, ids)
+        except ScoringError as exc:
+            stats.add("failed")
+            raise HTTPException(500, str(exc)) from None
+        finally:
+            lock.release()
+        stats.add("images", n, seconds="scoring", value=time.perf_counter() - t1)
         return {"scores": {k: np.asarray(v, np.float32).tolist() for k, v in out.items()}}
 
     return app

@@ -21,6 +21,7 @@ from ..algorithms.base import build_algorithm
 from ..algorithms.dynamic_sampling import batch_full, groups_with_signal, trained_mask
 from ..algorithms.recipe import stored_recipe
 from ..artifacts.batch import COT_FIELDS, DECODE_INPUT, RolloutBatch
+from ..artifacts.rollout_rows import RowSink, rows_table
 from ..artifacts.checkpoints import CheckpointRef, save_checkpoint
 from ..artifacts.media import decode_media, media_bytes, png_bytes
 from ..artifacts.retention import RunRetention
@@ -117,11 +118,34 @@ class OnlineStages:
         seeds = [seed_of(cfg.run.seed, iteration, 1, slot, g) for slot, g, _ in rows]
         shared = getattr(recipe, "shared_noise", False)  # a group's members start from one latent
         noise_seeds = [seed_of(cfg.run.seed, iteration, 3, slot) for slot, _, _ in rows] if shared else None
-        batch, seconds = self.engine.rollout(self.source(policy), [p.prompt for _, _, p in rows], seeds, recipe,
-                                             noise_seeds=noise_seeds)
-        if shared:
-            batch = batch.with_columns(noise_seed=noise_seeds)
         info = self.engine.describe()
+        columns = self._row_columns(iteration, policy, rows, seeds, recipe, info)
+        if shared:
+            columns["noise_seed"] = noise_seeds
+        args = (self.source(policy), [p.prompt for _, _, p in rows], seeds, recipe)
+        scope, video = self.stores.round_scope(rnd), bool(info.get("video"))
+        to_store = getattr(self.engine, "rollout_to_store", None)  # workers write their rows themselves
+        if to_store is None:
+            batch, seconds = self.engine.rollout(*args, noise_seeds=noise_seeds)
+            table = rows_table(batch, columns, video, self.step_kind)
+        else:
+            self.table.ensure_absent(self.spec.run_id, iteration, scope)  # before any worker writes
+            sink = RowSink(self.table.uri, columns, video, self.step_kind, create=not self.table.exists())
+            fragments, schema, seconds = to_store(*args, noise_seeds=noise_seeds, sink=sink)
+        n = len(rows)
+        metrics = self._commit_record("generate", iteration, rnd,
+                                      {"images_per_s": n / seconds, "generate_compute_s": seconds})
+        if to_store is None:
+            ref = self.table.append(table, where=scope)
+        else:
+            ref = self.table.commit_appended(fragments, schema, sink.create, self.spec.run_id, iteration, scope)
+        self.table.tag(f"{self.spec.run_name}-it{iteration}-{self.stage_name('generate', rnd)}", ref.version)
+        return ref, metrics
+
+    def _row_columns(self, iteration: int, policy: PolicyRef, rows, seeds: list[int], recipe, info: dict) -> dict:
+        """The stage's per-row columns of generate: keys, prompt, group, seed, policy version,
+        family facts and the sampler recipe (JSON)."""
+        cfg, s = self.cfg, self.cfg.sampling
         n, sem = len(rows), info["semantics"]
         if self.step_kind == "token":
             geometry = {"resolution": info["resolution"], "image_tokens": info["image_tokens"]}
@@ -130,7 +154,7 @@ class OnlineStages:
         recipe_json = json.dumps({**recipe.to_dict(), **geometry, "dtype": cfg.model.dtype,
                                   "engine": cfg.run.engine, "torch": info["torch"], "micro_batch": s.micro_batch,
                                   "shift": info.get("shift"), **({"frames": info["frames"]} if info.get("video") else {})})
-        batch = batch.with_columns(
+        return dict(
             run_id=[self.spec.run_id] * n, iteration=[iteration] * n,
             sample_id=[f"{iteration:05d}-{slot:03d}-{g:02d}" for slot, g, _ in rows],
             prompt_id=[p.prompt_id for _, _, p in rows], prompt=[p.prompt for _, _, p in rows],
@@ -138,14 +162,6 @@ class OnlineStages:
             sample_index=[g for _, g, _ in rows], seed=seeds, policy_version=[policy.version] * n,
             family=[info["family"]] * n, regime=[sem.regime.value] * n, step_kind=[sem.step.value] * n,
             recipe=[recipe_json] * n)
-        optional = ("poster",) if info.get("video") else COT_FIELDS if "cot_tokens" in batch else ()
-        optional += tuple(f for f in ("means", "noise_seed") if f in batch)
-        table = batch.to_arrow(batch.dims(), optional=optional, step=self.step_kind)
-        metrics = self._commit_record("generate", iteration, rnd,
-                                      {"images_per_s": n / seconds, "generate_compute_s": seconds})
-        ref = self.table.append(table, where=self.stores.round_scope(rnd))
-        self.table.tag(f"{self.spec.run_name}-it{iteration}-{self.stage_name('generate', rnd)}", ref.version)
-        return ref, metrics
 
     # --- decode -------------------------------------------------------------------------------
     def decode(self, iteration: int, ref: TableRef, rnd: int = 0) -> TableRef:

@@ -1,0 +1,59 @@
+"""Generate's rows, and writing them from several workers as one commit.
+
+`rows_table` turns a rollout batch plus the stage's per-row columns (keys, prompts, seeds, policy
+version, recipe) into the table's Arrow rows; the stage layer and every rollout worker use it, so
+rows are the same whichever process builds them.
+
+A distributed generate (an engine with `rollout_to_store`): the stage hands the workers a
+`RowSink` — the table's URI and the per-row columns — and each worker writes the rows it
+generated as Lance fragments (data files that no version lists yet, invisible to readers), so the
+latents never pass through the driver. The stage then commits every worker's fragments in one
+Append (Overwrite when the table is new): one new table version, as a local generate's append.
+Fragments of a generate that fails before its commit are never listed and go with cleanup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import lance
+import pyarrow as pa
+
+from .batch import COT_FIELDS, RolloutBatch
+
+
+def rows_table(batch: RolloutBatch, columns: dict[str, list], video: bool, step: str) -> pa.Table:
+    """The rows of `batch` with the stage's per-row `columns`, as the table stores them."""
+    batch = batch.with_columns(**columns)
+    optional = ("poster",) if video else COT_FIELDS if "cot_tokens" in batch else ()
+    optional += tuple(f for f in ("means", "noise_seed") if f in batch)
+    return batch.to_arrow(batch.dims(), optional=optional, step=step)
+
+
+@dataclass(frozen=True)
+class RowSink:
+    """Where a worker writes its share of generate's rows, and the stage's columns for them."""
+
+    uri: str
+    columns: dict[str, list]  # every row of the call, in order
+    video: bool
+    step: str
+    create: bool  # the table does not exist yet: the commit creates it
+
+    def rows(self, batch: RolloutBatch, lo: int, hi: int) -> pa.Table:
+        """Rows [lo, hi) of the call, `batch` holding just those."""
+        return rows_table(batch, {k: v[lo:hi] for k, v in self.columns.items()}, self.video, self.step)
+
+    def write(self, table: pa.Table) -> list:
+        """Uncommitted fragments holding `table` (FragmentMetadata, picklable)."""
+        return lance.fragment.write_fragments(table, self.uri, schema=table.schema,
+                                              mode="create" if self.create else "append")
+
+
+def commit_fragments(uri: str, fragments: list, schema: pa.Schema, create: bool) -> int:
+    """One commit listing every worker's fragments; the new version."""
+    if create:
+        op = lance.LanceOperation.Overwrite(schema, fragments)
+        return lance.LanceDataset.commit(uri, op).version
+    ds = lance.dataset(uri)
+    return lance.LanceDataset.commit(ds, lance.LanceOperation.Append(fragments), read_version=ds.version).version
