@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .batch import REWARD_ITEM, schema
+from .rollout_rows import commit_fragments
 
 KEY = ["run_id", "iteration", "sample_id"]
 def trajectory_schema(stored_steps: int, latent_shape: tuple[int, ...], total_steps: int,
@@ -124,8 +125,6 @@ class TrajectoryStore:
     def commit_appended(self, fragments: list, schema: pa.Schema, create: bool, run: str, it: int,
                         where: str | None = None) -> TableRef:
         """Commit fragments that workers wrote (artifacts/rollout_rows.py) as one new version."""
-        from .rollout_rows import commit_fragments
-
         self.ensure_absent(run, it, where)
         return TableRef(self.uri, commit_fragments(self.uri, fragments, schema, create))
 

@@ -110,12 +110,16 @@ class RayEngine:
         return self._described
 
     # --- rollout, decode, score ---------------------------------------------------------------
+    def _sharded_rollout(self, method: str, *args) -> list:
+        """`method` of every rollout worker on its run of whole micro-batches of the call."""
+        prompts = args[1]
+        shards = _shards(len(prompts), self.cfg.sampling.micro_batch, len(self.rollout_workers))
+        refs = [getattr(w, method).remote(*args[:5], rows, *args[5:]) for w, rows in zip(self.rollout_workers, shards)]
+        return self._get(refs, "rollout", self.rollout_workers)
+
     def rollout(self, policy: PolicySource, prompts: list[str], seeds: list[int], recipe,
                 noise_seeds: list[int] | None = None) -> tuple[RolloutBatch, float]:
-        shards = _shards(len(prompts), self.cfg.sampling.micro_batch, len(self.rollout_workers))
-        refs = [w.rollout.remote(policy, prompts, seeds, recipe, noise_seeds, rows)
-                for w, rows in zip(self.rollout_workers, shards)]
-        parts = self._get(refs, "rollout", self.rollout_workers)
+        parts = self._sharded_rollout("rollout", policy, prompts, seeds, recipe, noise_seeds)
         return RolloutBatch.concat([b for b, _ in parts]), max(s for _, s in parts)
 
     def rollout_to_store(self, policy: PolicySource, prompts: list[str], seeds: list[int], recipe,
@@ -123,10 +127,7 @@ class RayEngine:
         """The same shards as `rollout`, each worker writing its rows as Lance fragments through
         `sink` (artifacts/rollout_rows.py): (every fragment in row order, the rows' schema, the
         slowest worker's seconds). The stage commits them as one version."""
-        shards = _shards(len(prompts), self.cfg.sampling.micro_batch, len(self.rollout_workers))
-        refs = [w.rollout_rows.remote(policy, prompts, seeds, recipe, noise_seeds, rows, sink)
-                for w, rows in zip(self.rollout_workers, shards)]
-        parts = self._get(refs, "rollout", self.rollout_workers)
+        parts = self._sharded_rollout("rollout_rows", policy, prompts, seeds, recipe, noise_seeds, sink)
         return [f for frags, _, _ in parts for f in frags], parts[0][1], max(sec for _, _, sec in parts)
 
     def decode(self, final_latents: np.ndarray) -> np.ndarray:

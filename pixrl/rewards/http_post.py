@@ -13,10 +13,12 @@ TRANSIENT_STATUS = {502, 503, 504}
 
 
 def detail(r) -> str:
+    """The refusal's own words: its JSON `detail` (FastAPI) or `message` (OpenAI-style), else the text."""
     try:
-        return str(r.json().get("detail") or r.json().get("message") or r.json())
+        body = r.json()
     except ValueError:
         return r.text[:200]
+    return str(body.get("detail") or body.get("message") or body) if isinstance(body, dict) else str(body)[:200]
 
 
 def post_json(client, url: str, payload: dict, retries: int, backoff: float, name: str, fix: str) -> dict:

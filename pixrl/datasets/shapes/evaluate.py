@@ -87,11 +87,17 @@ def judge_images(pairs: list[tuple[dict, int]], imgs: np.ndarray) -> dict:
             "partial": float(np.mean(partial)), "n": len(pairs), **cats}
 
 
-def evaluate(family, items, recipe: SamplerRecipe | TokenRecipe, per_category: int = 48) -> dict:
-    """Accuracy of `family` on prompt `items` (a split's PromptItems), `per_category` samples each."""
+def evaluation_pairs(items, per_category: int) -> list[tuple[dict, int]]:
+    """eval_set, refusing a prompt set with nothing of the shapes categories to evaluate."""
     pairs = eval_set(items, per_category)
     if not pairs:
         raise ValueError("the prompt set has no prompts of the shapes categories to evaluate")
+    return pairs
+
+
+def evaluate(family, items, recipe: SamplerRecipe | TokenRecipe, per_category: int = 48) -> dict:
+    """Accuracy of `family` on prompt `items` (a split's PromptItems), `per_category` samples each."""
+    pairs = evaluation_pairs(items, per_category)
     imgs = generate_images(family, [p["prompt"] for p, _ in pairs], [s for _, s in pairs], recipe)
     return judge_images(pairs, imgs)
 
@@ -105,10 +111,7 @@ class ShapesEvaluator:
     batch = 64  # generate_images' batch: shards start on its multiples
 
     def pairs(self, items, per_category: int) -> list[tuple[dict, int]]:
-        pairs = eval_set(items, per_category)
-        if not pairs:
-            raise ValueError("the prompt set has no prompts of the shapes categories to evaluate")
-        return pairs
+        return evaluation_pairs(items, per_category)
 
     def images(self, family, pairs: list[tuple[dict, int]], sampling) -> np.ndarray:
         recipe = eval_recipe(sampling, family.semantics.step.value)
