@@ -212,6 +212,11 @@ class RayConfig(_Section):
     rollout_workers: int = Field(2, ge=1, description="actors that generate (and decode, and evaluate)")
     reward_workers: int = Field(1, ge=1, description="actors that score (model-based rewards load once per actor)")
     trainer_workers: int = Field(2, ge=1, description="ranks of the update's torch.distributed group")
+    trainer_sharding: Literal["ddp", "fsdp"] = Field("ddp", description="ddp: every rank holds the whole model and "
+                                                                          "the gradients are all-reduced; fsdp: weights, "
+                                                                          "gradients and Adam moments sharded over the "
+                                                                          "ranks (torch fully_shard), for a model whose "
+                                                                          "training state does not fit one device")
     rollout: WorkerResources = WorkerResources()
     reward: WorkerResources = WorkerResources()
     trainer: WorkerResources = WorkerResources()

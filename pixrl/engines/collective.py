@@ -9,6 +9,10 @@ and a rank may hold no micro-batch of a step — neither fits DDP's one-forward-
 reducer. Each rank sums ∇(loss / n_terms) over its micro-batches with the step's global n_terms;
 summing those sums over the ranks gives the single-process gradient, so clipping and the
 optimizer step are the same on every rank and the ranks never drift apart.
+
+Sharded (FSDP, engines/fsdp.py), the summing is the backward's own reduce-scatter, and the ranks
+must run the same sequence of forwards and backwards: a rank short of micro-batches in a step
+replays the step's first one with weight 0 (its gradient and metrics count for nothing).
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ BUCKET_ELEMENTS = 8 * 1024 * 1024  # all-reduce in buckets of up to 8M elements 
 class SingleProcess:
     rank, world = 0, 1
 
-    def mine(self, items: list) -> list:
-        return items
+    def share(self, step_batches: list) -> list[tuple[int, list, float]]:
+        """(index, micro-batch, weight) of what this rank replays of an optimizer step."""
+        return [(j, mb, 1.0) for j, mb in enumerate(step_batches)]
 
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         pass
@@ -36,27 +41,35 @@ class SingleProcess:
 class TorchDistributed:
     """This process's rank in an initialised process group."""
 
-    def __init__(self, rank: int, world: int):
-        self.rank, self.world = rank, world
+    def __init__(self, rank: int, world: int, sharded: bool = False):
+        self.rank, self.world, self.sharded = rank, world, sharded
 
     @classmethod
-    def join(cls, rank: int, world: int, master: str, backend: str, timeout_s: float = 300.0) -> "TorchDistributed":
+    def join(cls, rank: int, world: int, master: str, backend: str, timeout_s: float = 300.0,
+             sharded: bool = False) -> "TorchDistributed":
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
         dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
-        return cls(rank, world)
+        return cls(rank, world, sharded)
 
-    def mine(self, items: list) -> list:
-        """This rank's share: every world-th item, starting at its rank."""
-        return items[self.rank::self.world]
+    def share(self, step_batches: list) -> list[tuple[int, list, float]]:
+        """Every world-th micro-batch, starting at this rank's; sharded, padded to the same
+        count on every rank with weight-0 replays of the step's first micro-batch."""
+        mine = [(j, mb, 1.0) for j, mb in enumerate(step_batches)][self.rank::self.world]
+        if self.sharded and step_batches:
+            mine += [(0, step_batches[0], 0.0)] * (-(-len(step_batches) // self.world) - len(mine))
+        return mine
 
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        """Sum the gradients over the ranks (a parameter without a gradient counts as zeros)."""
+        """Sum the gradients over the ranks (a parameter without a gradient counts as zeros);
+        sharded, the backward's reduce-scatter has summed them already."""
         import torch.distributed as dist
 
+        if self.sharded:
+            return
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

@@ -176,6 +176,14 @@ class LocalEngine:
                           policy.checkpoint_dir if policy.with_optimizer else None, batch, plan, recipe, seed,
                           prompt_sets, self.collective)
 
+    def shard(self) -> None:
+        """FSDP over the trainer group this engine's rank has joined: the trained module is
+        sharded, and the frozen copies the algorithm needs are made and sharded with it."""
+        pol, algo = self.policy, self.algorithm
+        explicit = self.cfg.dpo is not None and self.cfg.dpo.reference != "base"
+        pol.shard(reference_copy=algo.needs_reference and (not pol.lora or explicit),
+                  sampler_copy=algo.separate_sampler)
+
     def mark(self, checkpoint_id: str) -> None:
         self.policy.mark(checkpoint_id)
 

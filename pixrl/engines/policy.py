@@ -16,6 +16,7 @@ from ..config.schema import ExperimentConfig
 from ..models.registry import get_family
 from ..stages.plan import seed_of
 from .assets import resolve_model_path
+from .fsdp import full, full_optimizer_state, like, shard_module, sharded_optimizer_state
 
 BASE = "base"
 ALGORITHM_STATE = "pixrl_algorithm"  # key of the algorithm's own state in the saved optimizer state
@@ -60,6 +61,26 @@ class TrainablePolicy:
         self.optimizer: torch.optim.Optimizer | None = None
         self.optimizer_id: str | None = None
         self.algorithm_state: dict | None = None  # the algorithm's own training state, beside the moments
+        self.sharded = False  # FSDP over a trainer group (shard)
+
+    def shard(self, reference_copy: bool, sampler_copy: bool) -> None:
+        """Shard the trained module over the process group (FSDP). The frozen copies an update
+        uses beside it (a full fine-tune's KL reference, a separate sampling policy) are made
+        now, from the base weights, and sharded too: a sharded module cannot be copied later."""
+        if reference_copy:
+            self._reference = self._copy(self._base_state, "base weights")
+        if sampler_copy:
+            self._frozen = self._copy(self._base_state, "base weights")
+        device_type = torch.device(self.family.device).type
+        for module in (self.module, self._reference, self._frozen):
+            if module is not None:
+                shard_module(module, device_type)
+        self.sharded = True
+
+    def _copy(self, weights: dict[str, torch.Tensor], what: str) -> torch.nn.Module:
+        module = copy.deepcopy(self.module).requires_grad_(False)
+        self._fill(module, weights, what)
+        return module
 
     # --- trainable weights --------------------------------------------------------------------
     def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
@@ -69,7 +90,8 @@ class TrainablePolicy:
         return {n: p for n, p in self.module.named_parameters() if not (frozen and n.startswith(frozen))}
 
     def state(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach() for k, v in self.trainable_parameters().items()}
+        """The trainable tensors, whole (under FSDP a collective: every rank calls it)."""
+        return {k: full(v.detach()) for k, v in self.trainable_parameters().items()}
 
     def _assign(self, weights: dict[str, torch.Tensor]) -> None:
         params = self.trainable_parameters()
@@ -79,7 +101,7 @@ class TrainablePolicy:
                              f"it was written for another model or LoRA setting")
         with torch.no_grad():
             for k, p in params.items():
-                p.copy_(weights[k].to(p.dtype))
+                p.copy_(like(weights[k], p))
 
     def load_version(self, checkpoint_dir: Path | None, checkpoint_id: str | None = None) -> None:
         """Make the in-memory weights those of a checkpoint (None = base weights)."""
@@ -107,12 +129,19 @@ class TrainablePolicy:
             else:
                 state = dict(load_optimizer_state(checkpoint_dir))
                 self.algorithm_state = state.pop(ALGORITHM_STATE, None)
+                if self.sharded:
+                    state = sharded_optimizer_state(state, list(self.trainable_parameters().values()))
                 self.optimizer.load_state_dict(state)
             self.optimizer_id = self.weights_id
         for group in self.optimizer.param_groups:  # the moments come from the checkpoint, the settings
             group.update(lr=a.lr, betas=tuple(a.adam_betas), eps=a.adam_eps,  # from this run's config
                          weight_decay=a.weight_decay)  # (load_state_dict would restore the saved ones)
         return self.optimizer
+
+    def optimizer_state(self) -> dict:
+        """The optimizer's state_dict in the single-process format (under FSDP, gathered whole)."""
+        state = self.optimizer.state_dict()
+        return full_optimizer_state(state) if self.sharded else state
 
     def invalidate(self) -> None:
         """The in-memory weights/optimizer match no checkpoint (e.g. an update failed mid-way)."""
@@ -132,15 +161,22 @@ class TrainablePolicy:
     def set_reference(self, weights: dict[str, torch.Tensor]) -> None:
         """Use a frozen copy with these trainable weights (e.g. a registered checkpoint) as the
         reference instead of the base model."""
-        ref = copy.deepcopy(self.module).requires_grad_(False)
-        self._fill(ref, weights, "reference checkpoint")
-        self._reference = ref
+        if self.sharded:  # refill the copy made before sharding
+            if self._reference is None:
+                raise RuntimeError("a sharded trainer has no reference copy: it is made when the group shards "
+                                   "(LocalEngine.shard), for algorithms that need a reference")
+            self._fill(self._reference, weights, "reference checkpoint")
+        else:
+            self._reference = self._copy(weights, "reference checkpoint")
         self._explicit_reference = True
 
     def frozen_view(self, weights: dict[str, torch.Tensor]) -> "_FrozenView":
         """A velocity model with these trainable weights, frozen, beside the trained one (e.g.
         DiffusionNFT's sampling policy). One copy of the module is kept and refilled per call."""
         if self._frozen is None:
+            if self.sharded:
+                raise RuntimeError("a sharded trainer has no sampling-policy copy: it is made when the group "
+                                   "shards (LocalEngine.shard), for algorithms with a separate sampler")
             self._frozen = copy.deepcopy(self.module).requires_grad_(False)
         self._fill(self._frozen, weights, "sampling weights")
         return _FrozenView(self, self._frozen)
@@ -153,7 +189,7 @@ class TrainablePolicy:
         params = dict(module.named_parameters())
         with torch.no_grad():
             for k in self.trainable_parameters():
-                params[k].copy_(weights[k].to(params[k].dtype))
+                params[k].copy_(like(weights[k], params[k]))
 
     def module_call(self, module: torch.nn.Module, method: str, *args, **kwargs) -> torch.Tensor:
         """A family method computed with `module` in place of the trained one, without gradient."""
@@ -176,11 +212,7 @@ class TrainablePolicy:
                 finally:
                     self.module.enable_adapters()
             if self._reference is None:
-                self._reference = copy.deepcopy(self.module).requires_grad_(False)
-                params = dict(self._reference.named_parameters())
-                with torch.no_grad():
-                    for k, base in self._base_state.items():
-                        params[k].copy_(base)
+                self._reference = self._copy(self._base_state, "base weights")
         return self.module_call(self._reference, method, *args, **kwargs)
 
 

@@ -156,7 +156,7 @@ class RayEngine:
             backend = r.backend if r.backend != "auto" else ("nccl" if r.trainer.num_gpus > 0 else "gloo")
             ranks = [self._actor(TrainerWorker, r.trainer, i, restarts=0) for i in range(r.trainer_workers)]
             master = self._get([ranks[0].rendezvous.remote()], "trainer", ranks)[0]
-            self._get([t.join.remote(len(ranks), master, backend) for t in ranks], "trainer", ranks)
+            self._get([t.join.remote(len(ranks), master, backend, r.trainer_sharding) for t in ranks], "trainer", ranks)
             self.trainers = ranks
         return self.trainers
 

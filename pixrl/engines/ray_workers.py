@@ -116,10 +116,13 @@ class TrainerWorker(_Worker):
             port = s.getsockname()[1]
         return f"{ray.util.get_node_ip_address()}:{port}"
 
-    def join(self, world: int, master: str, backend: str) -> int:
+    def join(self, world: int, master: str, backend: str, sharding: str = "ddp") -> int:
         from .collective import TorchDistributed
 
-        self.engine.collective = TorchDistributed.join(self.index, world, master, backend)
+        self.engine.collective = TorchDistributed.join(self.index, world, master, backend,
+                                                       sharded=sharding == "fsdp")
+        if sharding == "fsdp":
+            self.engine.shard()
         return self.index
 
     def train(self, policy, batch, plan, recipe, seed, reference, prompt_sets):
@@ -134,6 +137,15 @@ class TrainerWorker(_Worker):
 
     def invalidate(self) -> None:
         self.engine.invalidate()
+
+    def held_bytes(self) -> dict:
+        """Bytes of trainable weights and optimizer moments this rank holds (FSDP: its shards)."""
+        from .fsdp import local_bytes
+
+        pol = self.engine.policy
+        moments = [v for s in (pol.optimizer.state.values() if pol.optimizer else []) for v in s.values()
+                   if v.dim() > 0]
+        return {"weights": local_bytes(pol.trainable_parameters().values()), "moments": local_bytes(moments)}
 
     def trainable_digest(self) -> str:
         """sha256 over the trainable tensors: ranks of one group must agree."""

@@ -23,6 +23,7 @@ from ..models.base import uses_negative_prompt
 from ..stages.plan import seed_of
 from .base import TrainResult
 from .collective import SingleProcess
+from .fsdp import full
 from .policy import ALGORITHM_STATE, TrainablePolicy
 from .prompt_cache import PromptCache
 
@@ -98,9 +99,12 @@ def run_update(pol: TrainablePolicy, prompts: PromptCache, algo, max_grad_norm: 
         opt.zero_grad(set_to_none=True)
         n_terms = sum(algo.terms(batch.select(mb)) for mb in step_batches)
         mine: dict[str, list[float]] = {}
-        for j, mb in coll.mine(list(enumerate(step_batches))):
+        for j, mb, weight in coll.share(step_batches):
             gen = torch.Generator(device=fam.device).manual_seed(seed_of(seed, opt_step, j))
             for loss, m in algo.losses(batch.select(mb), replay_policy(mb, gen)):
+                if weight != 1.0:  # a sharded rank's lockstep padding: the same calls, no contribution
+                    (loss * weight / n_terms).backward()
+                    continue
                 if opt_step == 0 and "ratio_max" in m:  # before any update: off-policy drift is numerics only
                     m["onpolicy_ratio_dev"] = torch.max(torch.abs(m["ratio_max"] - 1), torch.abs(m["ratio_min"] - 1))
                 (loss / n_terms).backward()
@@ -113,7 +117,7 @@ def run_update(pol: TrainablePolicy, prompts: PromptCache, algo, max_grad_norm: 
                 step_acc.setdefault(key, []).extend(vals)
                 acc.setdefault(key, []).extend(vals)
         coll.reduce_gradients(params)
-        gnorm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        gnorm = full(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
         acc.setdefault("grad_norm", []).append(float(gnorm))
         opt.step()
         step_means = {**{k: float(np.mean(v)) for k, v in step_acc.items()}, "grad_norm": float(gnorm)}
@@ -129,7 +133,7 @@ def run_update(pol: TrainablePolicy, prompts: PromptCache, algo, max_grad_norm: 
     metrics.update(algo.end_of_update(pol.state(), len(plan)))
     metrics.update({key: _aggregate(key, vals) for key, vals in acc.items()})
     pol.algorithm_state = algo.state()
-    saved = opt.state_dict()
+    saved = pol.optimizer_state()
     if pol.algorithm_state is not None:
         saved = {**saved, ALGORITHM_STATE: pol.algorithm_state}
     return TrainResult(pol.state(), saved, metrics, history)
