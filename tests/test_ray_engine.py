@@ -253,3 +253,11 @@ def test_an_address_that_answers_nothing_stops_before_any_work(tiny_checkpoint, 
     assert res.exit_code == 2, res.output
     assert "ray.address='127.0.0.1:9'" in res.output and "ray start --head" in res.output
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "lance").exists()
+
+
+def test_fsdp_for_a_family_that_calls_its_parts_directly_fails_in_preflight():
+    """Janus-Pro calls its embeddings and heads outside the root forward, where FSDP gathers."""
+    from pixrl.stages.preflight import PreflightError, preflight
+
+    with pytest.raises(PreflightError, match=r"trainer_sharding=fsdp: the janus_pro family .* use ray.trainer_sharding=ddp"):
+        preflight(load_config("shapes_token_grpo", ["run.engine=ray", "ray.trainer_sharding=fsdp"]))

@@ -88,6 +88,7 @@ def _weight_names(path: Path) -> set[str]:
 @register_family("janus_pro")
 class JanusProFamily:
     name = "janus_pro"
+    fsdp = False  # the embeddings, heads and language model are called directly, outside the root's forward
     pipeline_class = "JanusForConditionalGeneration"
     semantics = PolicySemantics(regime=Regime.token_autoregressive, step=PolicyStep.token, action=Action.categorical)
     guidance = "logits"  # CFG combines conditional and unconditional logits; no negative-prompt batch
