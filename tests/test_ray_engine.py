@@ -255,9 +255,32 @@ def test_an_address_that_answers_nothing_stops_before_any_work(tiny_checkpoint, 
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "lance").exists()
 
 
-def test_fsdp_for_a_family_that_calls_its_parts_directly_fails_in_preflight():
-    """Janus-Pro calls its embeddings and heads outside the root forward, where FSDP gathers."""
-    from pixrl.stages.preflight import PreflightError, preflight
 
-    with pytest.raises(PreflightError, match=r"trainer_sharding=fsdp: the janus_pro family .* use ray.trainer_sharding=ddp"):
-        preflight(load_config("shapes_token_grpo", ["run.engine=ray", "ray.trainer_sharding=fsdp"]))
+def test_sharded_update_of_a_family_that_calls_its_parts_directly(ray_cluster, tmp_path):
+    """Janus-Pro (the token miniature, full fine-tune, KL β 0.2): its embeddings, heads and
+    decoder layers are the FSDP units (`fsdp_units`), its final norm stays whole and all-reduced;
+    the 2-rank sharded update equals one process's."""
+    from pixrl.algorithms.token_sampling import TokenRecipe
+    from pixrl.engines.ray_engine import RayEngine
+
+    cfg = load_config("shapes_token_grpo", [f"run.workdir={tmp_path}", "run.threads=1", "sampling.micro_batch=4",
+                                            "algorithm.lora.enabled=false", *RAY_RUN, "ray.rollout_workers=1",
+                                            "ray.trainer_sharding=fsdp"])
+    s = cfg.sampling
+    recipe = TokenRecipe(s.guidance_scale, s.temperature, s.top_k)
+    local = LocalEngine(cfg)
+    batch, _ = local.rollout(PolicySource(), PROMPTS, list(range(len(PROMPTS))), recipe)
+    batch = batch.with_columns(prompt=PROMPTS, advantage=np.linspace(-1.5, 1.5, len(PROMPTS)).astype(np.float32))
+    mb = [list(range(i, i + 4)) for i in range(0, len(PROMPTS), 4)]
+    plan = [mb[:3], [mb[3]], [mb[4]]]
+    want = local.train(PolicySource(), batch, plan, recipe, seed=3)
+    engine = RayEngine(cfg)
+    try:
+        got = engine.train(PolicySource(), batch, plan, recipe, seed=3)
+        held = ray.get([t.held_bytes.remote() for t in engine.trainers])
+    finally:
+        engine.close()
+    whole = sum(w.nbytes for w in want.weights.values())
+    assert all(h["weights"] < 0.55 * whole for h in held), (held, whole)
+    _close(got.weights, want.weights, cfg.algorithm.lr)
+    np.testing.assert_allclose(got.metrics["grad_norm"], want.metrics["grad_norm"], rtol=1e-5)

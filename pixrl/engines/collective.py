@@ -37,6 +37,9 @@ class SingleProcess:
     def gather(self, obj) -> list:
         return [obj]
 
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
 
 class TorchDistributed:
     """This process's rank in an initialised process group."""
@@ -65,11 +68,13 @@ class TorchDistributed:
 
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Sum the gradients over the ranks (a parameter without a gradient counts as zeros);
-        sharded, the backward's reduce-scatter has summed them already."""
+        sharded, the backward's reduce-scatter has summed the shards' already, and only the
+        parameters left whole (in no FSDP unit) are summed here."""
         import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
 
         if self.sharded:
-            return
+            params = [p for p in params if not isinstance(p, DTensor)]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -91,6 +96,33 @@ class TorchDistributed:
                         q.grad.copy_(flat[offset:offset + q.grad.numel()].view_as(q.grad))
                         offset += q.grad.numel()
                 bucket, size = ([p], p.grad.numel()) if p is not None else ([], 0)
+
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        """torch's clip_grad_norm_ over the (summed) gradients; sharded, over shards and whole
+        gradients together: the squared norms of this rank's shards, summed over the ranks, plus
+        those of the whole ones (equal on every rank), then the same clipping coefficient."""
+        if not self.sharded:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return 0.0
+        device = grads[0].device
+        shards = [g.to_local() for g in grads if isinstance(g, DTensor)]
+        whole = [g for g in grads if not isinstance(g, DTensor)]
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+        for g in shards:
+            sq = sq + g.float().pow(2).sum()
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+        for g in whole:
+            sq = sq + g.float().pow(2).sum()
+        total = sq.sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.item() if isinstance(g, DTensor) else coef.to(g.dtype))
+        return float(total)
 
     def gather(self, obj) -> list:
         """Every rank's `obj`, in rank order, on every rank."""

@@ -6,6 +6,12 @@ Everything that leaves or enters a rank is full-sized and in the single-process 
 weights of `TrainablePolicy.state()`, the optimizer state saved with a checkpoint — so an FSDP
 run's checkpoint resumes on one process and the other way round.
 
+What is sharded: each transformer block, then the rest of the module (its root), for a family
+whose calls all go through the module's forward (the diffusion families). A family that calls
+the module's parts directly (Janus-Pro: embeddings, heads, the language model's layers) names
+those parts (`Family.fsdp_units`); the root is then not wrapped, and trainable parameters in no
+part (a final norm) stay whole on every rank with their gradients all-reduced, as under DDP.
+
 The ranks must call the sharded modules in lockstep (every forward all-gathers, every backward
 reduce-scatters): the update pads a rank's share of an optimizer step with zero-weighted
 replays of the step's first micro-batch (`collective.TorchDistributed.mine`). The gradient
@@ -32,22 +38,31 @@ def blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
     return out
 
 
-def shard_module(module: torch.nn.Module, device_type: str) -> torch.nn.Module:
-    """Shard `module` in place over the default process group: each block, then the rest."""
+def shard_module(module: torch.nn.Module, device_type: str, units=None) -> torch.nn.Module:
+    """Shard `module` in place over the default process group: each block, then the rest — or,
+    given `units(module)`, exactly those parts (the family calls them directly)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     import torch.distributed as dist
 
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-    for block in blocks(module):
-        fully_shard(block, mesh=mesh)
-    fully_shard(module, mesh=mesh)
+    for unit in (untied(units(module)) if units else [*blocks(module), module]):
+        fully_shard(unit, mesh=mesh)
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.set_gradient_divide_factor(1.0)  # the ranks' gradients are summed, not averaged
             sub.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
     return module
+
+
+def untied(parts: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The parts that share no parameter with another part. Parts tied together (an embedding
+    and an output head with one weight) stay whole on every rank, their gradients all-reduced:
+    sharded apart a tied weight would become two, and FSDP cannot make them one unit when the
+    family calls them outside a common root's forward."""
+    ids = [{id(p) for p in part.parameters()} for part in parts]
+    return [part for i, part in enumerate(parts) if not any(ids[i] & other for k, other in enumerate(ids) if k != i)]
 
 
 def is_sharded(module: torch.nn.Module) -> bool:

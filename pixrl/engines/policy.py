@@ -72,9 +72,10 @@ class TrainablePolicy:
         if sampler_copy:
             self._frozen = self._copy(self._base_state, "base weights")
         device_type = torch.device(self.family.device).type
+        units = getattr(self.family, "fsdp_units", None)
         for module in (self.module, self._reference, self._frozen):
             if module is not None:
-                shard_module(module, device_type)
+                shard_module(module, device_type, units)
         self.sharded = True
 
     def _copy(self, weights: dict[str, torch.Tensor], what: str) -> torch.nn.Module:

@@ -23,7 +23,6 @@ from ..models.base import uses_negative_prompt
 from ..stages.plan import seed_of
 from .base import TrainResult
 from .collective import SingleProcess
-from .fsdp import full
 from .policy import ALGORITHM_STATE, TrainablePolicy
 from .prompt_cache import PromptCache
 
@@ -117,7 +116,7 @@ def run_update(pol: TrainablePolicy, prompts: PromptCache, algo, max_grad_norm: 
                 step_acc.setdefault(key, []).extend(vals)
                 acc.setdefault(key, []).extend(vals)
         coll.reduce_gradients(params)
-        gnorm = full(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+        gnorm = coll.clip_grad_norm(params, max_grad_norm)
         acc.setdefault("grad_norm", []).append(float(gnorm))
         opt.step()
         step_means = {**{k: float(np.mean(v)) for k, v in step_acc.items()}, "grad_norm": float(gnorm)}

@@ -117,9 +117,8 @@ class Family(Protocol):
     lora_targets: list[str]
     dtype: torch.dtype
     guidance: str  # "cfg" (negative-prompt batch) or "embedded" (the scale is a model input)
-    # Whether the trainable module can be sharded (FSDP, `ray.trainer_sharding=fsdp`): every call
-    # goes through its forward (or its blocks'), where FSDP gathers the weights. Default True.
-    fsdp: bool
+    # Optional `fsdp_units(module) -> [parts]`: what FSDP shards when the family calls parts of
+    # its trainable module directly (default: each block, then the module; engines/fsdp.py).
 
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", **options) -> "Family": ...

@@ -88,7 +88,6 @@ def _weight_names(path: Path) -> set[str]:
 @register_family("janus_pro")
 class JanusProFamily:
     name = "janus_pro"
-    fsdp = False  # the embeddings, heads and language model are called directly, outside the root's forward
     pipeline_class = "JanusForConditionalGeneration"
     semantics = PolicySemantics(regime=Regime.token_autoregressive, step=PolicyStep.token, action=Action.categorical)
     guidance = "logits"  # CFG combines conditional and unconditional logits; no negative-prompt batch
@@ -195,6 +194,15 @@ class JanusProFamily:
 
     def trainable_module(self) -> torch.nn.Module:
         return self.model
+
+    @staticmethod
+    def fsdp_units(module: torch.nn.Module) -> list[torch.nn.Module]:
+        """What FSDP shards (engines/fsdp.py): the parts this family calls directly — the text
+        and image-token embeddings, the image aligner, both heads — and each decoder layer; the
+        root's forward is never called, so it is not wrapped."""
+        m = module.model
+        return [*m.language_model.layers, m.language_model.embed_tokens, m.generation_embeddings,
+                m.generation_aligner, m.generation_head, module.lm_head]
 
     @property
     def lora_targets(self) -> list[str]:

@@ -33,10 +33,6 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
             if lacking:
                 raise ValueError(f"algorithm {algo.name!r} needs trajectory field(s) {lacking}, which "
                                  f"{cfg.model.family!r} rollouts ({family.semantics.step.value} steps) do not store")
-        if cfg.run.engine == "ray" and cfg.ray.trainer_sharding == "fsdp" and not getattr(family, "fsdp", True):
-            raise ValueError(f"ray.trainer_sharding=fsdp: the {family.name} family calls its model's parts "
-                             f"(embeddings, heads, language model) directly, outside the forward where FSDP "
-                             f"gathers sharded weights; use ray.trainer_sharding=ddp for this family")
         if cfg.model.frames and not getattr(family, "video", False):
             raise ValueError(f"model.frames={cfg.model.frames}: the {family.name} family makes images, not clips; "
                              "unset model.frames (or choose a video family such as wan)")
