@@ -108,11 +108,13 @@ def test_sharded_rollout_decode_score_and_evaluate_equal_the_local_engine(ray_cl
         engine.close()
 
 
-def _update_batch(local: LocalEngine):
+def _update_batch(local: LocalEngine, recipe=RECIPE):
+    """The rollout's rows with advantages, and a plan of steps of 3, 1 and 1 micro-batches."""
     seeds = list(range(len(PROMPTS)))
-    batch, _ = local.rollout(PolicySource(), PROMPTS, seeds, RECIPE)
+    batch, _ = local.rollout(PolicySource(), PROMPTS, seeds, recipe)
     adv = np.linspace(-1.5, 1.5, len(PROMPTS)).astype(np.float32)
-    return batch.with_columns(prompt=PROMPTS, advantage=adv)
+    mb = [list(range(i, i + 4)) for i in range(0, len(PROMPTS), 4)]
+    return batch.with_columns(prompt=PROMPTS, advantage=adv), [mb[:3], [mb[3]], [mb[4]]]
 
 
 def _close(got: dict, want: dict, lr: float = 0.0, rtol: float = 1e-6) -> None:
@@ -142,9 +144,7 @@ def test_two_rank_update_equals_the_single_process_update(ray_cluster, tiny_chec
         else ["algorithm.beta=0.01"]
     cfg = _cfg(tiny_checkpoint, tmp_path, "ray.rollout_workers=1", f"ray.trainer_sharding={sharding}", *extra)
     local = LocalEngine(cfg)
-    batch = _update_batch(local)
-    mb = [list(range(i, i + 4)) for i in range(0, len(PROMPTS), 4)]
-    plan = [mb[:3], [mb[3]], [mb[4]]]
+    batch, plan = _update_batch(local)
     want = local.train(PolicySource(), batch, plan, RECIPE, seed=3)
     engine = RayEngine(cfg)
     try:
@@ -269,10 +269,7 @@ def test_sharded_update_of_a_family_that_calls_its_parts_directly(ray_cluster, t
     s = cfg.sampling
     recipe = TokenRecipe(s.guidance_scale, s.temperature, s.top_k)
     local = LocalEngine(cfg)
-    batch, _ = local.rollout(PolicySource(), PROMPTS, list(range(len(PROMPTS))), recipe)
-    batch = batch.with_columns(prompt=PROMPTS, advantage=np.linspace(-1.5, 1.5, len(PROMPTS)).astype(np.float32))
-    mb = [list(range(i, i + 4)) for i in range(0, len(PROMPTS), 4)]
-    plan = [mb[:3], [mb[3]], [mb[4]]]
+    batch, plan = _update_batch(local, recipe)
     want = local.train(PolicySource(), batch, plan, recipe, seed=3)
     engine = RayEngine(cfg)
     try:
