@@ -14,7 +14,7 @@ part (a final norm) stay whole on every rank with their gradients all-reduced, a
 
 The ranks must call the sharded modules in lockstep (every forward all-gathers, every backward
 reduce-scatters): the update pads a rank's share of an optimizer step with zero-weighted
-replays of the step's first micro-batch (`collective.TorchDistributed.mine`). The gradient
+replays of the step's first micro-batch (`collective.TorchDistributed.share`). The gradient
 reduce-scatter sums (divide factor 1), as the data-parallel all-reduce does: each rank already
 divides by the step's global term count.
 """
@@ -63,10 +63,6 @@ def untied(parts: list[torch.nn.Module]) -> list[torch.nn.Module]:
     family calls them outside a common root's forward."""
     ids = [{id(p) for p in part.parameters()} for part in parts]
     return [part for i, part in enumerate(parts) if not any(ids[i] & other for k, other in enumerate(ids) if k != i)]
-
-
-def is_sharded(module: torch.nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 def local_bytes(tensors) -> int:

@@ -178,8 +178,9 @@ class TrainablePolicy:
             if self.sharded:
                 raise RuntimeError("a sharded trainer has no sampling-policy copy: it is made when the group "
                                    "shards (LocalEngine.shard), for algorithms with a separate sampler")
-            self._frozen = copy.deepcopy(self.module).requires_grad_(False)
-        self._fill(self._frozen, weights, "sampling weights")
+            self._frozen = self._copy(weights, "sampling weights")
+        else:
+            self._fill(self._frozen, weights, "sampling weights")
         return _FrozenView(self, self._frozen)
 
     def _fill(self, module: torch.nn.Module, weights: dict[str, torch.Tensor], what: str) -> None:
