@@ -5,10 +5,18 @@ from pixrl.config.environment import apply_defaults
 
 apply_defaults()
 
+import atexit  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# the pre-migrated MLflow store (artifacts/mlflow_store.py) of this test session, not the user's
+os.environ["PIXRL_CACHE_DIR"] = tempfile.mkdtemp(prefix="pixrl-test-cache-")
+atexit.register(shutil.rmtree, os.environ["PIXRL_CACHE_DIR"], True)
 
 TINY_SPEC = dict(image_size=16, vae_channels=(8, 16), latent_channels=4, text_hidden=16, text_layers=2,
                  num_layers=1, heads=2, head_dim=16)
