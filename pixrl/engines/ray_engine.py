@@ -82,6 +82,7 @@ class RayEngine:
             try:
                 out.append(ray.get(ref))
             except (errors.RayActorError, errors.ObjectLostError) as exc:
+                self._await_restart(workers[i])
                 raise WorkerLost(f"{what} worker {i} died ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
                                  f"the stage's retry reruns it on the restarted worker") from exc
             except errors.RayTaskError as exc:
@@ -94,6 +95,24 @@ class RayEngine:
             name += f", samples {rows[i][0]} … {rows[i][1]}"
         err_type = ScoringError if any(isinstance(e, ScoringError) for e in exception_chain(cause)) else RuntimeError
         raise err_type(f"{name}: {type(cause).__name__}: {cause}") from cause
+
+    def _await_restart(self, worker, timeout_s: float = 180.0) -> None:
+        """Wait until a worker Ray is restarting answers again (or is dead for good), so that the
+        stage's retry finds it up: under load a restart (its model load) outlasted the retries,
+        each refused at once with "the actor is restarting"."""
+        import time
+
+        errors, deadline = self.ray.exceptions, time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                self.ray.get(worker.where.remote(), timeout=10)
+                return
+            except errors.ActorUnavailableError:  # restarting: calls are refused until it is up
+                time.sleep(0.5)
+            except errors.GetTimeoutError:
+                continue
+            except errors.RayActorError:  # dead for good (no restarts left): the retry says so
+                return
 
     def _where(self, worker) -> str:
         try:
