@@ -1,6 +1,8 @@
 """Start-up of `pixrl train` on the miniature: seconds from launching the command to the start of
 iteration 0's generate stage (the first stage's work), for a fresh work directory and for a second
-run in the same one (MLflow store and Prefect database already created).
+run in the same one (MLflow store and Prefect database already created). Also the seconds to the
+end of that stage (the first rollout stored, the model load included): work moved out of start-up
+into the stage shows there.
 
     .venv/bin/python benchmarks/startup.py [--repeats 3] [key=value ...]
 
@@ -22,21 +24,23 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 
 
-def first_stage_start(workdir: Path, run: str) -> float:
+def first_stage(workdir: Path, run: str) -> tuple[float, float]:
+    """(start, end) of iteration 0's generate, epoch seconds."""
     c = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
     r = c.search_runs([e.experiment_id for e in c.search_experiments()],
                       filter_string=f"tags.`pixrl.run_name` = '{run}'")[0]
     m = [x for x in c.get_metric_history(r.info.run_id, "time/generate_s") if x.step == 0][0]
-    return m.timestamp / 1000 - m.value
+    return m.timestamp / 1000 - m.value, m.timestamp / 1000
 
 
-def one(workdir: Path, run: str, overrides: list[str]) -> float:
+def one(workdir: Path, run: str, overrides: list[str]) -> tuple[float, float]:
     t0 = time.time()
     out = subprocess.run([sys.executable, "-m", "pixrl.cli", "train", "--iterations", "1", "--run", run,
                           "--workdir", str(workdir), "run.eval_every=0", *overrides], capture_output=True, text=True, check=False)
     if out.returncode:
         sys.exit(out.stderr[-3000:])
-    return first_stage_start(workdir, run) - t0
+    start, end = first_stage(workdir, run)
+    return start - t0, end - t0
 
 
 def main() -> None:
@@ -49,10 +53,11 @@ def main() -> None:
         wd = Path(tempfile.mkdtemp(prefix="pixrl-startup-"))
         fresh.append(one(wd, "first", a.overrides))
         again.append(one(wd, "second", a.overrides))
-    print("| work directory | start-up to the first stage's work (median s) | runs |")
-    print("|---|---|---|")
-    print(f"| fresh | {statistics.median(fresh):.2f} | {', '.join(f'{x:.2f}' for x in fresh)} |")
-    print(f"| existing | {statistics.median(again):.2f} | {', '.join(f'{x:.2f}' for x in again)} |")
+    print("| work directory | start-up to the first stage's work (median s) | to the first rollout stored (median s) | runs (start-up / rollout) |")
+    print("|---|---|---|---|")
+    for name, xs in (("fresh", fresh), ("existing", again)):
+        runs = ", ".join(f"{a:.2f} / {b:.2f}" for a, b in xs)
+        print(f"| {name} | {statistics.median(a for a, _ in xs):.2f} | {statistics.median(b for _, b in xs):.2f} | {runs} |")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """The SD3 family on a tiny random checkpoint saved in the diffusers layout: loader, ODE parity
 with diffusers' StableDiffusion3Pipeline, and the on-policy ratio of replayed log-probs."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -27,6 +30,18 @@ def test_registry_and_taxonomy():
 def test_missing_path_is_a_clear_error(tmp_path):
     with pytest.raises(ModelLoadError, match="model_index.json"):
         SD3Family.load(tmp_path / "nowhere")
+
+
+def test_preflight_checks_the_checkpoint_without_importing_model_code():
+    """Preflight compares each component's saved config with model_index.json without importing
+    the component classes: the CLIP towers' modeling code is seconds of import that the model
+    load pays later anyway, so preflight (and a refused config) stays fast."""
+    code = ("import sys; from pixrl.config.loader import load_config; from pixrl.stages.preflight import preflight; "
+            "preflight(load_config(None, [])); "
+            "print(sorted(m for m in sys.modules if '.modeling_' in m or m.startswith(('diffusers', 'transformers.models.'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("guidance", [1.0, 3.0])

@@ -137,14 +137,20 @@ def _begin_api() -> None:
         _fail(str(exc), exc=exc)
 
 
-def _prepare_process(cfg) -> None:
-    """Before a flow runs: SIGTERM handling, the configured compute threads, and the local Prefect
-    API server started at a lower CPU priority (flows/api_server.py) unless one is configured."""
+def _prepare_process(cfg, workdir: str) -> None:
+    """Before a flow runs: SIGTERM handling, the configured compute threads, the run's MLflow
+    store opened, and the local Prefect API server started at a lower CPU priority
+    (flows/api_server.py) unless one is configured. The store is opened (SQLAlchemy, alembic,
+    the copy of a fresh store) while the server is still starting in its own process: the flow's
+    first task needs it, and the wait for the server was idle time of this one (≈ 1.5 s)."""
     _interrupt_on_sigterm()
     if cfg.run.threads:
         import torch
 
         torch.set_num_threads(cfg.run.threads)
+    from ..stages.runs import tracker_for
+
+    tracker_for(cfg, Path(workdir))
     from ..flows.api_server import start_local_api
     from .logs import quiet_expected_failures
 
@@ -161,7 +167,7 @@ def _run_training(cfg, workdir: str, resume_run_id: Optional[str], fork: Optiona
     from ..progress_view import StageProgress
 
     with _run_lock(workdir, cfg.run.name):
-        _prepare_process(cfg)
+        _prepare_process(cfg, workdir)
         verb = "resume" if resume_run_id else "train"
         console.print(f"[bold]pixrl {verb}[/] {cfg.run.name}: {cfg.model.family} · {cfg.algorithm.name} · "
                       f"reward {', '.join(cfg.reward.weights)} · {cfg.run.iterations} iterations · workdir {workdir}")

@@ -47,7 +47,7 @@ def rollouts(
 
     cfg = _checked_config(config, list(ctx.args), iterations, workdir, run, seed)
     with _run_lock(cfg.run.workdir, cfg.run.name):
-        _prepare_process(cfg)
+        _prepare_process(cfg, cfg.run.workdir)
         s = cfg.sampling
         console.print(f"[bold]pixrl rollouts[/] {cfg.run.name}: policy version {policy_version} · {cfg.run.iterations} × "
                       f"{s.prompts_per_iteration} prompts × {s.group_size} samples · workdir {cfg.run.workdir}")
@@ -235,7 +235,7 @@ def dpo(
     progress_log.addHandler(RichHandler(console=console, show_path=False))
 
     with _run_lock(workdir, cfg.run.name):
-        _prepare_process(cfg)
+        _prepare_process(cfg, workdir)
         console.print(f"[bold]pixrl dpo[/] {cfg.run.name}: {cfg.dpo.steps} steps · {cfg.dpo.pairing} pairs from "
                       f"{', '.join(sources)} · workdir {workdir}")
         with _interruptible(cfg.run.name, workdir, resume=False):

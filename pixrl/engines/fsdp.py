@@ -21,8 +21,17 @@ divides by the step's global term count.
 
 from __future__ import annotations
 
+import sys
+
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def _sharded(t: torch.Tensor) -> bool:
+    """Whether `t` is a DTensor (a shard). torch.distributed.tensor is not imported for this: it
+    costs ≈ 1.5 s of a run's start-up, and until something imports it (sharding does) no tensor
+    can be one."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -67,19 +76,21 @@ def untied(parts: list[torch.nn.Module]) -> list[torch.nn.Module]:
 
 def local_bytes(tensors) -> int:
     """Bytes this rank holds of these tensors (of a sharded one: its shard)."""
-    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
+    return sum((t.to_local() if _sharded(t) else t).nbytes for t in tensors)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor on every rank (a collective for a shard: every rank must call it)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if _sharded(t) else t
 
 
 def like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """A full tensor laid out as `param` is: this rank's shard of it, for a sharded parameter
     (every rank holds the whole value, so no data moves)."""
     value = value.to(device=param.device, dtype=param.dtype)
-    if isinstance(param, DTensor):
+    if _sharded(param):
+        from torch.distributed.tensor import distribute_tensor
+
         return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
     return value
 

@@ -55,7 +55,9 @@ def check_layout(path: str | Path, pipeline_class: str, family: str) -> Path:
     for name, entry in spec.items():
         if isinstance(entry, list) and len(entry) == 2 and entry[0] is not None:
             found_kind = _component_kind(p / name)
-            want_kind = _declared_kind(*entry) if found_kind else None
+            if not found_kind or _saved_by(p / name, entry[1]):
+                continue
+            want_kind = _declared_kind(*entry)
             if found_kind and want_kind and found_kind != want_kind:
                 raise ModelLoadError(f"{str(p)!r}: component {name}/ holds a {found_kind[1]} model, but "
                                      f"model_index.json declares a {entry[1]} ({want_kind[1]}) for the {family} "
@@ -73,6 +75,14 @@ def _component_kind(folder: Path) -> tuple[str, str] | None:
     if "_class_name" in cfg:
         return "diffusers", cfg["_class_name"]
     return ("transformers", cfg["model_type"]) if "model_type" in cfg else None
+
+
+def _saved_by(folder: Path, class_name: str) -> bool:
+    """Whether a transformers component's config names the declared class among the architectures
+    that saved it: then its model_type is that class's, and the comparison needs no import of the
+    class (importing a modeling module, e.g. CLIP's, is seconds of a run's start-up)."""
+    cfg = json.loads((folder / "config.json").read_text())
+    return class_name in (cfg.get("architectures") or []) and "_class_name" not in cfg
 
 
 def _declared_kind(library: str, class_name: str) -> tuple[str, str] | None:
