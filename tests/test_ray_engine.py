@@ -119,15 +119,18 @@ def _update_batch(local: LocalEngine, recipe=RECIPE):
 
 def _close(got: dict, want: dict, lr: float = 0.0, rtol: float = 1e-6) -> None:
     """Equal tensors up to the reduction order of a sum over ranks: 1e-6 of each tensor's scale,
-    plus, for weights, 1e-4 of one Adam step (lr). Adam moves a weight by about lr whatever its
-    gradient's size, so where a gradient is near zero (LoRA's B after a few steps from zero) its
-    last bits — which differ with the order of the sum (FSDP reduces at every backward, DDP once
-    per step) — move the weight by a little of lr: measured 3.7e-5·lr. A wrong gradient (a padded
-    replay counted, a mean instead of a sum) moves it by the order of lr."""
+    plus, for weights, 1e-2 of one Adam step (lr). Adam moves a weight by about lr whatever its
+    gradient's size, and by lr·δg/eps where a gradient is near zero, so the last bits of gradients
+    that nearly cancel (LoRA's B after a few steps from zero; the rows of Janus-Pro's vision head
+    for tokens no rollout sampled) — which differ with the order of the sum (FSDP reduces at every
+    backward, DDP once per step) and with the CPU's kernels — move the weight by a little of lr:
+    measured 3.7e-5·lr on one machine, 5.2e-3·lr (that vision head; every other tensor ≤ 7.5e-4·lr)
+    on an AVX-512 EPYC on 2026-12-02. A wrong gradient (a padded replay counted) moves weights by
+    the order of lr; a mean instead of a sum shows in the gradient norm (the two-rank test checks it)."""
     assert set(got) == set(want)
     for k, w in want.items():
         scale = float(w.abs().max()) or 1.0
-        assert float((got[k] - w).abs().max()) <= rtol * scale + 1e-4 * lr, k
+        assert float((got[k] - w).abs().max()) <= rtol * scale + 1e-2 * lr, k
 
 
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
@@ -176,7 +179,9 @@ def test_two_rank_update_equals_the_single_process_update(ray_cluster, tiny_chec
     assert got.metrics["optimizer_steps"] == 3.0
     assert got.metrics["onpolicy_ratio_dev"] == 0.0
     np.testing.assert_allclose(got.metrics["grad_norm"], want.metrics["grad_norm"], rtol=1e-5)
-    np.testing.assert_allclose(got.metrics["loss"], want.metrics["loss"], rtol=1e-5, atol=1e-9)
+    # the loss is a mean of −A·ρ terms of order 1 that cancel to ≈ 1e-6 at ratio 1: float32 sums of
+    # them in another order differ by ≈ 1e-8 (6e-9 measured), so the bound is absolute
+    np.testing.assert_allclose(got.metrics["loss"], want.metrics["loss"], rtol=1e-5, atol=1e-7)
 
 
 def _train(tmp_path: Path, ckpt: Path, run: str, *extra: str):
