@@ -2,7 +2,8 @@
 iteration 0's generate stage (the first stage's work), for a fresh work directory and for a second
 run in the same one (MLflow store and Prefect database already created). Also the seconds to the
 end of that stage (the first rollout stored, the model load included): work moved out of start-up
-into the stage shows there.
+into the stage shows there. Compare two trees with `PYTHONPATH=TREE` (each start runs in its work
+directory, so the current directory's checkout does not shadow it).
 
     .venv/bin/python benchmarks/startup.py [--repeats 3] [key=value ...]
 
@@ -36,7 +37,8 @@ def first_stage(workdir: Path, run: str) -> tuple[float, float]:
 def one(workdir: Path, run: str, overrides: list[str]) -> tuple[float, float]:
     t0 = time.time()
     out = subprocess.run([sys.executable, "-m", "pixrl.cli", "train", "--iterations", "1", "--run", run,
-                          "--workdir", str(workdir), "run.eval_every=0", *overrides], capture_output=True, text=True, check=False)
+                          "--workdir", str(workdir), "run.eval_every=0", *overrides], capture_output=True, text=True, check=False,
+                         cwd=workdir)  # not the caller's directory: a checkout there would shadow PYTHONPATH's pixrl
     if out.returncode:
         sys.exit(out.stderr[-3000:])
     start, end = first_stage(workdir, run)
