@@ -58,7 +58,7 @@ def check_layout(path: str | Path, pipeline_class: str, family: str) -> Path:
             if not found_kind or _saved_by(p / name, entry[1]):
                 continue
             want_kind = _declared_kind(*entry)
-            if found_kind and want_kind and found_kind != want_kind:
+            if want_kind and found_kind != want_kind:
                 raise ModelLoadError(f"{str(p)!r}: component {name}/ holds a {found_kind[1]} model, but "
                                      f"model_index.json declares a {entry[1]} ({want_kind[1]}) for the {family} "
                                      f"family's {pipeline_class}; the folder comes from another checkpoint "
