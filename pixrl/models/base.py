@@ -54,9 +54,10 @@ def check_layout(path: str | Path, pipeline_class: str, family: str) -> Path:
                              f"component folders)")
     for name, entry in spec.items():
         if isinstance(entry, list) and len(entry) == 2 and entry[0] is not None:
-            found_kind = _component_kind(p / name)
-            if not found_kind or _saved_by(p / name, entry[1]):
-                continue
+            cfg = _component_config(p / name)
+            found_kind = _component_kind(cfg)
+            if not found_kind or entry[1] in (cfg.get("architectures") or []):
+                continue  # the config was saved by the declared class: its kind is that class's
             want_kind = _declared_kind(*entry)
             if want_kind and found_kind != want_kind:
                 raise ModelLoadError(f"{str(p)!r}: component {name}/ holds a {found_kind[1]} model, but "
@@ -66,23 +67,20 @@ def check_layout(path: str | Path, pipeline_class: str, family: str) -> Path:
     return p
 
 
-def _component_kind(folder: Path) -> tuple[str, str] | None:
-    """What a saved model component is: ("diffusers", class name) or ("transformers", model_type)."""
+def _component_config(folder: Path) -> dict:
+    """A saved component's config.json ({} for tokenizers, schedulers, processors: nothing to compare)."""
     cfg_file = folder / "config.json"
-    if not cfg_file.is_file():
-        return None  # tokenizers, schedulers, processors: nothing to compare
-    cfg = json.loads(cfg_file.read_text())
+    return json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+
+
+def _component_kind(cfg: dict) -> tuple[str, str] | None:
+    """What a saved model component is: ("diffusers", class name) or ("transformers", model_type).
+    A transformers config that names the declared class in `architectures` was saved by it, so its
+    kind needs no import of the class (importing a modeling module, e.g. CLIP's, is seconds of a
+    run's start-up); check_layout then skips the comparison."""
     if "_class_name" in cfg:
         return "diffusers", cfg["_class_name"]
     return ("transformers", cfg["model_type"]) if "model_type" in cfg else None
-
-
-def _saved_by(folder: Path, class_name: str) -> bool:
-    """Whether a transformers component's config names the declared class among the architectures
-    that saved it: then its model_type is that class's, and the comparison needs no import of the
-    class (importing a modeling module, e.g. CLIP's, is seconds of a run's start-up)."""
-    cfg = json.loads((folder / "config.json").read_text())
-    return class_name in (cfg.get("architectures") or []) and "_class_name" not in cfg
 
 
 def _declared_kind(library: str, class_name: str) -> tuple[str, str] | None:
