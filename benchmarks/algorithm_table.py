@@ -26,14 +26,23 @@ ROWS = {
 }
 
 HEADER = ("| algorithm | held-out before → after (95% CI of after) | rose? | best in-run held-out, 24 per category (iteration) | "
-          "train lift | images/s | s/iteration | iterations in budget | run |\n"
-          "|---|---|---|---|---|---|---|---|---|")
+          "train lift | images/s | s/iteration | iterations in budget | machine probe, s (before/after) | recorded | run |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def _probe(s: dict) -> str:
+    """The machine-speed probe beside the run (benchmarks/machine_probe.py); rows recorded before
+    the probe existed show a dash."""
+    b, a = s.get("machine_probe_before"), s.get("machine_probe_after")
+    if not b and not a:
+        return "—"
+    return " / ".join(f"{p['probe_s_per_iteration']:.2f}" if p else "—" for p in (b, a))
 
 
 def row(name: str, run: str) -> str:
     path = ROOT / "docs" / "runs" / run / "summary.json"
     if not path.is_file():
-        return f"| {name} | not recorded yet | | | | | | | `docs/runs/{run}/` |"
+        return f"| {name} | not recorded yet | | | | | | | | | `docs/runs/{run}/` |"
     s = json.loads(path.read_text())
     lo, hi = s.get("heldout_after_ci", [float("nan"), float("nan")])
     rose = "yes" if s.get("heldout_rose") else "**no** (see the run's README)"
@@ -41,7 +50,7 @@ def row(name: str, run: str) -> str:
     return (f"| {name} | {s['heldout_before']:.3f} → {s['heldout_after']:.3f} ({lo:.3f}–{hi:.3f}) | {rose} | {best} | "
             f"{s['train_lift']:+.3f} | {s.get('images_per_s', float('nan')):.1f} | "
             f"{s.get('seconds_per_iteration', float('nan')):.1f} | {s.get('iterations_done', '—')} | "
-            f"[{run}](../runs/{run}/) |")
+            f"{_probe(s)} | {s.get('recorded', '—')} | [{run}](../runs/{run}/) |")
 
 
 def table() -> str:

@@ -14,6 +14,7 @@ import argparse
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -33,6 +34,15 @@ def _eval(args: list[str], workdir: Path, per_category: int, config: str | None 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _probe() -> dict:
+    """The machine's speed beside the run (benchmarks/machine_probe.py), so rows recorded on
+    different days can be compared."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "machine_probe.py")], capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--name", required=True)
@@ -43,6 +53,7 @@ def main() -> None:
     ap.add_argument("--config", default=None, help="experiment preset or YAML (default: the default recipe)")
     ap.add_argument("--minutes", type=float, default=None,
                     help="wall-clock training budget (run.time_budget_minutes); --iterations is then only a cap")
+    ap.add_argument("--no-probe", action="store_true", help="skip the machine-speed probe before and after")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     if a.minutes:
@@ -52,7 +63,10 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     wd = Path(a.workdir or out_dir / "work").resolve()
     summary: dict = {"name": a.name, "iterations": a.iterations, "overrides": a.overrides,
-                     "machine": f"{os.cpu_count()} CPU cores"}
+                     "machine": f"{os.cpu_count()} CPU cores",
+                     "recorded": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if not a.no_probe:
+        summary["machine_probe_before"] = _probe()
     t0 = time.time()
     summary["heldout_before_detail"] = _eval(["--split", "heldout"], wd, a.per_category, a.config)
     summary["train_before_detail"] = _eval(["--split", "train"], wd, a.per_category, a.config)
@@ -71,8 +85,11 @@ def main() -> None:
         t1 = time.time()
         cmd = [sys.executable, "-m", "pixrl.cli", "train", "--iterations", str(a.iterations), "--workdir", str(wd),
                "--run", a.name, *(["--config", a.config] if a.config else []), *a.overrides]
-        with (out_dir / "train.log").open("w") as log:
+        wd.mkdir(parents=True, exist_ok=True)
+        log_path = wd / f"{a.name}.train.log"  # written outside the repo, copied in when training ends: a git
+        with log_path.open("w") as log:      # checkout or stash during the run cannot orphan the open file
             rc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+        shutil.copy(log_path, out_dir / "train.log")
         if rc.returncode:
             sys.exit(f"training failed, see {out_dir / 'train.log'}")
         info = json.loads(rc.stdout.strip().splitlines()[-1])
@@ -83,6 +100,8 @@ def main() -> None:
     summary["heldout_after_detail"] = _eval(["--split", "heldout", "--run", a.name], wd, a.per_category)
     summary["train_after_detail"] = _eval(["--split", "train", "--run", a.name], wd, a.per_category)
     summary["eval_after_s"] = time.time() - t2
+    if not a.no_probe:
+        summary["machine_probe_after"] = _probe()
     for split in ("heldout", "train"):
         for when in ("before", "after"):
             d = summary[f"{split}_{when}_detail"]
@@ -118,7 +137,6 @@ def main() -> None:
         best = max(summary["heldout_curve"].items(), key=lambda kv: (kv[1], -kv[0]))
         summary["heldout_best"], summary["heldout_best_iteration"] = best[1], best[0]
     run = c.get_run(info["run_id"])
-    import shutil
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:  # the resolved config exactly as logged to MLflow
