@@ -25,6 +25,7 @@ from collections import Counter
 
 import numpy as np
 from pydantic import BaseModel, Field
+from starlette.requests import Request  # at module level: FastAPI resolves the endpoints' string annotations here
 
 from .base import ScoringError
 from .compose import RewardSet
@@ -64,7 +65,7 @@ class ServiceMetrics:
 
 def build_app(rewards: RewardSet, token: str | None = None, max_bytes: int = 64 << 20, max_batch: int = 256,
               queue_timeout_s: float = 600.0, accept_pickle: bool = False):
-    from fastapi import FastAPI, HTTPException, Request
+    from fastapi import FastAPI, HTTPException
     from fastapi.responses import PlainTextResponse, Response
     from starlette.concurrency import run_in_threadpool
 
