@@ -85,6 +85,22 @@ def test_served_scores_equal_in_process_scores(server, batch):
     import httpx
 
     assert httpx.get(f"{server}/health").json() == {"status": "ok", "rewards": {"shapes": 1.0, "jpeg_compressibility": 0.5}}
+    raw = _remote(server, batch=3, payload="npz").score(images, prompts, meta)  # raw arrays: lossless too
+    assert all(np.array_equal(raw[k], remote[k]) for k in remote)
+
+
+def test_an_npz_sample_must_be_one_uint8_image(server, batch):
+    import base64
+    import io
+
+    import httpx
+
+    images, prompts, _ = batch
+    buf = io.BytesIO()
+    np.savez(buf, sample=images[0].astype(np.float32))
+    body = {"images": [base64.b64encode(buf.getvalue()).decode()], "prompts": prompts[:1]}
+    r = httpx.post(f"{server}/score", json=body, headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
+    assert r.status_code == 422 and "images[0]" in r.text and "uint8" in r.text
 
 
 def test_refusals_name_the_problem(server, batch):
@@ -186,3 +202,71 @@ def test_a_run_with_the_remote_reward_stores_the_in_process_rewards(server, tmp_
     assert local["reward"].equals(remote["reward"])
     comps = {d["name"]: d["value"] for d in remote["rewards"][0].as_py()}
     assert {"remote.shapes", "remote.jpeg_compressibility"} <= set(comps)
+
+
+class _RunsCode:
+    """What a hostile pickle looks like: unpickling it would call os.system."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _jpegs(images: np.ndarray) -> list[bytes]:
+    import io
+
+    from PIL import Image
+
+    out = []
+    for im in images:
+        buf = io.BytesIO()
+        Image.fromarray(im).save(buf, format="JPEG")
+        out.append(buf.getvalue())
+    return out
+
+
+def test_the_pickle_wire_format_is_refused_unless_enabled(server, batch):
+    import pickle
+
+    import httpx
+
+    images, prompts, _ = batch
+    body = pickle.dumps({"images": _jpegs(images[:1]), "prompts": prompts[:1]})
+    r = httpx.post(f"{server}/", content=body, headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
+    assert r.status_code in (404, 405)
+
+
+def test_a_flow_grpo_client_is_answered_and_a_hostile_pickle_runs_nothing(batch, tmp_path):
+    """--accept-pickle: flow_grpo's request (a pickled dict of JPEG bytes, prompts as a numpy
+    array) gets the in-process scores of the JPEG-decoded images back as a pickled dict; a pickle
+    that names any other global is a 422 and its code never runs."""
+    import io
+    import pickle
+
+    import httpx
+    from PIL import Image
+
+    proc, url = _serve("--accept-pickle")
+    try:
+        images, prompts, meta = batch
+        jpegs = _jpegs(images)
+        body = pickle.dumps({"images": jpegs, "prompts": np.array(prompts), "meta_datas": meta})
+        r = httpx.post(f"{url}/", content=body, timeout=60)
+        assert r.status_code == 200, r.text
+        got = pickle.loads(r.content)
+        seen = np.stack([np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in jpegs])
+        local = RewardSet({"shapes": 1.0, "jpeg_compressibility": 0.5}).score(seen, prompts, meta, list("abcd"))
+        assert np.array_equal(np.float32(got["scores"]), local["reward"]) and got["outputs"] == got["scores"]
+        assert np.array_equal(np.float32(got["components"]["shapes"]), local["shapes"])
+
+        marker = tmp_path / "ran"
+        r = httpx.post(f"{url}/", content=pickle.dumps({"images": jpegs[:1], "x": _RunsCode(marker)}), timeout=30)
+        assert r.status_code == 422 and "system" in r.json()["detail"] and "only plain data" in r.json()["detail"]
+        assert not marker.exists()
+        r = httpx.post(f"{url}/", content=b"not a pickle", timeout=30)
+        assert r.status_code == 422
+    finally:
+        proc.terminate()
+        proc.wait(10)

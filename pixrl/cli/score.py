@@ -114,6 +114,9 @@ def reward_serve(
     queue_timeout: float = typer.Option(600.0, "--queue-timeout", help="seconds a request may wait behind others "
                                                                        "before it is answered 503 (retry later)"),
     device: str = typer.Option("cpu", "--device"),
+    accept_pickle: bool = typer.Option(False, "--accept-pickle",
+                                       help="also answer flow_grpo's clients (a pickled dict POSTed to /); "
+                                            "only plain data and numpy arrays are unpickled"),
 ) -> None:
     """Serve a reward set over HTTP (GET /health, POST /score) for runs with reward=remote."""
     import uvicorn
@@ -133,5 +136,7 @@ def reward_serve(
         _fail(exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc), exc=exc)
     console.print(f"serving {', '.join(weights)} at http://{host}:{port} (POST /score, GET /health, GET /metrics)"
                   + ("" if token else " — no token: anyone who reaches the port can score"))
-    uvicorn.run(build_app(rewards, token, int(max_mb * 2**20), max_batch, queue_timeout), host=host, port=port,
+    if accept_pickle:
+        console.print(f"also accepting flow_grpo's pickled requests at http://{host}:{port}/")
+    uvicorn.run(build_app(rewards, token, int(max_mb * 2**20), max_batch, queue_timeout, accept_pickle), host=host, port=port,
                 log_level="warning")

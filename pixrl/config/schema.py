@@ -99,6 +99,9 @@ class RewardConfig(_Section):
         "reward", description="several rewards: advantages of the weighted total ('reward'), or each reward's "
                               "group advantage weighted and summed ('advantage', MixGRPO's advantage_aggr)")
     options: dict[str, dict] = Field(default_factory=dict, description="per-reward constructor options")
+    overlap: bool = Field(False, description="decode and score each generated micro-batch in a background thread "
+                                             "while the next one generates (local engine); decode and score then "
+                                             "run per micro-batch, prefetched or not, so results do not depend on it")
 
     @model_validator(mode="after")
     def _nonempty(self) -> RewardConfig:
@@ -295,4 +298,8 @@ class ExperimentConfig(_Section):
         if n % self.sampling.micro_batch:
             raise ValueError(f"sampling.micro_batch={self.sampling.micro_batch} must divide group_size × "
                              f"prompts_per_iteration = {n}")
+        if self.reward.overlap and self.run.engine != "local":
+            raise ValueError(f"reward.overlap=true overlaps scoring with rollout inside the local engine; "
+                             f"run.engine={self.run.engine} scores on its own reward workers — set "
+                             f"reward.overlap=false")
         return self

@@ -9,6 +9,10 @@ An engine whose workers can write the trajectory table themselves also offers
 seconds)`: the same rows as `rollout`, written as uncommitted Lance fragments through the stage's
 `RowSink` (artifacts/rollout_rows.py); the stage layer then commits them as one version.
 
+An in-process engine's `rollout` also takes `on_chunk(start, stop, decode_input)`, called as
+each micro-batch finishes (reward.overlap: the stage layer decodes and scores it in a background
+thread while the next one generates; stages/overlap.py).
+
 Policies travel as `PolicySource` (a local checkpoint directory + its id, or the base weights),
 so an engine loads exactly the version a stage names.
 """

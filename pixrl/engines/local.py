@@ -68,14 +68,16 @@ class LocalEngine:
     # --- rollout ------------------------------------------------------------------------------
     def rollout(self, policy: PolicySource, prompts: list[str], seeds: list[int],
                 recipe: SamplerRecipe | TokenRecipe, noise_seeds: list[int] | None = None,
-                rows: tuple[int, int] | None = None) -> tuple[RolloutBatch, float]:
+                rows: tuple[int, int] | None = None, on_chunk=None) -> tuple[RolloutBatch, float]:
         """`rows` = (start, stop): sample only those rows of the call (a rollout worker's share;
         start a multiple of sampling.micro_batch), with the prompts encoded as the whole call
-        encodes them — so the shards of a call concatenate to the whole call, bit for bit."""
+        encodes them — so the shards of a call concatenate to the whole call, bit for bit.
+        `on_chunk(start, stop, decode_input)`: called as each micro-batch finishes, with its
+        final latents (a token family: image tokens) on the host — reward.overlap's hook."""
         self.use(policy)
         lo, hi = rows or (0, len(prompts))
         if isinstance(recipe, TokenRecipe):
-            return self._rollout_tokens(prompts, seeds, recipe, lo, hi)
+            return self._rollout_tokens(prompts, seeds, recipe, lo, hi, on_chunk)
         fam, mb = self.policy.family, self.cfg.sampling.micro_batch
         model = self._sampler(policy)
         cond_all, pos = self._prompts.encode(prompts)
@@ -89,6 +91,8 @@ class LocalEngine:
             gens = generators(seeds[start:start + len(chunk)], fam.device)
             shared = generators(noise_seeds[start:start + len(chunk)], fam.device) if noise_seeds else None
             trajs.append(sample(model, cond, neg.expand(len(chunk)) if neg else None, gens, recipe, shared))
+            if on_chunk is not None:
+                on_chunk(start, start + len(chunk), _host(trajs[-1].final).astype(np.float32))
         seconds = time.perf_counter() - t0
         n = hi - lo
         steps = recipe.padded_steps()
@@ -123,7 +127,7 @@ class LocalEngine:
         return self.policy.family if weights is None else pol.frozen_view(weights)
 
     def _rollout_tokens(self, prompts: list[str], seeds: list[int], recipe: TokenRecipe,
-                        lo: int, hi: int) -> tuple[RolloutBatch, float]:
+                        lo: int, hi: int, on_chunk=None) -> tuple[RolloutBatch, float]:
         """A token family's rollout: the sampled image tokens and their teacher-forced log-probs,
         per micro-batch (the geometry replay uses)."""
         fam, mb = self.policy.family, self.cfg.sampling.micro_batch
@@ -138,6 +142,8 @@ class LocalEngine:
             rows = [pos[p] for p in chunk]
             trajs.append(sample_with_cot(fam, cot, rows, gens, recipe) if cot
                          else sample_tokens(fam, cond_all.select(rows), gens, recipe))
+            if on_chunk is not None:
+                on_chunk(start, start + len(chunk), _host(trajs[-1].tokens).astype(np.int32))
         seconds = time.perf_counter() - t0
         cat = lambda name: _host(torch.cat([getattr(t, name) for t in trajs]))  # noqa: E731
         cols = {"tokens": cat("tokens").astype(np.int32), "log_probs": cat("log_probs")}

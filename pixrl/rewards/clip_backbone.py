@@ -45,6 +45,13 @@ class ClipBackbone:
                                f"{exc}") from exc
         self.device = device
 
+    @classmethod
+    def of(cls, model, processor, device: str = "cpu") -> "ClipBackbone":
+        """The shared embedding code over a CLIPModel built elsewhere (HPSv2's converted open_clip)."""
+        self = cls.__new__(cls)
+        self.model, self.processor, self.device = model.to(device).eval().requires_grad_(False), processor, device
+        return self
+
     @torch.no_grad()
     def image_embeds(self, images: np.ndarray) -> torch.Tensor:
         """uint8 [B, H, W, 3] → L2-normalised image embeddings [B, D]."""

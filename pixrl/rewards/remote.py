@@ -19,11 +19,15 @@ from .wire import encode_batch
 @register_reward("remote")
 class RemoteReward(Reward):
     def __init__(self, url: str = "", token: str = "", token_env: str = "PIXRL_REWARD_TOKEN", timeout: float = 300.0,
-                 retries: int = 4, backoff: float = 1.0, batch: int = 32):
+                 retries: int = 4, backoff: float = 1.0, batch: int = 32, payload: str = "png"):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"reward remote: url {url!r} is not an http(s) URL; set reward.options.remote.url to the "
                              f"service `pixrl reward-serve` prints, e.g. http://127.0.0.1:8765")
         self.url, self.timeout, self.retries, self.backoff, self.batch = url.rstrip("/"), timeout, retries, backoff, batch
+        if payload not in ("png", "npz"):
+            raise ValueError(f"reward remote: payload {payload!r}; choose png (compressed) or npz (raw arrays, no "
+                             f"encode cost)")
+        self.payload = payload
         self.token = token or os.environ.get(token_env, "")
         self.client = None
 
@@ -42,7 +46,8 @@ class RemoteReward(Reward):
     def score(self, images, prompts, metadata):
         parts: dict[str, list] = {}
         for s in range(0, len(images), self.batch):
-            got = self._post(encode_batch(images[s:s + self.batch], prompts[s:s + self.batch], metadata[s:s + self.batch]))
+            got = self._post(encode_batch(images[s:s + self.batch], prompts[s:s + self.batch], metadata[s:s + self.batch],
+                                          self.payload))
             for k, v in got.items():
                 parts.setdefault(k, []).extend(v)
         if "reward" not in parts:

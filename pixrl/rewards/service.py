@@ -10,6 +10,10 @@ Scoring is serialised by a lock (a model is not thread-safe); requests queue, no
 unless one has waited longer than the queue timeout, which gets a 503 (the client's retry comes
 back later). `GET /metrics` reports requests, refusals, failures, images and seconds scored and
 the time spent waiting, in Prometheus' text format. FastAPI and uvicorn come with Prefect.
+
+With `accept_pickle` (`--accept-pickle`) the service also answers flow_grpo's clients, which POST
+a pickled dict of JPEG bytes to the root URL and read a pickled dict back (rewards/wire.py); the
+unpickler takes plain data and numpy arrays only, and the same token, size and batch limits apply.
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ from collections import Counter
 
 import numpy as np
 from pydantic import BaseModel, Field
+from starlette.requests import Request  # at module level: FastAPI resolves the endpoints' string annotations here
 
 from .base import ScoringError
 from .compose import RewardSet
-from .wire import decode_images
+from .wire import decode_images, decode_pickled_request, encode_pickled_response
 
 
 class ScoreRequest(BaseModel):
@@ -59,9 +64,10 @@ class ServiceMetrics:
 
 
 def build_app(rewards: RewardSet, token: str | None = None, max_bytes: int = 64 << 20, max_batch: int = 256,
-              queue_timeout_s: float = 600.0):
-    from fastapi import FastAPI, HTTPException, Request
-    from fastapi.responses import PlainTextResponse
+              queue_timeout_s: float = 600.0, accept_pickle: bool = False):
+    from fastapi import FastAPI, HTTPException
+    from fastapi.responses import PlainTextResponse, Response
+    from starlette.concurrency import run_in_threadpool
 
     app = FastAPI(title="pixrl reward service")
     lock = threading.Lock()
@@ -71,7 +77,7 @@ def build_app(rewards: RewardSet, token: str | None = None, max_bytes: int = 64 
     async def _limits(request: Request, call_next):
         from fastapi.responses import JSONResponse
 
-        if request.url.path == "/score":
+        if request.url.path == "/score" or (accept_pickle and request.url.path == "/"):
             stats.add("requests")
             if token and not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {token}"):
                 stats.add("refused")
@@ -91,13 +97,34 @@ def build_app(rewards: RewardSet, token: str | None = None, max_bytes: int = 64 
     def metrics() -> str:
         return stats.text()
 
-    @app.post("/score")
-    def score(req: ScoreRequest) -> dict:  # a sync endpoint: FastAPI runs it in its thread pool
-        n = len(req.images)
+    def _check_batch(n: int) -> None:
         if n > max_batch:
             stats.add("refused")
             raise HTTPException(413, f"{n} images in one request exceed the batch limit of {max_batch}; split the "
                                      f"request (reward.options.remote.batch) or raise --max-batch")
+
+    def _score(images: np.ndarray, prompts: list[str], meta: list[dict], ids: list[str]) -> dict:
+        """The reward set on one request, behind the lock; a scorer failure is a 500 naming it."""
+        t0 = time.perf_counter()
+        if not lock.acquire(timeout=queue_timeout_s):
+            stats.add("timed_out")
+            raise HTTPException(503, f"waited {queue_timeout_s:.0f} s behind other requests; retry later")
+        try:
+            t1 = time.perf_counter()
+            stats.add("waits", seconds="queue_wait", value=t1 - t0)
+            out = rewards.score(images, prompts, meta, ids)
+        except ScoringError as exc:
+            stats.add("failed")
+            raise HTTPException(500, str(exc)) from None
+        finally:
+            lock.release()
+        stats.add("images", len(images), seconds="scoring", value=time.perf_counter() - t1)
+        return out
+
+    @app.post("/score")
+    def score(req: ScoreRequest) -> dict:  # a sync endpoint: FastAPI runs it in its thread pool
+        n = len(req.images)
+        _check_batch(n)
         meta = req.metadata if req.metadata is not None else [{}] * n
         ids = req.sample_ids if req.sample_ids is not None else [f"request[{i}]" for i in range(n)]
         if not len(req.prompts) == len(meta) == len(ids) == n:
@@ -108,20 +135,22 @@ def build_app(rewards: RewardSet, token: str | None = None, max_bytes: int = 64 
         except ValueError as exc:
             stats.add("refused")
             raise HTTPException(422, str(exc)) from None
-        t0 = time.perf_counter()
-        if not lock.acquire(timeout=queue_timeout_s):
-            stats.add("timed_out")
-            raise HTTPException(503, f"waited {queue_timeout_s:.0f} s behind other requests; retry later")
-        try:
-            t1 = time.perf_counter()
-            stats.add("waits", seconds="queue_wait", value=t1 - t0)
-            out = rewards.score(images, req.prompts, meta, ids)
-        except ScoringError as exc:
-            stats.add("failed")
-            raise HTTPException(500, str(exc)) from None
-        finally:
-            lock.release()
-        stats.add("images", n, seconds="scoring", value=time.perf_counter() - t1)
+        out = _score(images, req.prompts, meta, ids)
         return {"scores": {k: np.asarray(v, np.float32).tolist() for k, v in out.items()}}
+
+    if accept_pickle:
+        @app.post("/")
+        async def score_pickled(request: Request) -> Response:
+            """flow_grpo's wire format: a pickled dict in, a pickled dict out."""
+            body = await request.body()
+            try:
+                images, prompts, meta = decode_pickled_request(body)
+            except ValueError as exc:
+                stats.add("refused")
+                raise HTTPException(422, str(exc)) from None
+            _check_batch(len(images))
+            ids = [f"request[{i}]" for i in range(len(images))]
+            out = await run_in_threadpool(_score, images, prompts, meta, ids)
+            return Response(encode_pickled_response(out), media_type="application/octet-stream")
 
     return app

@@ -35,6 +35,7 @@ from ..run import RunSpec
 from . import progress
 from .chaos import fault_point
 from .completion import RunStores
+from .overlap import Chunk, ScoringOverlap, decode_chunk, generation_order, merge_scores, score_chunk
 from .plan import BatchPlan, make_plan, seed_of
 from .publish import evaluate_policy, publish_checkpoint
 from .records import StageRecords, timed_stage
@@ -49,6 +50,7 @@ class OnlineStages:
         self.algorithm = build_algorithm(self.cfg.algorithm)
         self.retention = RunRetention(self.tracker, spec.model_name, spec.run_id, self.cfg.run.retention,
                                       spec.layout.checkpoints)
+        self.overlap = ScoringOverlap(engine, self.cfg.sampling.micro_batch) if self.cfg.reward.overlap else None
 
     @cached_property
     def step_kind(self) -> str:
@@ -125,7 +127,16 @@ class OnlineStages:
         args = (self.source(policy), [p.prompt for _, _, p in rows], seeds, recipe)
         scope, video = self.stores.round_scope(rnd), bool(info.get("video"))
         to_store = getattr(self.engine, "rollout_to_store", None)  # workers write their rows themselves
-        if to_store is None:
+        if self.overlap is not None:  # decode and score each micro-batch while the next one generates
+            hook = self.overlap.begin((iteration, rnd), columns["sample_id"], columns["prompt"],
+                                      [json.loads(m) for m in columns["prompt_meta"]])  # as score reads them
+            try:
+                batch, seconds = self.engine.rollout(*args, noise_seeds=noise_seeds, on_chunk=hook)
+            except BaseException:
+                self.overlap.discard((iteration, rnd))
+                raise
+            table = rows_table(batch, columns, video, self.step_kind)
+        elif to_store is None:
             batch, seconds = self.engine.rollout(*args, noise_seeds=noise_seeds)
             table = rows_table(batch, columns, video, self.step_kind)
         else:
@@ -135,10 +146,12 @@ class OnlineStages:
         n = len(rows)
         metrics = self._commit_record("generate", iteration, rnd,
                                       {"images_per_s": n / seconds, "generate_compute_s": seconds})
-        if to_store is None:
+        if self.overlap is not None or to_store is None:
             ref = self.table.append(table, where=scope)
         else:
             ref = self.table.commit_appended(fragments, schema, sink.create, self.spec.run_id, iteration, scope)
+        if self.overlap is not None:
+            self.overlap.committed((iteration, rnd), ref.version)
         self.table.tag(f"{self.spec.run_name}-it{iteration}-{self.stage_name('generate', rnd)}", ref.version)
         return ref, metrics
 
@@ -172,6 +185,8 @@ class OnlineStages:
             return self.stores.latest(), None
         field = DECODE_INPUT[self.step_kind]  # final latents, or a token family's image tokens
         scope = self.stores.round_scope(rnd)
+        if self.overlap is not None:
+            return self._decode_chunked(iteration, ref, rnd, field, scope)
         t = self._read(ref, iteration, ["run_id", "iteration", "sample_id", field], where=scope)
         batch = RolloutBatch.from_arrow(t.select([field]))
         t0 = time.perf_counter()
@@ -184,6 +199,37 @@ class OnlineStages:
         metrics = self._commit_record("decode", iteration, rnd, {"decode_compute_s": seconds})
         return self.table.merge(upd, where=scope), metrics
 
+    ORDER = ["group_id", "sample_index"]  # with sample_id: generation order (reward.overlap)
+
+    def _decode_chunked(self, iteration: int, ref: TableRef, rnd: int, field: str, scope):
+        """reward.overlap's decode: the bytes the background thread made while generate ran, or
+        (nothing prefetched) the same per-micro-batch decode now."""
+        key, keys = (iteration, rnd), ["run_id", "iteration", "sample_id"]
+        t = self._read(ref, iteration, [*keys, *self.ORDER], where=scope)
+        sids = t["sample_id"].to_pylist()
+        parts = generation_order(t["group_id"].to_numpy(), t["sample_index"].to_numpy(), self.cfg.sampling.micro_batch)
+        got = self.overlap.decoded(key, ref.version, [sids[i] for p in parts for i in p])
+        metrics: dict = {}
+        if got is None:
+            data = RolloutBatch.from_arrow(self._read(ref, iteration, ["sample_id", field], where=scope))
+            pos = {sid: i for i, sid in enumerate(data["sample_id"])}
+            chunks = [decode_chunk(self.engine, data[field][[pos[sids[i]] for i in p]], [sids[i] for i in p])
+                      for p in parts]
+        else:
+            chunks, metrics["overlap/decode_wait_s"] = got
+        blob = {s: b for ch in chunks for s, b in zip(ch.sample_ids, ch.blobs)}
+        cols = {"image": pa.array([blob[s] for s in sids], pa.binary())}
+        if chunks and chunks[0].posters is not None:
+            poster = {s: b for ch in chunks for s, b in zip(ch.sample_ids, ch.posters)}
+            cols["poster"] = pa.array([poster[s] for s in sids], pa.binary())
+        metrics["decode_compute_s"] = sum(ch.decode_s for ch in chunks)
+        upd = pa.table({k: t[k] for k in keys} | cols)
+        metrics = self._commit_record("decode", iteration, rnd, metrics)
+        out = self.table.merge(upd, where=scope)
+        if got is not None:
+            self.overlap.decode_committed(key, out.version)
+        return out, metrics
+
     # --- score --------------------------------------------------------------------------------
     def score(self, iteration: int, ref: TableRef, rnd: int = 0) -> TableRef:
         return self._timed(self.stage_name("score", rnd), iteration, lambda: self._score(iteration, ref, rnd))
@@ -192,23 +238,47 @@ class OnlineStages:
         if self.stores.complete("score", iteration, rnd):
             return self.stores.latest(), None
         scope = self.stores.round_scope(rnd)
-        t = self._read(ref, iteration, ["run_id", "iteration", "sample_id", "prompt", "prompt_meta", "image"], where=scope)
+        order = self.ORDER if self.overlap is not None else []
+        t = self._read(ref, iteration, ["run_id", "iteration", "sample_id", "prompt", "prompt_meta", "image", *order],
+                       where=scope)
         missing = [sid for sid, im in zip(t["sample_id"].to_pylist(), t["image"].to_pylist()) if im is None]
         if missing:
             raise RuntimeError(f"samples {missing[:3]} have no decoded image; run decode for iteration {iteration} first")
-        imgs = np.stack([decode_media(b) for b in t["image"].to_pylist()])
-        t0 = time.perf_counter()
-        scores = self.engine.score(imgs, t["prompt"].to_pylist(), [json.loads(m) for m in t["prompt_meta"].to_pylist()],
-                                   t["sample_id"].to_pylist())
-        seconds = time.perf_counter() - t0
+        metrics = {}
+        if self.overlap is not None:
+            scores, seconds = self._score_chunked(iteration, ref, rnd, t, metrics)
+        else:
+            imgs = np.stack([decode_media(b) for b in t["image"].to_pylist()])
+            t0 = time.perf_counter()
+            scores = self.engine.score(imgs, t["prompt"].to_pylist(),
+                                       [json.loads(m) for m in t["prompt_meta"].to_pylist()], t["sample_id"].to_pylist())
+            seconds = time.perf_counter() - t0
         upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"],
                         "rewards": rewards_column(scores, t.num_rows), "reward": pa.array(scores["reward"], pa.float32())})
-        metrics = {"score_compute_s": seconds}
+        metrics["score_compute_s"] = seconds
         for k, v in scores.items():
             metrics[f"reward/{k}/mean"] = float(np.mean(v))
             metrics[f"reward/{k}/std"] = float(np.std(v))
         metrics = self._commit_record("score", iteration, rnd, metrics)
         return self.table.merge(upd, where=scope), metrics
+
+    def _score_chunked(self, iteration: int, ref: TableRef, rnd: int, t: pa.Table, metrics: dict):
+        """reward.overlap's score: the rewards the background thread computed from the bytes decode
+        committed, or (nothing prefetched) the same per-micro-batch scoring now."""
+        sids = t["sample_id"].to_pylist()
+        parts = generation_order(t["group_id"].to_numpy(), t["sample_index"].to_numpy(), self.cfg.sampling.micro_batch)
+        got = self.overlap.scored((iteration, rnd), ref.version, [sids[i] for p in parts for i in p])
+        if got is None:
+            blobs, prompts = t["image"].to_pylist(), t["prompt"].to_pylist()
+            metas = [json.loads(m) for m in t["prompt_meta"].to_pylist()]
+            chunks = []
+            for p in parts:
+                scores, seconds = score_chunk(self.engine, [blobs[i] for i in p], [prompts[i] for i in p],
+                                              [metas[i] for i in p], [sids[i] for i in p])
+                chunks.append(Chunk([sids[i] for i in p], [], None, 0.0, scores, seconds))
+        else:
+            chunks, metrics["overlap/score_wait_s"] = got
+        return merge_scores(chunks, parts, t.num_rows), sum(ch.score_s for ch in chunks)
 
     # --- replay -------------------------------------------------------------------------------
     def replay(self, iteration: int, ref: TableRef) -> tuple[TableRef, BatchPlan]:

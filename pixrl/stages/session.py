@@ -24,6 +24,8 @@ def _stages(spec: RunSpec, kind: type):
 def close_all() -> None:
     """Drop the cached stage layers, stopping their engines' workers (the Ray engine's actors)."""
     for stages in _CURRENT.values():
+        if getattr(stages, "overlap", None) is not None:
+            stages.overlap.close()  # reward.overlap's background thread
         close = getattr(stages.engine, "close", None)
         if close is not None:
             close()
