@@ -72,6 +72,15 @@ def merge_scores(chunks: list[Chunk], positions: list[np.ndarray], n: int) -> di
     return out
 
 
+def _one_torch_thread() -> None:
+    """The background thread's own torch ops (the decoder) use one intra-op thread, so they take
+    a core beside the sampler's instead of a second team on all of them (OpenMP's thread count
+    is per calling thread)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @dataclass
 class _Pending:
     sample_ids: list[str]  # the round's rows in generation order
@@ -85,7 +94,7 @@ class ScoringOverlap:
 
     def __init__(self, engine, micro_batch: int):
         self.engine, self.micro_batch = engine, micro_batch
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pixrl-overlap")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pixrl-overlap", initializer=_one_torch_thread)
         self._pending: dict[tuple[int, int], _Pending] = {}
 
     def begin(self, key: tuple[int, int], sample_ids: list[str], prompts: list[str], metadata: list[dict]):
