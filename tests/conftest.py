@@ -65,6 +65,13 @@ def tiny_overrides(ckpt: Path, workdir: Path, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
+def train_args(ckpt: Path, workdir: Path, run: str, *extra: str, iterations: int = 2, seed: int = 7) -> list[str]:
+    """`pixrl train` of the tiny checkpoint with the JPEG reward (fast, deterministic), `extra`
+    overrides last: the run the resume and overlap drills compare bit for bit."""
+    return ["train", "--iterations", str(iterations), "--run", run, "--seed", str(seed), "reward=jpeg_compressibility",
+            *tiny_overrides(ckpt, workdir), *extra]
+
+
 def two_iterations(tiny: tuple[Path, dict], tmp_path: Path, run: str, mode: str, *args: str,
                    algorithm: str = "flow_grpo", base_weights: str = "transformer/diffusion_pytorch_model.safetensors"):
     """`pixrl train --iterations 2` on a tiny family checkpoint with LoRA (rank 4) or full fine-tuning

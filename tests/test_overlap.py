@@ -8,7 +8,7 @@ import json
 import lance
 import numpy as np
 import pytest
-from conftest import tiny_overrides
+from conftest import tiny_overrides, train_args
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 from typer.testing import CliRunner
@@ -22,9 +22,7 @@ from pixrl.stages.session import close_all
 
 
 def _train(ckpt, wd, run, *extra):
-    return CliRunner().invoke(app, ["train", "--iterations", "2", "--run", run, "--seed", "3",
-                                    "reward=jpeg_compressibility", "reward.overlap=true",
-                                    *tiny_overrides(ckpt, wd), *extra])
+    return CliRunner().invoke(app, train_args(ckpt, wd, run, "reward.overlap=true", *extra, seed=3))
 
 
 def _table(wd, run):

@@ -11,7 +11,7 @@ import time
 
 import lance
 import pytest
-from conftest import tiny_overrides
+from conftest import train_args
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 from typer.testing import CliRunner
@@ -22,11 +22,6 @@ from pixrl.flows.processes import alive, children
 from pixrl.stages.chaos import ENV
 
 STAGES = ["generate", "decode", "score", "replay", "update", "publish"]
-
-
-def train_args(ckpt, wd, run, iterations=2):
-    return ["train", "--iterations", str(iterations), "--run", run, "--seed", "7", "reward=jpeg_compressibility",
-            *tiny_overrides(ckpt, wd)]
 
 
 def _train(ckpt, wd, run):

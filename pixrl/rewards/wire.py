@@ -1,8 +1,9 @@
 """The reward service's wire format: JSON with each image (or clip) as base64 of its PNG (MP4)
 bytes — or of an .npz of its uint8 array — the prompts and their metadata. Both are lossless,
-so the served scorer sees the exact pixels the in-process one would. flow_grpo's servers take pickles (JPEG bytes inside), and
-unpickling runs code from the sender: the service accepts that format only when started with
-`--accept-pickle`, and then unpickles plain data and numpy arrays only."""
+so the served scorer sees the exact pixels the in-process one would. flow_grpo's servers take
+pickles (JPEG bytes inside), and unpickling runs code from the sender: the service accepts that
+format only when started with `--accept-pickle`, and then unpickles plain data and numpy arrays
+only."""
 
 from __future__ import annotations
 
@@ -56,10 +57,14 @@ def decode_images(encoded: list[str]) -> np.ndarray:
             out.append(_npz_sample(raw) if raw[:4] == b"PK\x03\x04" else decode_media(raw))
         except Exception as exc:  # binascii, numpy, PIL and PyAV raise many types
             raise ValueError(f"images[{i}] is not a base64 PNG/MP4/NPZ sample: {exc}") from None
-    shapes = {im.shape for im in out}
+    return _stack(out)
+
+
+def _stack(samples: list[np.ndarray]) -> np.ndarray:
+    shapes = {im.shape for im in samples}
     if len(shapes) > 1:
         raise ValueError(f"images of different shapes in one request: {sorted(shapes)}")
-    return np.stack(out)
+    return np.stack(samples)
 
 
 # --- flow_grpo's wire format (`pixrl reward-serve --accept-pickle` only) ---------------------
@@ -95,23 +100,20 @@ def decode_pickled_request(body: bytes) -> tuple[np.ndarray, list[str], list[dic
     blobs = list(data["images"])
     if not blobs or not all(isinstance(b, (bytes, bytearray)) for b in blobs):
         raise ValueError("'images' must be a non-empty list of JPEG/PNG bytes")
-    from PIL import Image
-
     images = []
     for i, b in enumerate(blobs):
         try:
-            images.append(np.asarray(Image.open(io.BytesIO(b)).convert("RGB")))
+            images.append(decode_media(bytes(b)))  # PIL: JPEG and PNG alike
         except Exception as exc:
             raise ValueError(f"images[{i}] is not a JPEG/PNG: {exc}") from None
-    if len({im.shape for im in images}) > 1:
-        raise ValueError(f"images of different shapes in one request: {sorted({im.shape for im in images})}")
+    images = _stack(images)
     n = len(images)
     prompts = [str(p) for p in data.get("prompts", [""] * n)]
     metas = data.get("meta_datas", data.get("metadata")) or [{}] * n
     metas = [dict(m) if isinstance(m, dict) else {} for m in metas]
     if not len(prompts) == len(metas) == n:
         raise ValueError(f"{n} images, {len(prompts)} prompts, {len(metas)} meta_datas: one of each per image")
-    return np.stack(images), prompts, metas
+    return images, prompts, metas
 
 
 def encode_pickled_response(scores: dict[str, np.ndarray]) -> bytes:

@@ -127,17 +127,18 @@ class OnlineStages:
         args = (self.source(policy), [p.prompt for _, _, p in rows], seeds, recipe)
         scope, video = self.stores.round_scope(rnd), bool(info.get("video"))
         to_store = getattr(self.engine, "rollout_to_store", None)  # workers write their rows themselves
-        if self.overlap is not None:  # decode and score each micro-batch while the next one generates
-            hook = self.overlap.begin((iteration, rnd), columns["sample_id"], columns["prompt"],
-                                      [json.loads(m) for m in columns["prompt_meta"]])  # as score reads them
+        in_process = self.overlap is not None or to_store is None  # this process stores the rows
+        if in_process:
+            hook = {}
+            if self.overlap is not None:  # decode and score each micro-batch while the next one generates
+                hook["on_chunk"] = self.overlap.begin((iteration, rnd), columns["sample_id"], columns["prompt"],
+                                                      [json.loads(m) for m in columns["prompt_meta"]])  # as score reads them
             try:
-                batch, seconds = self.engine.rollout(*args, noise_seeds=noise_seeds, on_chunk=hook)
+                batch, seconds = self.engine.rollout(*args, noise_seeds=noise_seeds, **hook)
             except BaseException:
-                self.overlap.discard((iteration, rnd))
+                if self.overlap is not None:
+                    self.overlap.discard((iteration, rnd))
                 raise
-            table = rows_table(batch, columns, video, self.step_kind)
-        elif to_store is None:
-            batch, seconds = self.engine.rollout(*args, noise_seeds=noise_seeds)
             table = rows_table(batch, columns, video, self.step_kind)
         else:
             self.table.ensure_absent(self.spec.run_id, iteration, scope)  # before any worker writes
@@ -146,7 +147,7 @@ class OnlineStages:
         n = len(rows)
         metrics = self._commit_record("generate", iteration, rnd,
                                       {"images_per_s": n / seconds, "generate_compute_s": seconds})
-        if self.overlap is not None or to_store is None:
+        if in_process:
             ref = self.table.append(table, where=scope)
         else:
             ref = self.table.commit_appended(fragments, schema, sink.create, self.spec.run_id, iteration, scope)

@@ -83,7 +83,6 @@ def _one_torch_thread() -> None:
 
 @dataclass
 class _Pending:
-    sample_ids: list[str]  # the round's rows in generation order
     futures: list[Future] = field(default_factory=list)
     generate_version: int | None = None  # the table version generate committed these rows in
     decode_version: int | None = None  # the version decode committed the prefetched bytes in
@@ -100,7 +99,7 @@ class ScoringOverlap:
     def begin(self, key: tuple[int, int], sample_ids: list[str], prompts: list[str], metadata: list[dict]):
         """The rollout's `on_chunk` hook for this round's rows (given in generation order)."""
         self.discard(key)
-        pend = self._pending[key] = _Pending(list(sample_ids))
+        pend = self._pending[key] = _Pending()
 
         def job(decode_input: np.ndarray, lo: int, hi: int) -> Chunk:
             ch = decode_chunk(self.engine, decode_input, sample_ids[lo:hi])
