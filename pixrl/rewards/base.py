@@ -68,7 +68,8 @@ class Reward(ABC):
 
 
 def _builtin() -> None:
-    from . import aesthetic, clip_score, hpsv2, jpeg, nsfw, ocr, pickscore, remote, shapes, temporal, vlm_judge  # noqa: F401
+    from . import (aesthetic, clip_score, hpsv2, imagereward, jpeg, nsfw, ocr, pickscore, remote, shapes,  # noqa: F401
+                   temporal, vlm_judge)
 
 
 REWARDS: Registry[type[Reward]] = Registry("reward", "rewards", _builtin)
