@@ -85,6 +85,13 @@ class _PlainDataUnpickler(pickle.Unpickler):
                                      f"are accepted")
 
 
+def restricted_loads(data: bytes):
+    """Unpickle plain data and numpy arrays only (a pickle naming any other global is refused)."""
+    import io
+
+    return _PlainDataUnpickler(io.BytesIO(data)).load()
+
+
 def decode_pickled_request(body: bytes) -> tuple[np.ndarray, list[str], list[dict]]:
     """flow_grpo's reward-server request — a pickled dict with "images" (JPEG or PNG bytes per
     sample), "prompts" and "meta_datas" (both optional) — as (uint8 images, prompts, metadata);
@@ -92,7 +99,7 @@ def decode_pickled_request(body: bytes) -> tuple[np.ndarray, list[str], list[dic
     import io
 
     try:
-        data = _PlainDataUnpickler(io.BytesIO(body)).load()
+        data = restricted_loads(body)
     except Exception as exc:  # UnpicklingError, EOFError, … on a bad body
         raise ValueError(f"not an acceptable pickled request: {exc}") from None
     if not isinstance(data, dict) or "images" not in data:
