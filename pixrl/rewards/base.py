@@ -69,7 +69,7 @@ class Reward(ABC):
 
 def _builtin() -> None:
     from . import (aesthetic, clip_score, hpsv2, imagereward, jpeg, nsfw, ocr, pickscore, remote, shapes,  # noqa: F401
-                   temporal, vlm_judge, brisque)
+                   temporal, vlm_judge, brisque, people)
 
 
 REWARDS: Registry[type[Reward]] = Registry("reward", "rewards", _builtin)
