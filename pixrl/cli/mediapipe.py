@@ -6,14 +6,14 @@ installed (not jax or opencv-contrib): about 440 MB, 10 s from the registry."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import typer
 
 from ..rewards.mediapipe_client import DEFAULT_VENV
-from .app import _fail, app, console
+from .app import app, console
+from .side_env import make_side_env
 
 PACKAGES = ["mediapipe==0.10.21", "absl-py==2.5.1", "attrs==26.1.0", "flatbuffers==25.12.19", "numpy==1.26.4",
             "protobuf==4.25.9", "opencv-python-headless==4.14.0.94", "matplotlib==3.11.2", "contourpy==1.3.3",
@@ -28,19 +28,9 @@ def setup_mediapipe(
     dry_run: bool = typer.Option(False, "--dry-run", help="print the commands only"),
 ) -> None:
     """Make mediapipe's own virtual environment for the face and pose rewards."""
-    target = Path(venv).absolute()
-    if Path(sys.prefix).resolve() == target.resolve():
-        _fail(f"--venv {venv} is pixrl's own environment; mediapipe's pins would break it — choose another folder")
-    py = target / "bin" / "python"
-    steps = [[python, "-m", "venv", str(target)],
-             [str(py), "-m", "pip", "install", "-q", "--no-deps", *PACKAGES]]
-    for cmd in steps:
-        console.print("$ " + " ".join(cmd))
-        if dry_run:
-            continue
-        done = subprocess.run(cmd)
-        if done.returncode:
-            _fail(f"`{' '.join(cmd[:4])} …` exited {done.returncode}; mediapipe 0.10.21 has wheels for CPython "
-                  f"3.9–3.12 on Linux x86-64/aarch64, macOS and Windows")
+    py = make_side_env(Path(venv), python, ["--no-deps", *PACKAGES], "mediapipe",
+                       "mediapipe 0.10.21 has wheels for CPython 3.9–3.12 on Linux x86-64/aarch64, macOS and "
+                       "Windows", dry_run)
+    target = py.parent.parent
     console.print(f"mediapipe {'would be' if dry_run else 'is'} in {target}. The face and pose rewards find it there "
                   f"from this folder; elsewhere set PIXRL_MEDIAPIPE_PYTHON={py}")

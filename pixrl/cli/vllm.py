@@ -5,13 +5,13 @@ OpenAI-compatible API, on this machine or a GPU node."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import typer
 
-from .app import _fail, app, console
+from .app import app, console
+from .side_env import make_side_env
 
 VLLM_VERSION = "0.33.0"  # ecosystem.md: pins torch 2.14 (CUDA 13), transformers <5.21, fastapi <0.137
 
@@ -31,19 +31,8 @@ def setup_vllm(
     dry_run: bool = typer.Option(False, "--dry-run", help="print the commands only"),
 ) -> None:
     """Make vLLM's own virtual environment and print how to serve a judge from it."""
-    target = Path(venv).resolve()
-    if Path(sys.prefix).resolve() == target:
-        _fail(f"--venv {venv} is pixrl's own environment; vLLM's pins would break it — choose another folder")
-    py = target / "bin" / "python"
-    steps = [[python, "-m", "venv", str(target)],
-             [str(py), "-m", "pip", "install", "-q", f"vllm=={version}"]]
-    for cmd in steps:
-        console.print("$ " + " ".join(cmd))
-        if dry_run:
-            continue
-        done = subprocess.run(cmd)
-        if done.returncode:
-            _fail(f"`{' '.join(cmd)}` exited {done.returncode}; vLLM needs Linux with a CUDA GPU and "
-                  f"Python 3.9–3.12 (see its install notes); nothing else was changed")
+    py = make_side_env(Path(venv), python, [f"vllm=={version}"], "vLLM",
+                       "vLLM needs Linux with a CUDA GPU and Python 3.9–3.12 (see its install notes)", dry_run)
+    target = py.parent.parent
     console.print(f"vLLM {version} {'would be' if dry_run else 'is'} in {target}. Serve a judge with:\n"
                   + serve_hint(py))

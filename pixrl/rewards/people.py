@@ -46,27 +46,38 @@ def _check_python(python: str, name: str) -> str:
     return python
 
 
-@register_reward("face")
-class FaceCount(Reward):
-    value_range = (0.0, 1.0)
+class _MediapipeReward(Reward):
+    """A reward computed from detections of mediapipe's worker process (one per interpreter,
+    started at setup), sent `batch` images at a time."""
 
-    def __init__(self, python: str = "", min_confidence: float = 0.5, model_selection: int = 0, batch: int = 16):
-        if model_selection not in (0, 1):
-            raise ValueError(f"reward face: model_selection must be 0 (short range) or 1 (full range), "
-                             f"not {model_selection}")
-        self.python = _check_python(python, "face")
-        self.min_confidence, self.model_selection, self.batch = min_confidence, model_selection, batch
+    def __init__(self, python: str, name: str, batch: int):
+        self.python, self.batch = _check_python(python, name), batch
 
     def setup(self, device: str = "cpu") -> None:
         super().setup(device)
         self.worker = MediapipeWorker.of(self.python)
         self.worker.start()
 
-    def score(self, images, prompts, metadata):
+    def detect(self, task: str, images, **options) -> list:
         found = []
         for s in range(0, len(images), self.batch):
-            found += self.worker.call("face", images[s:s + self.batch], min_confidence=self.min_confidence,
-                                      model_selection=self.model_selection)
+            found += self.worker.call(task, images[s:s + self.batch], **options)
+        return found
+
+
+@register_reward("face")
+class FaceCount(_MediapipeReward):
+    value_range = (0.0, 1.0)
+
+    def __init__(self, python: str = "", min_confidence: float = 0.5, model_selection: int = 0, batch: int = 16):
+        if model_selection not in (0, 1):
+            raise ValueError(f"reward face: model_selection must be 0 (short range) or 1 (full range), "
+                             f"not {model_selection}")
+        super().__init__(python, "face", batch)
+        self.min_confidence, self.model_selection = min_confidence, model_selection
+
+    def score(self, images, prompts, metadata):
+        found = self.detect("face", images, min_confidence=self.min_confidence, model_selection=self.model_selection)
         count = np.array([len(f) for f in found], np.float32)
         best = np.array([max((d[0] for d in f), default=0.0) for f in found], np.float32)
         value = best.copy()
@@ -78,22 +89,15 @@ class FaceCount(Reward):
 
 
 @register_reward("pose")
-class PoseVisibility(Reward):
+class PoseVisibility(_MediapipeReward):
     value_range = (0.0, 1.0)
 
     def __init__(self, python: str = "", min_confidence: float = 0.5, min_visibility: float = 0.5, batch: int = 16):
-        self.python = _check_python(python, "pose")
-        self.min_confidence, self.min_visibility, self.batch = min_confidence, min_visibility, batch
-
-    def setup(self, device: str = "cpu") -> None:
-        super().setup(device)
-        self.worker = MediapipeWorker.of(self.python)
-        self.worker.start()
+        super().__init__(python, "pose", batch)
+        self.min_confidence, self.min_visibility = min_confidence, min_visibility
 
     def score(self, images, prompts, metadata):
-        found = []
-        for s in range(0, len(images), self.batch):
-            found += self.worker.call("pose", images[s:s + self.batch], min_confidence=self.min_confidence)
+        found = self.detect("pose", images, min_confidence=self.min_confidence)
         vis = [np.array(v, np.float32) if v is not None else None for v in found]
         frac = np.array([0.0 if v is None else float((v >= self.min_visibility).mean()) for v in vis], np.float32)
         return {self.name: frac, f"{self.name}.detected": np.array([v is not None for v in vis], np.float32),
