@@ -50,7 +50,7 @@ def test_micro_batches_stay_inside_a_round():
     assert make_plan(ids, keep, 2, 1).steps == [[["s0", "s1"], ["s2", "s4"], ["s5"]]]
 
 
-ARGS = ["--config", "shapes_token_grpo", "--iterations", "1", "--seed", "1", "sampling.max_rounds=4",
+ARGS = ["--config", "shapes_token_grpo", "--iterations", "1", "--seed", "5", "sampling.max_rounds=4",
         "sampling.group_size=4", "sampling.prompts_per_iteration=4", "sampling.micro_batch=16", "run.eval_every=0"]
 
 
@@ -84,7 +84,7 @@ def test_rounds_run_until_the_batch_has_signal_and_resume_bit_identical(tmp_path
     t = _table(tmp_path, "ref")
     rewards, groups = t["reward"].to_numpy(), t["group_id"].to_numpy()
     rounds = int(groups.max()) // 4 + 1
-    assert rounds >= 2, "seed 1 was chosen for a first round with a flat group"
+    assert rounds >= 2, "seed 5 was chosen for a first round with flat groups (on the shipped token miniature)"
     for r in range(rounds - 1):  # every earlier round left the batch short of signal
         inside = groups < 4 * (r + 1)
         assert not batch_full(rewards[inside], groups[inside], 4)
