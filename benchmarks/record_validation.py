@@ -172,7 +172,7 @@ def main() -> None:
     if hist["heldout/accuracy"]:
         hs = sorted(hist["heldout/accuracy"])
         ax[1].plot(hs, [hist["heldout/accuracy"][s] for s in hs], marker="o")
-        ax[1].set_xlabel("iteration"); ax[1].set_ylabel("held-out accuracy (ODE eval)")
+        ax[1].set_xlabel("iteration"); ax[1].set_ylabel("held-out accuracy (in-run eval)")
     else:
         zs = [hist["zero_std_ratio"].get(s, np.nan) for s in steps]
         ax[1].plot(steps, zs, lw=0.8, color="gray"); ax[1].set_xlabel("iteration"); ax[1].set_ylabel("zero_std_ratio")
