@@ -177,16 +177,18 @@ def test_prefect_artifacts_per_iteration(trained):
 def test_sample_grid_logged_once_per_iteration(trained):
     """The grid is logged by the iteration's report (after publish), once: a report
     run again (a resumed rollouts run re-reports its iterations) logs nothing twice."""
-    from types import SimpleNamespace
-
     from pixrl.artifacts.tracking import Tracker
-    from pixrl.artifacts.trajectories import TableRef, TrajectoryStore
+    from pixrl.run import RunSpec
+    from pixrl.stages.completion import RunStores
     from pixrl.stages.report import log_sample_grid
 
     wd, out = trained
-    table = TrajectoryStore(out["table_uri"])
-    stores = SimpleNamespace(tracker=Tracker(f"sqlite:///{wd / 'mlflow.db'}"), table=table,
-                             latest=lambda: TableRef(table.uri, table.latest_version()))
+    tracker = Tracker(f"sqlite:///{wd / 'mlflow.db'}")
+    run = tracker.client.get_run(out["run_id"])
+    spec = RunSpec(config=tracker.read_config(out["run_id"]), run_id=out["run_id"],
+                   run_name=run.data.tags["pixrl.run_name"], workdir=str(wd), tracking_uri=tracker.uri,
+                   table_uri=out["table_uri"], model_name=out["model_name"])
+    stores = RunStores(spec, tracker)  # a new process's stores: what it holds is listed from MLflow
     client = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
     before = sorted(a.path for a in client.list_artifacts(out["run_id"], "images"))
     assert log_sample_grid(stores, out["run_id"], 1, 4) is False

@@ -162,10 +162,6 @@ class Tracker:
             path.write_bytes(png)
             self.client.log_artifact(run_id, str(path), str(Path(artifact_file).parent) or None)
 
-    def has_artifact(self, run_id: str, path: str) -> bool:
-        parent = str(Path(path).parent)
-        return any(a.path == path for a in self.client.list_artifacts(run_id, None if parent == "." else parent))
-
     def artifact_uri(self, run_id: str, path: str = "") -> str:
         base = self.client.get_run(run_id).info.artifact_uri
         return f"{base}/{path}" if path else base

@@ -82,6 +82,12 @@ class RunStores:
         """The MLflow run's artifact root (fixed for the run's life: asked once)."""
         return self.tracker.artifact_uri(self.spec.run_id)
 
+    @cached_property
+    def logged_sample_grids(self) -> set[str]:
+        """The sample grids (`samples/it_NNNN.png`) the MLflow run holds: listed once per process,
+        then kept up to date by the report that logs them (one process writes a run: RunLock)."""
+        return {a.path for a in self.tracker.client.list_artifacts(self.spec.run_id, "samples")}
+
     def latest(self) -> TableRef:
         return TableRef(self.table.uri, self.table.latest_version())
 
