@@ -178,16 +178,16 @@ def test_sample_grid_logged_once_per_iteration(trained):
     """The grid is logged by the iteration's report (after publish), once: a report
     run again (a resumed rollouts run re-reports its iterations) logs nothing twice."""
     from pixrl.artifacts.tracking import Tracker
-    from pixrl.run import RunSpec
+    from pixrl.config.schema import ExperimentConfig
+    from pixrl.run import run_spec
     from pixrl.stages.completion import RunStores
     from pixrl.stages.report import log_sample_grid
 
     wd, out = trained
     tracker = Tracker(f"sqlite:///{wd / 'mlflow.db'}")
-    run = tracker.client.get_run(out["run_id"])
-    spec = RunSpec(config=tracker.read_config(out["run_id"]), run_id=out["run_id"],
-                   run_name=run.data.tags["pixrl.run_name"], workdir=str(wd), tracking_uri=tracker.uri,
-                   table_uri=out["table_uri"], model_name=out["model_name"])
+    cfg = ExperimentConfig.model_validate(tracker.read_config(out["run_id"]))
+    spec = run_spec(cfg, wd, out["run_id"], out["model_name"])
+    assert spec.table_uri == out["table_uri"]
     stores = RunStores(spec, tracker)  # a new process's stores: what it holds is listed from MLflow
     client = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
     before = sorted(a.path for a in client.list_artifacts(out["run_id"], "images"))

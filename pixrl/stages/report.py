@@ -53,7 +53,7 @@ def log_sample_grid(stores, run_id: str, iteration: int, group_size: int) -> boo
     samples = np.stack([decode_media(b) for b in pngs[: min(8, len(pngs) // g) * g]])
     if samples.ndim == 5:  # clips [N, F, H, W, 3]
         frames = clip_grid(samples, cols=g, scale=max(1, 64 // samples.shape[2]))
-        stores.tracker.log_image(run_id, clip_grid(samples[:, :1], cols=g)[0], key="samples", step=iteration)
+        stores.tracker.log_image(run_id, image_grid(samples[:, 0], cols=g), key="samples", step=iteration)
         stores.tracker.log_png_file(run_id, animated_png(frames, compress_level=1), path)  # last: the "logged" mark
     else:
         grid = image_grid(samples, cols=g)
