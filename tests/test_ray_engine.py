@@ -8,6 +8,7 @@ from pathlib import Path
 
 import lance
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
@@ -16,6 +17,7 @@ from typer.testing import CliRunner
 
 from conftest import tiny_overrides
 from pixrl.algorithms.sampling import SamplerRecipe
+from pixrl.artifacts.column_writes import image_columns
 from pixrl.artifacts.rollout_rows import RowSink, rows_table
 from pixrl.artifacts.trajectories import StoreError, TrajectoryStore
 from pixrl.cli import app
@@ -97,6 +99,22 @@ def test_sharded_rollout_decode_score_and_evaluate_equal_the_local_engine(ray_cl
         assert remote_store.dataset().to_table().equals(local_store.dataset().to_table())
         with pytest.raises(StoreError, match="already holds rows"):
             remote_store.commit_appended(fragments, schema, False, "r", 0)
+        # decode: workers read their fragments' latents and write the image columns; one commit
+        reads = remote_store.fragment_reads(ref, "r", 0)
+        assert [r.rows for r in reads] == [8, 12]
+        files, _ = engine.decode_to_store(reads, "final_latent")
+        with pytest.raises(StoreError, match="its worker wrote 0; nothing committed"):
+            remote_store.commit_columns(reads, files[:1])
+        decoded = remote_store.commit_columns(reads, files)
+        local_decoded = local_store.merge(pa.table({"run_id": cols["run_id"], "iteration": cols["iteration"],
+                                                    "sample_id": ids, **image_columns(images)}))
+        assert decoded.version == local_decoded.version == 2
+        assert remote_store.dataset().to_table().equals(local_store.dataset().to_table())
+        # score: reward workers read the rows' images themselves; the rewards in sample_id order
+        rows = remote_store.rows_read(decoded, "r", 0, sorted(ids))
+        got_scores, _ = engine.score_from_store(rows, 0)
+        order = np.argsort(ids)
+        assert set(got_scores) == set(expect) and all(np.array_equal(got_scores[k], expect[k][order]) for k in expect)
         # held-out evaluation: 70 images in shards of whole generation batches (64 + 6), judged together
         got_eval = engine.evaluate(PolicySource(), "shapes", "heldout", 14)
         assert got_eval == local.evaluate(PolicySource(), "shapes", "heldout", 14) and got_eval["n"] > 64

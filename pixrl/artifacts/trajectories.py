@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .batch import REWARD_ITEM, schema
+from .column_writes import ColumnFile, RowsRead
 from .rollout_rows import commit_fragments
 
 KEY = ["run_id", "iteration", "sample_id"]
@@ -167,10 +168,47 @@ class TrajectoryStore:
             meta, modified = frag.update_columns(rows, left_on="_rowid")
             updated.append(meta)
             fields.update(modified)
+        return self._commit_update(ds, updated, fields)
+
+    def _commit_update(self, ds: lance.LanceDataset, updated: list, fields) -> TableRef:
+        """One `Update` commit of column files attached to fragments of `ds`'s version."""
         op = lance.LanceOperation.Update(updated_fragments=updated, fields_modified=sorted(fields),
                                          update_mode="rewrite_columns")
-        out = lance.LanceDataset.commit(ds, op, read_version=ds.version)
-        return TableRef(self.uri, out.version)
+        return TableRef(self.uri, lance.LanceDataset.commit(ds, op, read_version=ds.version).version)
+
+    # --- column writes by workers (artifacts/column_writes.py) ---------------------------------
+    def fragment_reads(self, ref: TableRef, run_id: str, iteration: int, where: str | None = None) -> list[RowsRead]:
+        """One `RowsRead` per fragment holding rows of the iteration [matching `where`], in
+        fragment order, each with its row count."""
+        scope = key_filter(run_id, iteration) + (f" AND ({where})" if where else "")
+        addrs = self._row_addresses(self.dataset(ref.version), scope)
+        if not len(addrs):
+            raise StoreError(f"{self.uri}@{ref.version} holds no rows of run {run_id!r} iteration {iteration}"
+                             + (f" where {where}" if where else ""))
+        ids, counts = np.unique(np.asarray(addrs, dtype=np.uint64) >> np.uint64(32), return_counts=True)
+        return [RowsRead(self.uri, ref.version, scope, int(i), int(n)) for i, n in zip(ids, counts)]
+
+    def rows_read(self, ref: TableRef, run_id: str, iteration: int, sample_ids: list[str],
+                  where: str | None = None) -> RowsRead:
+        """The rows of these samples of the iteration [matching `where`], for a worker to read."""
+        scope = key_filter(run_id, iteration) + (f" AND ({where})" if where else "")
+        return RowsRead(self.uri, ref.version, scope, sample_ids=tuple(sample_ids))
+
+    def commit_columns(self, reads: list[RowsRead], files: list[ColumnFile]) -> TableRef:
+        """Commit the column files workers wrote for `reads` (one per fragment, every row of each,
+        the same columns) as one new version."""
+        by_fragment = {f.fragment_id: f for f in files}
+        for r in reads:
+            f = by_fragment.get(r.fragment_id)
+            if f is None or f.rows != r.rows:
+                raise StoreError(f"column write to {self.uri}: fragment {r.fragment_id} holds {r.rows} rows of "
+                                 f"{r.scope!r}, its worker wrote {0 if f is None else f.rows}; nothing committed")
+        if len(by_fragment) != len(files) or set(by_fragment) != {r.fragment_id for r in reads} \
+                or len({f.fields for f in files}) != 1:
+            raise StoreError(f"column write to {self.uri}: files {[(f.fragment_id, f.fields) for f in files]} do not "
+                             f"cover fragments {[r.fragment_id for r in reads]} once each with the same columns")
+        ds = self.dataset(reads[0].version)
+        return self._commit_update(ds, [f.metadata for f in files], files[0].fields)
 
     def read(self, ref: TableRef, run_id: str, iteration: int, columns: list[str], where: str | None = None) -> pa.Table:
         cols = columns if "sample_id" in columns else ["sample_id", *columns]

@@ -7,7 +7,11 @@ commits — identically for every engine (`run.engine`: local, or ray — engine
 An engine whose workers can write the trajectory table themselves also offers
 `rollout_to_store(policy, prompts, seeds, recipe, noise_seeds, sink) -> (fragments, schema,
 seconds)`: the same rows as `rollout`, written as uncommitted Lance fragments through the stage's
-`RowSink` (artifacts/rollout_rows.py); the stage layer then commits them as one version.
+`RowSink` (artifacts/rollout_rows.py); the stage layer then commits them as one version. Such an
+engine may also offer `decode_to_store(reads, field) -> (column files, seconds)` (its workers
+decode whole fragments of the iteration and write the image columns; the stage commits them as
+one version) and `score_from_store(rows, iteration) -> (rewards, seconds)` (its workers read the
+images, prompts and metadata themselves): artifacts/column_writes.py.
 
 An in-process engine's `rollout` also takes `on_chunk(start, stop, decode_input)`, called as
 each micro-batch finishes (reward.overlap: the stage layer decodes and scores it in a background

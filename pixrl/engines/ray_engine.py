@@ -6,9 +6,12 @@ runs changes.
 - rollout: each worker generates a contiguous run of whole micro-batches, with the prompts
   encoded as the whole call encodes them, so the concatenated shards are the local engine's rows
   bit for bit, and writes them to the trajectory table as uncommitted fragments that the stage
-  commits in one version (`rollout_to_store`: the latents never pass through the driver); decode
-  splits at the family's decode batch for the same reason;
-- score: contiguous shards over the reward workers (a model-based scorer loads once per worker);
+  commits in one version (`rollout_to_store`: the latents never pass through the driver);
+- decode: each rollout worker decodes whole fragments of the iteration read from the table and
+  writes their image columns itself, the stage committing one version (`decode_to_store`);
+  `decode` on arrays splits at the family's decode batch;
+- score: contiguous shards over the reward workers (a model-based scorer loads once per worker),
+  each reading its rows' images from the table (`score_from_store`; artifacts/column_writes.py);
 - evaluate: the evaluation's images in shards of whole generation batches, judged here;
 - train: every rank replays its share of each optimizer step's micro-batches, gradients summed
   over the group (engines/collective.py); rank 0 returns the new state, which the stage layer
@@ -28,10 +31,12 @@ group that lost a rank is rebuilt whole before the next update.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
 from ..artifacts.batch import RolloutBatch
+from ..artifacts.column_writes import ColumnFile, RowsRead
 from ..errors import exception_chain
 from ..rewards.base import ScoringError
 from ..stages.faults import TransientError
@@ -50,6 +55,15 @@ def _shards(n: int, unit: int, parts: int) -> list[tuple[int, int]]:
     units = math.ceil(n / unit)
     bounds = np.linspace(0, units, min(parts, units) + 1).round().astype(int)
     return [(int(a) * unit, min(int(b) * unit, n)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def _balanced(reads: list[RowsRead], parts: int) -> list[list[RowsRead]]:
+    """Whole fragments over `parts` workers, in order, each taking about an equal share of rows."""
+    total, groups, done = sum(r.rows for r in reads), [[] for _ in range(parts)], 0
+    for r in reads:
+        groups[min(parts - 1, int(done * parts / total))].append(r)
+        done += r.rows
+    return groups
 
 
 class RayEngine:
@@ -156,6 +170,27 @@ class RayEngine:
         shards = _shards(len(final_latents), self._decode_batch, len(self.rollout_workers))
         refs = [w.decode.remote(final_latents[lo:hi]) for w, (lo, hi) in zip(self.rollout_workers, shards)]
         return np.concatenate(self._get(refs, "decode", self.rollout_workers))
+
+    def decode_to_store(self, reads: list[RowsRead], field: str) -> tuple[list[ColumnFile], float]:
+        """Each rollout worker decodes whole fragments of the iteration (`reads`) and writes their
+        image columns as uncommitted column files, so neither latents nor images pass through the
+        driver: (every file, the slowest worker's seconds). The stage commits them as one version."""
+        groups = _balanced(reads, len(self.rollout_workers))
+        used = [w for w, g in zip(self.rollout_workers, groups) if g]
+        refs = [w.decode_rows.remote(g, field) for w, g in zip(self.rollout_workers, groups) if g]
+        parts = self._get(refs, "decode", used)
+        return [f for files, _ in parts for f in files], max(sec for _, sec in parts)
+
+    def score_from_store(self, rows: RowsRead, iteration: int) -> tuple[dict[str, np.ndarray], float]:
+        """`score` with each reward worker reading its contiguous shard's images, prompts and
+        metadata from the table itself: (the rewards in `rows.sample_ids` order, the slowest
+        worker's seconds)."""
+        ids = rows.sample_ids
+        shards = _shards(len(ids), 1, len(self.reward_workers))
+        refs = [w.score_rows.remote(replace(rows, sample_ids=ids[lo:hi]), iteration)
+                for w, (lo, hi) in zip(self.reward_workers, shards)]
+        parts = self._get(refs, "reward", self.reward_workers, [(ids[lo], ids[hi - 1]) for lo, hi in shards])
+        return {k: np.concatenate([p[k] for p, _ in parts]) for k in parts[0][0]}, max(sec for _, sec in parts)
 
     def score(self, images: np.ndarray, prompts: list[str], metadata: list[dict],
               sample_ids: list[str]) -> dict[str, np.ndarray]:

@@ -80,6 +80,26 @@ class RolloutWorker(_Worker):
         worker_fault_point(self.kind, self.index)
         return self.engine.decode(final_latents)
 
+    def decode_rows(self, reads, field: str) -> tuple[list, float]:
+        """Whole fragments' rows decoded, their image columns written as uncommitted files:
+        (one ColumnFile per fragment, seconds of decoding and encoding)."""
+        import time
+
+        import pyarrow as pa
+
+        from ..artifacts.batch import RolloutBatch
+        from ..artifacts.column_writes import image_columns
+
+        worker_fault_point(self.kind, self.index)
+        files, seconds = [], 0.0
+        for r in reads:
+            t = r.read([field])
+            t0 = time.perf_counter()
+            cols = image_columns(self.engine.decode(RolloutBatch.from_arrow(t.select([field]))[field]))
+            seconds += time.perf_counter() - t0
+            files.append(r.write_columns(pa.table({"_rowid": t["_rowid"], **cols})))
+        return files, seconds
+
     def decode_batch(self) -> int:
         return int(getattr(self.engine.policy.family, "decode_batch", 64))
 
@@ -100,6 +120,18 @@ class RewardWorker(_Worker):
     def score(self, images, prompts, metadata, sample_ids):
         worker_fault_point(self.kind, self.index)
         return self.engine.score(images, prompts, metadata, sample_ids)
+
+    def score_rows(self, rows, iteration: int) -> tuple[dict, float]:
+        """The rewards of rows read from the table (in `rows.sample_ids` order) and the seconds."""
+        import time
+
+        from ..artifacts.column_writes import SCORE_INPUTS, score_inputs
+
+        worker_fault_point(self.kind, self.index)
+        images, prompts, metadata, sample_ids = score_inputs(rows.read(SCORE_INPUTS), iteration)
+        t0 = time.perf_counter()
+        scores = self.engine.score(images, prompts, metadata, sample_ids)
+        return scores, time.perf_counter() - t0
 
 
 class TrainerWorker(_Worker):

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .base import ModelLoadError, torch_dtype
+from .janus_cot import CotPrompts, cot_length, cot_parts, cot_tail, user_turn
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -45,20 +46,6 @@ class JanusPrompts:
 
     def expand(self, n: int) -> "JanusPrompts":
         return JanusPrompts(self.ids.expand(n, -1), self.mask.expand(n, -1), self.uncond_ids.expand(n, -1))
-
-
-@dataclass
-class CotPrompts:
-    """A prompt set's semantic chain of thought (T2I-R1's BiCoT): the reasoning prompts the text
-    is sampled from (left-padded to the set's width), and per prompt the ids that wrap the CoT in
-    the image prompt `<|User|>: {prompt}. {cot}\n\n<|Assistant|>:<begin_of_image>`. The image
-    prompts are padded to one width for the whole set (longest head + tail + the CoT budget), so
-    a row's conditioning never depends on the batch it is replayed in."""
-
-    text: JanusPrompts  # the reasoning prompts (no unconditional rows: text is sampled unguided)
-    heads: list[list[int]]  # BOS + "<|User|>: {prompt}. " per prompt of the set
-    tail: list[int]  # "\n\n<|Assistant|>:" + <begin_of_image>
-    width: int
 
 
 @dataclass
@@ -227,7 +214,7 @@ class JanusProFamily:
     def image_prompt(prompt: str) -> str:
         """A user turn with the generation prompt, as Janus-Pro's chat template renders it, and the
         image-start token JanusProcessor appends in image mode."""
-        return f"<|User|>: {prompt.strip()}\n\n<|Assistant|>:"
+        return user_turn(prompt)
 
     def encode_prompts(self, prompts: list[str]) -> JanusPrompts:
         texts = [self.image_prompt(p) + self.tokenizer.boi_token for p in prompts]
@@ -390,25 +377,6 @@ class JanusProFamily:
         save_janus_processor(out_dir, tok, side=4 * grid, num_image_tokens=grid * grid)
         return {"model.family": cls.name, "model.path": str(out_dir), "model.max_sequence_length": 0,
                 "sampling.guidance_scale": 5.0}
-
-
-def cot_parts(tokenizer, prompt: str, template: str) -> tuple[list[int], list[int]]:
-    """A chain of thought's fixed ids for one prompt (T2I-R1's layout): the reasoning prompt — a
-    user turn of `template` with the prompt and the generation prompt — and the image prompt's head
-    `<|User|>: {prompt}. ` (BOS first), before the thought."""
-    reasoning = tokenizer(JanusProFamily.image_prompt(template.format(prompt=prompt.strip()))).input_ids
-    return reasoning, tokenizer(f"<|User|>: {prompt.strip()}. ").input_ids
-
-
-def cot_tail(tokenizer) -> list[int]:
-    """The image prompt's ids after the thought: `\n\n<|Assistant|>:<begin_of_image>`."""
-    return (tokenizer("\n\n<|Assistant|>:", add_special_tokens=False).input_ids
-            + [tokenizer.convert_tokens_to_ids(tokenizer.boi_token)])
-
-
-def cot_length(reasoning: list[int], head: list[int], tail: list[int], budget: int) -> int:
-    """The longer of the two sequences a chain of thought of `budget` tokens can make."""
-    return max(len(reasoning) + budget, len(head) + budget + len(tail))
 
 
 class PromptTooLong(ModelLoadError):

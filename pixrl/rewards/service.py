@@ -63,15 +63,45 @@ class ServiceMetrics:
         return "\n".join(lines) + "\n"
 
 
-def build_app(rewards: RewardSet, token: str | None = None, max_bytes: int = 64 << 20, max_batch: int = 256,
-              queue_timeout_s: float = 600.0, accept_pickle: bool = False):
-    from fastapi import FastAPI, HTTPException
-    from fastapi.responses import PlainTextResponse, Response
-    from starlette.concurrency import run_in_threadpool
+class ScoringGate:
+    """The reward set behind one lock (scorers are not thread-safe; requests queue), with the
+    service's batch limit, queue timeout and counters. A scorer failure is a 500 naming it."""
 
-    app = FastAPI(title="pixrl reward service")
-    lock = threading.Lock()
-    stats = ServiceMetrics()
+    def __init__(self, rewards: RewardSet, stats: "ServiceMetrics", max_batch: int, queue_timeout_s: float):
+        self.rewards, self.stats = rewards, stats
+        self.max_batch, self.queue_timeout_s = max_batch, queue_timeout_s
+        self.lock = threading.Lock()
+
+    def check_batch(self, n: int) -> None:
+        from fastapi import HTTPException
+
+        if n > self.max_batch:
+            self.stats.add("refused")
+            raise HTTPException(413, f"{n} images in one request exceed the batch limit of {self.max_batch}; split "
+                                     f"the request (reward.options.remote.batch) or raise --max-batch")
+
+    def score(self, images: np.ndarray, prompts: list[str], meta: list[dict], ids: list[str]) -> dict:
+        from fastapi import HTTPException
+
+        t0 = time.perf_counter()
+        if not self.lock.acquire(timeout=self.queue_timeout_s):
+            self.stats.add("timed_out")
+            raise HTTPException(503, f"waited {self.queue_timeout_s:.0f} s behind other requests; retry later")
+        try:
+            t1 = time.perf_counter()
+            self.stats.add("waits", seconds="queue_wait", value=t1 - t0)
+            out = self.rewards.score(images, prompts, meta, ids)
+        except ScoringError as exc:
+            self.stats.add("failed")
+            raise HTTPException(500, str(exc)) from None
+        finally:
+            self.lock.release()
+        self.stats.add("images", len(images), seconds="scoring", value=time.perf_counter() - t1)
+        return out
+
+
+def _add_limits(app, stats: "ServiceMetrics", token: str | None, max_bytes: int, accept_pickle: bool) -> None:
+    """The bearer token and the body-size limit, checked before a scoring request is read."""
 
     @app.middleware("http")
     async def _limits(request: Request, call_next):
@@ -89,6 +119,37 @@ def build_app(rewards: RewardSet, token: str | None = None, max_bytes: int = 64 
                                                f"send fewer images per request or raise --max-mb"}, status_code=413)
         return await call_next(request)
 
+
+def _add_pickle_route(app, gate: ScoringGate) -> None:
+    """flow_grpo's wire format at `/`: a pickled dict in, a pickled dict out."""
+    from fastapi import HTTPException
+    from fastapi.responses import Response
+    from starlette.concurrency import run_in_threadpool
+
+    @app.post("/")
+    async def score_pickled(request: Request) -> Response:
+        body = await request.body()
+        try:
+            images, prompts, meta = decode_pickled_request(body)
+        except ValueError as exc:
+            gate.stats.add("refused")
+            raise HTTPException(422, str(exc)) from None
+        gate.check_batch(len(images))
+        ids = [f"request[{i}]" for i in range(len(images))]
+        out = await run_in_threadpool(gate.score, images, prompts, meta, ids)
+        return Response(encode_pickled_response(out), media_type="application/octet-stream")
+
+
+def build_app(rewards: RewardSet, token: str | None = None, max_bytes: int = 64 << 20, max_batch: int = 256,
+              queue_timeout_s: float = 600.0, accept_pickle: bool = False):
+    from fastapi import FastAPI, HTTPException
+    from fastapi.responses import PlainTextResponse
+
+    app = FastAPI(title="pixrl reward service")
+    stats = ServiceMetrics()
+    gate = ScoringGate(rewards, stats, max_batch, queue_timeout_s)
+    _add_limits(app, stats, token, max_bytes, accept_pickle)
+
     @app.get("/health")
     def health() -> dict:
         return {"status": "ok", "rewards": rewards.weights}
@@ -97,34 +158,10 @@ def build_app(rewards: RewardSet, token: str | None = None, max_bytes: int = 64 
     def metrics() -> str:
         return stats.text()
 
-    def _check_batch(n: int) -> None:
-        if n > max_batch:
-            stats.add("refused")
-            raise HTTPException(413, f"{n} images in one request exceed the batch limit of {max_batch}; split the "
-                                     f"request (reward.options.remote.batch) or raise --max-batch")
-
-    def _score(images: np.ndarray, prompts: list[str], meta: list[dict], ids: list[str]) -> dict:
-        """The reward set on one request, behind the lock; a scorer failure is a 500 naming it."""
-        t0 = time.perf_counter()
-        if not lock.acquire(timeout=queue_timeout_s):
-            stats.add("timed_out")
-            raise HTTPException(503, f"waited {queue_timeout_s:.0f} s behind other requests; retry later")
-        try:
-            t1 = time.perf_counter()
-            stats.add("waits", seconds="queue_wait", value=t1 - t0)
-            out = rewards.score(images, prompts, meta, ids)
-        except ScoringError as exc:
-            stats.add("failed")
-            raise HTTPException(500, str(exc)) from None
-        finally:
-            lock.release()
-        stats.add("images", len(images), seconds="scoring", value=time.perf_counter() - t1)
-        return out
-
     @app.post("/score")
     def score(req: ScoreRequest) -> dict:  # a sync endpoint: FastAPI runs it in its thread pool
         n = len(req.images)
-        _check_batch(n)
+        gate.check_batch(n)
         meta = req.metadata if req.metadata is not None else [{}] * n
         ids = req.sample_ids if req.sample_ids is not None else [f"request[{i}]" for i in range(n)]
         if not len(req.prompts) == len(meta) == len(ids) == n:
@@ -135,22 +172,9 @@ def build_app(rewards: RewardSet, token: str | None = None, max_bytes: int = 64 
         except ValueError as exc:
             stats.add("refused")
             raise HTTPException(422, str(exc)) from None
-        out = _score(images, req.prompts, meta, ids)
+        out = gate.score(images, req.prompts, meta, ids)
         return {"scores": {k: np.asarray(v, np.float32).tolist() for k, v in out.items()}}
 
     if accept_pickle:
-        @app.post("/")
-        async def score_pickled(request: Request) -> Response:
-            """flow_grpo's wire format: a pickled dict in, a pickled dict out."""
-            body = await request.body()
-            try:
-                images, prompts, meta = decode_pickled_request(body)
-            except ValueError as exc:
-                stats.add("refused")
-                raise HTTPException(422, str(exc)) from None
-            _check_batch(len(images))
-            ids = [f"request[{i}]" for i in range(len(images))]
-            out = await run_in_threadpool(_score, images, prompts, meta, ids)
-            return Response(encode_pickled_response(out), media_type="application/octet-stream")
-
+        _add_pickle_route(app, gate)
     return app

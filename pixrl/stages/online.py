@@ -9,7 +9,6 @@ log its metrics. Engines compute; this layer decides, records and commits.
 from __future__ import annotations
 
 import json
-import time
 from functools import cached_property
 from pathlib import Path
 
@@ -20,14 +19,13 @@ from ..algorithms.advantages import aggregated_advantages
 from ..algorithms.base import build_algorithm
 from ..algorithms.dynamic_sampling import batch_full, groups_with_signal, trained_mask
 from ..algorithms.recipe import stored_recipe
-from ..artifacts.batch import COT_FIELDS, DECODE_INPUT, RolloutBatch
+from ..artifacts.batch import COT_FIELDS, RolloutBatch
 from ..artifacts.rollout_rows import RowSink, rows_table
 from ..artifacts.checkpoints import CheckpointRef, save_checkpoint
-from ..artifacts.media import decode_media, media_bytes, png_bytes
 from ..artifacts.retention import RunRetention
 from ..artifacts.store_maintenance import maintain_store
 from ..artifacts.tracking import PolicyRef
-from ..artifacts.trajectories import TableRef, meta_json, rewards_column
+from ..artifacts.trajectories import TableRef, meta_json
 from ..datasets.prompts import choose_prompts, load_prompt_set, select_categories
 from ..engines.assets import resolve_asset
 from ..engines.base import Engine, PolicySource
@@ -35,13 +33,14 @@ from ..run import RunSpec
 from . import progress
 from .chaos import fault_point
 from .completion import RunStores
-from .overlap import Chunk, ScoringOverlap, decode_chunk, generation_order, merge_scores, score_chunk
+from .decode_score import DecodeScoreStages
+from .overlap import ScoringOverlap
 from .plan import BatchPlan, make_plan, seed_of
 from .publish import evaluate_policy, publish_checkpoint
 from .records import StageRecords, timed_stage
 
 
-class OnlineStages:
+class OnlineStages(DecodeScoreStages):
     def __init__(self, spec: RunSpec, engine: Engine):
         self.spec, self.cfg, self.engine = spec, spec.cfg, engine
         self.stores = RunStores(spec)
@@ -176,110 +175,6 @@ class OnlineStages:
             sample_index=[g for _, g, _ in rows], seed=seeds, policy_version=[policy.version] * n,
             family=[info["family"]] * n, regime=[sem.regime.value] * n, step_kind=[sem.step.value] * n,
             recipe=[recipe_json] * n)
-
-    # --- decode -------------------------------------------------------------------------------
-    def decode(self, iteration: int, ref: TableRef, rnd: int = 0) -> TableRef:
-        return self._timed(self.stage_name("decode", rnd), iteration, lambda: self._decode(iteration, ref, rnd))
-
-    def _decode(self, iteration: int, ref: TableRef, rnd: int):
-        if self.stores.complete("decode", iteration, rnd):
-            return self.stores.latest(), None
-        field = DECODE_INPUT[self.step_kind]  # final latents, or a token family's image tokens
-        scope = self.stores.round_scope(rnd)
-        if self.overlap is not None:
-            return self._decode_chunked(iteration, ref, rnd, field, scope)
-        t = self._read(ref, iteration, ["run_id", "iteration", "sample_id", field], where=scope)
-        batch = RolloutBatch.from_arrow(t.select([field]))
-        t0 = time.perf_counter()
-        imgs = self.engine.decode(batch[field])  # images [B, H, W, 3] or clips [B, F, H, W, 3]
-        cols = {"image": pa.array([media_bytes(im) for im in imgs], pa.binary())}
-        if imgs.ndim == 5:
-            cols["poster"] = pa.array([png_bytes(clip[0]) for clip in imgs], pa.binary())
-        seconds = time.perf_counter() - t0  # the sample grid is logged by the iteration's report
-        upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"], **cols})
-        metrics = self._commit_record("decode", iteration, rnd, {"decode_compute_s": seconds})
-        return self.table.merge(upd, where=scope), metrics
-
-    ORDER = ["group_id", "sample_index"]  # with sample_id: generation order (reward.overlap)
-
-    def _decode_chunked(self, iteration: int, ref: TableRef, rnd: int, field: str, scope):
-        """reward.overlap's decode: the bytes the background thread made while generate ran, or
-        (nothing prefetched) the same per-micro-batch decode now."""
-        key, keys = (iteration, rnd), ["run_id", "iteration", "sample_id"]
-        t = self._read(ref, iteration, [*keys, *self.ORDER], where=scope)
-        sids = t["sample_id"].to_pylist()
-        parts = generation_order(t["group_id"].to_numpy(), t["sample_index"].to_numpy(), self.cfg.sampling.micro_batch)
-        got = self.overlap.decoded(key, ref.version, [sids[i] for p in parts for i in p])
-        metrics: dict = {}
-        if got is None:
-            data = RolloutBatch.from_arrow(self._read(ref, iteration, ["sample_id", field], where=scope))
-            pos = {sid: i for i, sid in enumerate(data["sample_id"])}
-            chunks = [decode_chunk(self.engine, data[field][[pos[sids[i]] for i in p]], [sids[i] for i in p])
-                      for p in parts]
-        else:
-            chunks, metrics["overlap/decode_wait_s"] = got
-        blob = {s: b for ch in chunks for s, b in zip(ch.sample_ids, ch.blobs)}
-        cols = {"image": pa.array([blob[s] for s in sids], pa.binary())}
-        if chunks and chunks[0].posters is not None:
-            poster = {s: b for ch in chunks for s, b in zip(ch.sample_ids, ch.posters)}
-            cols["poster"] = pa.array([poster[s] for s in sids], pa.binary())
-        metrics["decode_compute_s"] = sum(ch.decode_s for ch in chunks)
-        upd = pa.table({k: t[k] for k in keys} | cols)
-        metrics = self._commit_record("decode", iteration, rnd, metrics)
-        out = self.table.merge(upd, where=scope)
-        if got is not None:
-            self.overlap.decode_committed(key, out.version)
-        return out, metrics
-
-    # --- score --------------------------------------------------------------------------------
-    def score(self, iteration: int, ref: TableRef, rnd: int = 0) -> TableRef:
-        return self._timed(self.stage_name("score", rnd), iteration, lambda: self._score(iteration, ref, rnd))
-
-    def _score(self, iteration: int, ref: TableRef, rnd: int):
-        if self.stores.complete("score", iteration, rnd):
-            return self.stores.latest(), None
-        scope = self.stores.round_scope(rnd)
-        order = self.ORDER if self.overlap is not None else []
-        t = self._read(ref, iteration, ["run_id", "iteration", "sample_id", "prompt", "prompt_meta", "image", *order],
-                       where=scope)
-        missing = [sid for sid, im in zip(t["sample_id"].to_pylist(), t["image"].to_pylist()) if im is None]
-        if missing:
-            raise RuntimeError(f"samples {missing[:3]} have no decoded image; run decode for iteration {iteration} first")
-        metrics = {}
-        if self.overlap is not None:
-            scores, seconds = self._score_chunked(iteration, ref, rnd, t, metrics)
-        else:
-            imgs = np.stack([decode_media(b) for b in t["image"].to_pylist()])
-            t0 = time.perf_counter()
-            scores = self.engine.score(imgs, t["prompt"].to_pylist(),
-                                       [json.loads(m) for m in t["prompt_meta"].to_pylist()], t["sample_id"].to_pylist())
-            seconds = time.perf_counter() - t0
-        upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"],
-                        "rewards": rewards_column(scores, t.num_rows), "reward": pa.array(scores["reward"], pa.float32())})
-        metrics["score_compute_s"] = seconds
-        for k, v in scores.items():
-            metrics[f"reward/{k}/mean"] = float(np.mean(v))
-            metrics[f"reward/{k}/std"] = float(np.std(v))
-        metrics = self._commit_record("score", iteration, rnd, metrics)
-        return self.table.merge(upd, where=scope), metrics
-
-    def _score_chunked(self, iteration: int, ref: TableRef, rnd: int, t: pa.Table, metrics: dict):
-        """reward.overlap's score: the rewards the background thread computed from the bytes decode
-        committed, or (nothing prefetched) the same per-micro-batch scoring now."""
-        sids = t["sample_id"].to_pylist()
-        parts = generation_order(t["group_id"].to_numpy(), t["sample_index"].to_numpy(), self.cfg.sampling.micro_batch)
-        got = self.overlap.scored((iteration, rnd), ref.version, [sids[i] for p in parts for i in p])
-        if got is None:
-            blobs, prompts = t["image"].to_pylist(), t["prompt"].to_pylist()
-            metas = [json.loads(m) for m in t["prompt_meta"].to_pylist()]
-            chunks = []
-            for p in parts:
-                scores, seconds = score_chunk(self.engine, [blobs[i] for i in p], [prompts[i] for i in p],
-                                              [metas[i] for i in p], [sids[i] for i in p])
-                chunks.append(Chunk([sids[i] for i in p], [], None, 0.0, scores, seconds))
-        else:
-            chunks, metrics["overlap/score_wait_s"] = got
-        return merge_scores(chunks, parts, t.num_rows), sum(ch.score_s for ch in chunks)
 
     # --- replay -------------------------------------------------------------------------------
     def replay(self, iteration: int, ref: TableRef) -> tuple[TableRef, BatchPlan]:
