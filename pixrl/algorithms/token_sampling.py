@@ -118,11 +118,17 @@ def sample_text(family, text_cond, generators: list[torch.Generator], recipe: To
 
 @torch.no_grad()
 def sample_with_cot(family, cot, rows: list[int], generators: list[torch.Generator],
-                    recipe: TokenRecipe) -> TokenTrajectory:
+                    recipe: TokenRecipe, text_sampler=None) -> TokenTrajectory:
     """A micro-batch of set rows `rows` (a CotPrompts set): the chain of thought, then the image
-    tokens after the image prompt that embeds it."""
+    tokens after the image prompt that embeds it. `text_sampler` (engines/vllm_text.py): another
+    process draws the text; its log-probs are still the policy's, teacher-forced."""
     text_cond = cot.text.select(rows)
-    cot_tokens, cot_mask, cot_lp = sample_text(family, text_cond, generators, recipe)
+    if text_sampler is None:
+        cot_tokens, cot_mask, cot_lp = sample_text(family, text_cond, generators, recipe)
+    else:
+        cot_tokens, cot_mask = text_sampler.sample(text_cond, generators, recipe.cot_tokens, recipe.cot_temperature,
+                                                   family.pad_id, family.eos_id)
+        cot_lp, _ = text_log_probs(family, text_cond, cot_tokens, cot_mask, recipe.cot_temperature)
     traj = sample_tokens(family, family.cot_image_prompts(cot, rows, cot_tokens, cot_mask), generators, recipe)
     traj.cot_tokens, traj.cot_mask, traj.cot_log_probs = cot_tokens, cot_mask, cot_lp
     return traj

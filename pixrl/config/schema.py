@@ -57,11 +57,20 @@ class SamplingConfig(_Section):
     cot_temperature: float = Field(1.0, gt=0, description="token families: softmax temperature of the chain of thought")
     cot_template: str = Field(T2I_R1_REASONING_PROMPT, description="token families: the reasoning prompt the chain of "
                               "thought answers, with {prompt}")
+    cot_backend: Literal["policy", "vllm"] = Field("policy", description="what samples the chain of thought: the "
+                                                   "policy in this process, or a vLLM server of its language model "
+                                                   "(engines/vllm_text.py; log-probs stay the policy's)")
+    cot_vllm_url: str = Field("", description="cot_backend=vllm: the server `pixrl serve-vllm-text` started")
+    cot_vllm_model: str = Field("", description="cot_backend=vllm: the served model's name (empty: the only one)")
 
     @model_validator(mode="after")
     def _slots(self) -> SamplingConfig:
         if self.cot_tokens and "{prompt}" not in self.cot_template:
             raise ValueError("sampling.cot_template must contain {prompt} (where the image prompt goes)")
+        if self.cot_backend == "vllm" and not (self.cot_tokens and self.cot_vllm_url):
+            raise ValueError(f"sampling.cot_backend=vllm samples the chain of thought on a vLLM server: it needs "
+                             f"sampling.cot_tokens > 0 (got {self.cot_tokens}) and sampling.cot_vllm_url (got "
+                             f"{self.cot_vllm_url!r}; `pixrl serve-vllm-text` prints it)")
         if self.prompts_per_iteration * self.max_rounds > 1000:  # sample ids hold 3-digit group slots
             raise ValueError(f"sampling.prompts_per_iteration × sampling.max_rounds = "
                              f"{self.prompts_per_iteration * self.max_rounds} groups per iteration; at most 1000")

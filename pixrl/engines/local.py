@@ -46,6 +46,7 @@ class LocalEngine:
         self.rewards = RewardSet(cfg.reward.weights, cfg.reward.options, device=cfg.model.device)
         self._policy: TrainablePolicy | None = None
         self._prompts: PromptCache | None = None
+        self._cot_server = None  # sampling.cot_backend=vllm (engines/vllm_text.py)
         self.collective = None  # a trainer rank's process group (engines/collective.py); None: one process
 
     @property
@@ -140,7 +141,7 @@ class LocalEngine:
             chunk = prompts[start:min(start + mb, hi)]
             gens = generators(seeds[start:start + len(chunk)], fam.device)
             rows = [pos[p] for p in chunk]
-            trajs.append(sample_with_cot(fam, cot, rows, gens, recipe) if cot
+            trajs.append(sample_with_cot(fam, cot, rows, gens, recipe, self._text_sampler()) if cot
                          else sample_tokens(fam, cond_all.select(rows), gens, recipe))
             if on_chunk is not None:
                 on_chunk(start, start + len(chunk), _host(trajs[-1].tokens).astype(np.int32))
@@ -151,6 +152,22 @@ class LocalEngine:
             cols.update(cot_tokens=cat("cot_tokens").astype(np.int32), cot_mask=cat("cot_mask").astype(np.int8),
                         cot_log_probs=cat("cot_log_probs"))
         return RolloutBatch(cols), seconds
+
+    def _text_sampler(self):
+        """sampling.cot_backend=vllm: the server sampling the chain of thought, holding the
+        in-memory version's text weights; None: the policy samples it here."""
+        s = self.cfg.sampling
+        if s.cot_backend != "vllm":
+            return None
+        if self._cot_server is None:
+            from pathlib import Path
+
+            from .vllm_text import VllmTextSampler
+
+            weights = Path(self.cfg.run.workdir) / "vllm_text" / self.cfg.run.name  # where versions go to the server
+            self._cot_server = VllmTextSampler(s.cot_vllm_url, weights, s.cot_vllm_model)
+        self._cot_server.sync(self.policy.family, self.policy.weights_id)
+        return self._cot_server
 
     # --- decode and score ---------------------------------------------------------------------
     def decode(self, final_latents: np.ndarray) -> np.ndarray:

@@ -347,8 +347,8 @@ class JanusProFamily:
 
     # --- tiny checkpoints ---------------------------------------------------------------------
     @classmethod
-    def write_tiny(cls, out_dir: Path, seed: int = 0, grid: int = 4, codebook: int = 64) -> dict:
-        """A random JanusForConditionalGeneration (2-layer Llama of width 32, one-layer vision
+    def write_tiny(cls, out_dir: Path, seed: int = 0, grid: int = 4, codebook: int = 64, hidden: int = 32) -> dict:
+        """A random JanusForConditionalGeneration (2-layer Llama of width `hidden` (2 heads), one-layer vision
         tower, a VQ-VAE with the smallest GroupNorm-32 widths: `grid`² tokens → 4·grid px) with
         the DeepSeek tokenizer layout, image processor, chat template and generation config, saved
         as the transformers converter writes Janus-Pro. Returns its overrides."""
@@ -360,7 +360,6 @@ class JanusProFamily:
         torch.manual_seed(seed)
         out_dir = Path(out_dir)
         tok = janus_tokenizer(out_dir)
-        hidden = 32
         text = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
                            pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)

@@ -166,7 +166,9 @@ class OnlineStages(DecodeScoreStages):
             geometry = {"resolution": list(info["latent_shape"])}
         recipe_json = json.dumps({**recipe.to_dict(), **geometry, "dtype": cfg.model.dtype,
                                   "engine": cfg.run.engine, "torch": info["torch"], "micro_batch": s.micro_batch,
-                                  "shift": info.get("shift"), **({"frames": info["frames"]} if info.get("video") else {})})
+                                  "shift": info.get("shift"), **({"frames": info["frames"]} if info.get("video") else {}),
+                                  **({"cot_backend": "vllm", "cot_server": s.cot_vllm_url}
+                                     if s.cot_tokens and s.cot_backend == "vllm" else {})})
         return dict(
             run_id=[self.spec.run_id] * n, iteration=[iteration] * n,
             sample_id=[f"{iteration:05d}-{slot:03d}-{g:02d}" for slot, g, _ in rows],

@@ -1,0 +1,135 @@
+"""The chain of thought (T2I-R1) sampled by a vLLM server (`sampling.cot_backend=vllm`).
+
+A token family's rollout first samples each sample's reasoning text, then its image tokens after
+an image prompt that embeds the text. With this backend the text comes from a vLLM server that
+serves the policy's language model as a Llama checkout (models/janus_text.py; `pixrl
+serve-vllm-text` starts one), and the image tokens from the policy in this process, as before.
+
+- **Exactly the named version.** Before a rollout the engine calls `sync(family, weights_id)`:
+  when the server holds another version, the current in-memory text weights (LoRA merged) are
+  written to `weights_dir/<version>/model.safetensors` and the server reloads them in place
+  (vLLM's `reload_weights` over `/collective_rpc`, which needs `VLLM_SERVER_DEV_MODE=1`), then
+  drops its prefix cache. The previous version's file is removed once the new one is loaded.
+- **Log-probs are the policy's.** vLLM returns only the tokens; the stored log-probs are
+  teacher-forced by the policy (algorithms/token_sampling.py), the function replay
+  differentiates, so the ratio before an update is exactly 1. vLLM's own log-probs of the same
+  tokens are kept as `behavior_log_probs` to show how far its sampler is from the policy.
+- **Reproducible per sample.** Each row is its own request with a seed drawn from the sample's
+  generator (the one that then draws its image tokens), so a sample does not depend on its
+  batch's other rows' seeds. vLLM does not promise batch-invariant kernels: a generate that is
+  rerun after a failure can differ in the last bits of a logit, hence rarely in a token (the
+  policy backend reruns bit for bit).
+- Text is sampled at `cot_temperature` with no top-k/top-p, until the family's end-of-sentence
+  token (kept, as the policy backend keeps it) or the budget.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from ..rewards.base import ScoringError
+from ..rewards.http_post import detail, post_json
+
+
+class CotServerError(RuntimeError):
+    """The chain-of-thought server is unreachable, refuses, or answers something unusable."""
+
+
+class VllmTextSampler:
+    def __init__(self, url: str, weights_dir: Path, served_model: str = "", concurrency: int = 16,
+                 timeout: float = 300.0, retries: int = 2, token_env: str = "PIXRL_VLLM_TOKEN"):
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"sampling.cot_backend=vllm needs sampling.cot_vllm_url, the server `pixrl "
+                             f"serve-vllm-text` started (e.g. http://127.0.0.1:8000); got {url!r}")
+        self.url, self.model, self.weights_dir = url.rstrip("/"), served_model, Path(weights_dir)
+        self.concurrency, self.timeout, self.retries = concurrency, timeout, retries
+        self.token = os.environ.get(token_env, "")
+        self.client = None
+        self.loaded: str | None = None  # the version the server holds (None: unknown, e.g. what it started with)
+        self.behavior_log_probs: list[list[float]] = []  # vLLM's log-probs of the last sample() call's tokens
+
+    # --- connection and weights ---------------------------------------------------------------
+    def setup(self) -> None:
+        import httpx
+
+        if self.client is not None:
+            return
+        headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
+        self.client = httpx.Client(timeout=self.timeout, headers=headers)
+        try:
+            r = self.client.get(f"{self.url}/v1/models")
+        except httpx.TransportError as exc:
+            self.client = None
+            raise CotServerError(f"sampling.cot_backend=vllm: no vLLM server answers at {self.url} ({exc}); start "
+                                 f"one with `pixrl serve-vllm-text` or fix sampling.cot_vllm_url") from None
+        served = [m["id"] for m in r.json().get("data", [])] if r.status_code == 200 else []
+        if not self.model and len(served) == 1:
+            self.model = served[0]
+        if self.model not in served:
+            raise CotServerError(f"sampling.cot_backend=vllm: {self.url} serves {served}, not {self.model!r}; set "
+                                 f"sampling.cot_vllm_model to one of them")
+
+    def _post(self, path: str, payload: dict | None, what: str) -> dict:
+        try:
+            return post_json(self.client, f"{self.url}{path}", payload or {}, self.retries, 1.0,
+                             f"the chain-of-thought server {self.url} ({what})",
+                             "check the server (`pixrl serve-vllm-text`) and sampling.cot_vllm_url")
+        except ScoringError as exc:
+            hint = ("; the server must run with VLLM_SERVER_DEV_MODE=1 (pixrl serve-vllm-text sets it)"
+                    if "404" in str(exc) and path == "/collective_rpc" else "")
+            raise CotServerError(str(exc) + hint) from None
+
+    def sync(self, family, weights_id: str) -> None:
+        """Make the server's weights the family's current ones (version `weights_id`)."""
+        from ..models.janus_text import write_text_weights
+
+        self.setup()
+        if self.loaded == weights_id:
+            return
+        target = self.weights_dir / weights_id.replace("/", "_")
+        write_text_weights(family, target)
+        self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(target)}},
+                   f"loading version {weights_id}")
+        self._post("/reset_prefix_cache", None, "dropping the previous version's cache")
+        if self.loaded is not None:
+            shutil.rmtree(self.weights_dir / self.loaded.replace("/", "_"), ignore_errors=True)
+        self.loaded = weights_id
+
+    # --- sampling -----------------------------------------------------------------------------
+    def _one(self, ids: list[int], seed: int, budget: int, temperature: float, eos: int) -> tuple[list[int], list[float]]:
+        resp = self._post("/v1/completions", {
+            "model": self.model, "prompt": ids, "max_tokens": budget, "temperature": temperature, "top_p": 1.0,
+            "seed": seed, "stop_token_ids": [eos], "logprobs": 0, "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False}, "sampling a chain of thought")
+        try:
+            lp = resp["choices"][0]["logprobs"]
+            tokens = [int(t.split(":", 1)[1]) for t in lp["tokens"]]
+            return tokens, [float(x) for x in lp["token_logprobs"]]
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise CotServerError(f"the chain-of-thought server {self.url} returned no token ids "
+                                 f"(got {str(resp)[:200]}); it must be a vLLM OpenAI server") from None
+
+    def sample(self, text_cond, generators: list[torch.Generator], budget: int, temperature: float,
+               pad: int, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [B, budget] padded with `pad`, mask [B, budget], 1 = sampled) for the reasoning
+        prompts `text_cond` (left-padded ids and mask), one seed per row from its generator."""
+        self.setup()
+        prompts = [row[m.bool()].tolist() for row, m in zip(text_cond.ids.cpu(), text_cond.mask.cpu())]
+        seeds = [int(torch.randint(0, 2 ** 31 - 1, (1,), generator=g, device=g.device)) for g in generators]
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            got = list(pool.map(lambda a: self._one(a[0], a[1], budget, temperature, eos), zip(prompts, seeds)))
+        dev = text_cond.ids.device
+        tokens = torch.full((len(got), budget), pad, dtype=torch.long, device=dev)
+        mask = torch.zeros((len(got), budget), dtype=torch.long, device=dev)
+        for r, (toks, _) in enumerate(got):
+            if len(toks) > budget:
+                raise CotServerError(f"the chain-of-thought server returned {len(toks)} tokens for a budget of {budget}")
+            tokens[r, :len(toks)] = torch.tensor(toks, dtype=torch.long)
+            mask[r, :len(toks)] = 1
+        self.behavior_log_probs = [lp for _, lp in got]
+        return tokens, mask
