@@ -7,7 +7,7 @@ serve-vllm-text` starts one), and the image tokens from the policy in this proce
 
 - **Exactly the named version.** Before a rollout the engine calls `sync(family, weights_id)`:
   when the server holds another version, the current in-memory text weights (LoRA merged) are
-  written to `weights_dir/<version>/model.safetensors` and the server reloads them in place
+  written to `weights_dir/<version>.<pid>/model.safetensors` and the server reloads them in place
   (vLLM's `reload_weights` over `/collective_rpc`, which needs `VLLM_SERVER_DEV_MODE=1`), then
   drops its prefix cache. The previous version's file is removed once the new one is loaded.
 - **Log-probs are the policy's.** vLLM returns only the tokens; the stored log-probs are
@@ -91,14 +91,19 @@ class VllmTextSampler:
         self.setup()
         if self.loaded == weights_id:
             return
-        target = self.weights_dir / weights_id.replace("/", "_")
+        target = self._dir(weights_id)
         write_text_weights(family, target)
         self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(target)}},
                    f"loading version {weights_id}")
         self._post("/reset_prefix_cache", None, "dropping the previous version's cache")
         if self.loaded is not None:
-            shutil.rmtree(self.weights_dir / self.loaded.replace("/", "_"), ignore_errors=True)
+            shutil.rmtree(self._dir(self.loaded), ignore_errors=True)
         self.loaded = weights_id
+
+    def _dir(self, weights_id: str) -> Path:
+        """This process's copy of a version (rollout workers sharing a server each write their own,
+        so none removes a file another is loading)."""
+        return self.weights_dir / f"{weights_id.replace('/', '_')}.{os.getpid()}"
 
     # --- sampling -----------------------------------------------------------------------------
     def _one(self, ids: list[int], seed: int, budget: int, temperature: float, eos: int) -> tuple[list[int], list[float]]:
