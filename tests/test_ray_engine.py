@@ -57,6 +57,18 @@ def _cfg(ckpt: Path, workdir: Path, *extra: str):
                        + ["run.threads=1", "reward=jpeg_compressibility", *extra])
 
 
+def test_fragments_are_shared_by_rows_and_no_worker_gets_an_empty_share():
+    from pixrl.artifacts.column_writes import RowsRead
+    from pixrl.engines.ray_engine import _balanced
+
+    reads = lambda *rows: [RowsRead("u", 1, "s", i, n) for i, n in enumerate(rows)]  # noqa: E731
+    ids = lambda groups: [[r.fragment_id for r in g] for g in groups]  # noqa: E731
+    assert ids(_balanced(reads(8, 12), 2)) == [[0], [1]]
+    assert ids(_balanced(reads(20), 2)) == [[0]]
+    assert ids(_balanced(reads(4, 4, 4, 4), 2)) == [[0, 1], [2, 3]]
+    assert ids(_balanced(reads(4, 4, 4), 4)) == [[0], [1], [2]]
+
+
 def test_shards_cover_the_rows_in_whole_units():
     assert _shards(20, 4, 2) == [(0, 8), (8, 20)]
     assert _shards(16, 4, 2) == [(0, 8), (8, 16)]

@@ -58,12 +58,13 @@ def _shards(n: int, unit: int, parts: int) -> list[tuple[int, int]]:
 
 
 def _balanced(reads: list[RowsRead], parts: int) -> list[list[RowsRead]]:
-    """Whole fragments over `parts` workers, in order, each taking about an equal share of rows."""
+    """Whole fragments in up to `parts` groups, in order, of about equal rows (a fragment goes to
+    the share its middle row falls in); no empty group."""
     total, groups, done = sum(r.rows for r in reads), [[] for _ in range(parts)], 0
     for r in reads:
-        groups[min(parts - 1, int(done * parts / total))].append(r)
+        groups[min(parts - 1, int((done + r.rows / 2) * parts / total))].append(r)
         done += r.rows
-    return groups
+    return [g for g in groups if g]
 
 
 class RayEngine:
@@ -176,9 +177,8 @@ class RayEngine:
         image columns as uncommitted column files, so neither latents nor images pass through the
         driver: (every file, the slowest worker's seconds). The stage commits them as one version."""
         groups = _balanced(reads, len(self.rollout_workers))
-        used = [w for w, g in zip(self.rollout_workers, groups) if g]
-        refs = [w.decode_rows.remote(g, field) for w, g in zip(self.rollout_workers, groups) if g]
-        parts = self._get(refs, "decode", used)
+        used = self.rollout_workers[:len(groups)]
+        parts = self._get([w.decode_rows.remote(g, field) for w, g in zip(used, groups)], "decode", used)
         return [f for files, _ in parts for f in files], max(sec for _, sec in parts)
 
     def score_from_store(self, rows: RowsRead, iteration: int) -> tuple[dict[str, np.ndarray], float]:
