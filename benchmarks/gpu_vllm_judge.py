@@ -29,19 +29,12 @@ def free_port() -> int:
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    import httpx
+    from pixrl.cli.vllm import wait_until_serving
 
-    t0 = time.time()
-    while time.time() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise SystemExit(f"vllm serve exited {proc.returncode} before answering; see its log above")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(2)
-    raise SystemExit(f"vllm serve did not answer at {url} within {timeout_s:.0f} s")
+    try:
+        wait_until_serving(url, proc, timeout_s)
+    except RuntimeError as exc:
+        raise SystemExit(f"vllm serve: {exc}; see its log above") from None
 
 
 def shapes_images(n: int, size: int) -> tuple[np.ndarray, list[str]]:

@@ -8,7 +8,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 
 from conftest import tiny_overrides
 from pixrl.algorithms.token_sampling import TokenRecipe, sample_with_cot
-from pixrl.cli.vllm import text_server_command
+from pixrl.cli.vllm import text_server_command, wait_until_serving
 from pixrl.engines.vllm_text import CotServerError, VllmTextSampler
 from pixrl.models.janus import JanusProFamily
 from pixrl.models.janus_text import text_weights, write_text_checkout
@@ -55,21 +54,11 @@ def server(tiny, tmp_path_factory):
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, env={**env, "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=fh, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    import httpx
-
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the vLLM server exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(2)
-    else:
+    try:
+        wait_until_serving(url, proc, 600, log)
+    except RuntimeError as exc:
         proc.kill()
-        pytest.fail(f"the vLLM server did not answer in 600 s:\n{log.read_text()[-3000:]}")
+        pytest.fail(str(exc))
     yield url
     proc.terminate()
     try:

@@ -45,6 +45,27 @@ def serve_hint(python: Path, model: str = "CHECKOUT") -> str:
             f"reward.options.vlm_judge.url=http://127.0.0.1:8000")
 
 
+def wait_until_serving(url: str, proc, timeout_s: float, log: Path | None = None) -> None:
+    """Return once the vLLM server `proc` answers at `url`; RuntimeError when it exits first or
+    stays silent for `timeout_s` (with the tail of its `log`)."""
+    import time
+
+    import httpx
+
+    tail = lambda: f":\n{log.read_text()[-3000:]}" if log is not None and log.exists() else ""  # noqa: E731
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited {proc.returncode} before answering at {url}{tail()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(2)
+    raise RuntimeError(f"the vLLM server did not answer at {url} within {timeout_s:.0f} s{tail()}")
+
+
 @app.command("setup-vllm")
 def setup_vllm(
     venv: str = typer.Option(".venv-vllm", help="where the environment goes (outside pixrl's own)"),
