@@ -48,6 +48,7 @@ class TokenTrajectory:
     cot_tokens: torch.Tensor | None = None  # [B, C] the chain of thought (pad after the end)
     cot_mask: torch.Tensor | None = None  # [B, C] 1 = a sampled text token (end-of-sentence included)
     cot_log_probs: torch.Tensor | None = None  # [B, C] teacher-forced, 0 where masked
+    cot_behavior_log_probs: torch.Tensor | None = None  # [B, C] under the text server that sampled it, 0 where masked
 
 
 def transform_logits(logits: torch.Tensor, recipe: TokenRecipe, batch: int) -> torch.Tensor:
@@ -92,6 +93,19 @@ def text_log_probs(family, text_cond, cot_tokens: torch.Tensor, cot_mask: torch.
     return lp * m, ent * m
 
 
+def behavior_gap(policy_lp, behavior_lp, mask) -> dict[str, float]:
+    """How far a text server's log-probs of the sampled text are from the policy's (arrays [B, C];
+    mask 1 = sampled): the mean and largest |Δ log π| and the mean log-ratio policy − server."""
+    import numpy as np
+
+    m = np.asarray(mask).astype(bool)
+    d = (np.asarray(policy_lp, np.float64) - np.asarray(behavior_lp, np.float64))[m]
+    if not d.size:
+        return {}
+    return {"cot/behavior_gap_mean": float(np.abs(d).mean()), "cot/behavior_gap_max": float(np.abs(d).max()),
+            "cot/behavior_log_ratio_mean": float(d.mean())}
+
+
 @torch.no_grad()
 def sample_text(family, text_cond, generators: list[torch.Generator], recipe: TokenRecipe):
     """(tokens [B, C], mask [B, C], teacher-forced log-probs [B, C]) of one micro-batch's chains
@@ -123,14 +137,16 @@ def sample_with_cot(family, cot, rows: list[int], generators: list[torch.Generat
     tokens after the image prompt that embeds it. `text_sampler` (engines/vllm_text.py): another
     process draws the text; its log-probs are still the policy's, teacher-forced."""
     text_cond = cot.text.select(rows)
+    behavior = None
     if text_sampler is None:
         cot_tokens, cot_mask, cot_lp = sample_text(family, text_cond, generators, recipe)
     else:
-        cot_tokens, cot_mask = text_sampler.sample(text_cond, generators, recipe.cot_tokens, recipe.cot_temperature,
-                                                   family.pad_id, family.eos_id)
+        cot_tokens, cot_mask, behavior = text_sampler.sample(text_cond, generators, recipe.cot_tokens,
+                                                             recipe.cot_temperature, family.pad_id, family.eos_id)
         cot_lp, _ = text_log_probs(family, text_cond, cot_tokens, cot_mask, recipe.cot_temperature)
     traj = sample_tokens(family, family.cot_image_prompts(cot, rows, cot_tokens, cot_mask), generators, recipe)
     traj.cot_tokens, traj.cot_mask, traj.cot_log_probs = cot_tokens, cot_mask, cot_lp
+    traj.cot_behavior_log_probs = behavior
     return traj
 
 

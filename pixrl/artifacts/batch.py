@@ -80,6 +80,9 @@ TRAJECTORY_FIELDS: tuple[FieldSpec, ...] = (
     F("cot_tokens", pa.int32(), ("C",), role="action", optional=True, step="token"),
     F("cot_mask", pa.int8(), ("C",), role="meta", optional=True, step="token"),
     F("cot_log_probs", pa.float32(), ("C",), role="old_log_prob", optional=True, step="token"),
+    # the text's log-probs under the server that sampled it (sampling.cot_backend=vllm), 0 where masked:
+    # the behaviour policy beside the policy's own cot_log_probs
+    F("cot_behavior_log_probs", pa.float32(), ("C",), role="meta", optional=True, step="token"),
     F("image", pa.binary(), role="observation", filled_by="decode"),  # PNG; a clip: MP4, lossless H.264 RGB
     F("poster", pa.binary(), role="observation", filled_by="decode", optional=True),  # a clip's first frame, PNG
     F("rewards", pa.list_(REWARD_ITEM), role="reward", filled_by="score"),  # per component

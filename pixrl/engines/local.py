@@ -151,6 +151,8 @@ class LocalEngine:
         if cot:
             cols.update(cot_tokens=cat("cot_tokens").astype(np.int32), cot_mask=cat("cot_mask").astype(np.int8),
                         cot_log_probs=cat("cot_log_probs"))
+            if trajs[0].cot_behavior_log_probs is not None:  # sampled by a text server
+                cols["cot_behavior_log_probs"] = cat("cot_behavior_log_probs")
         return RolloutBatch(cols), seconds
 
     def _text_sampler(self):

@@ -13,7 +13,7 @@ serve-vllm-text` starts one), and the image tokens from the policy in this proce
 - **Log-probs are the policy's.** vLLM returns only the tokens; the stored log-probs are
   teacher-forced by the policy (algorithms/token_sampling.py), the function replay
   differentiates, so the ratio before an update is exactly 1. vLLM's own log-probs of the same
-  tokens are kept as `behavior_log_probs` to show how far its sampler is from the policy.
+  tokens are stored beside them (`cot_behavior_log_probs`): how far its sampler is from the policy.
 - **Reproducible per sample.** Each row is its own request with a seed drawn from the sample's
   generator (the one that then draws its image tokens), so a sample does not depend on its
   batch's other rows' seeds. vLLM does not promise batch-invariant kernels: a generate that is
@@ -51,7 +51,6 @@ class VllmTextSampler:
         self.token = os.environ.get(token_env, "")
         self.client = None
         self.loaded: str | None = None  # the version the server holds (None: unknown, e.g. what it started with)
-        self.behavior_log_probs: list[list[float]] = []  # vLLM's log-probs of the last sample() call's tokens
 
     # --- connection and weights ---------------------------------------------------------------
     def setup(self) -> None:
@@ -120,9 +119,10 @@ class VllmTextSampler:
                                  f"(got {str(resp)[:200]}); it must be a vLLM OpenAI server") from None
 
     def sample(self, text_cond, generators: list[torch.Generator], budget: int, temperature: float,
-               pad: int, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens [B, budget] padded with `pad`, mask [B, budget], 1 = sampled) for the reasoning
-        prompts `text_cond` (left-padded ids and mask), one seed per row from its generator."""
+               pad: int, eos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens [B, budget] padded with `pad`, mask [B, budget], 1 = sampled, the server's
+        log-probs of them [B, budget], 0 where masked) for the reasoning prompts `text_cond`
+        (left-padded ids and mask), one seed per row from its generator."""
         self.setup()
         prompts = [row[m.bool()].tolist() for row, m in zip(text_cond.ids.cpu(), text_cond.mask.cpu())]
         seeds = [int(torch.randint(0, 2 ** 31 - 1, (1,), generator=g, device=g.device)) for g in generators]
@@ -131,10 +131,12 @@ class VllmTextSampler:
         dev = text_cond.ids.device
         tokens = torch.full((len(got), budget), pad, dtype=torch.long, device=dev)
         mask = torch.zeros((len(got), budget), dtype=torch.long, device=dev)
-        for r, (toks, _) in enumerate(got):
-            if len(toks) > budget:
-                raise CotServerError(f"the chain-of-thought server returned {len(toks)} tokens for a budget of {budget}")
+        behavior = torch.zeros((len(got), budget), dtype=torch.float32, device=dev)
+        for r, (toks, lps) in enumerate(got):
+            if not 0 < len(toks) == len(lps) <= budget:
+                raise CotServerError(f"the chain-of-thought server returned {len(toks)} tokens with {len(lps)} "
+                                     f"log-probs for a budget of {budget}")
             tokens[r, :len(toks)] = torch.tensor(toks, dtype=torch.long)
             mask[r, :len(toks)] = 1
-        self.behavior_log_probs = [lp for _, lp in got]
-        return tokens, mask
+            behavior[r, :len(toks)] = torch.tensor(lps, dtype=torch.float32)
+        return tokens, mask, behavior

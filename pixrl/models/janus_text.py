@@ -2,7 +2,8 @@
 chain of thought (T2I-R1) for the policy.
 
 Janus-Pro's decoder is a LlamaModel and its text head a Linear: exported under
-LlamaForCausalLM's names (`model.language_model.X` → `model.X`, `lm_head`), with the checkpoint's
+LlamaForCausalLM's names (`model.language_model.X` → `model.X`, `lm_head`, written apart from the embedding it is tied
+to), with the checkpoint's
 text config and tokenizer, they are a checkout any Llama server loads. `text_weights` gives the
 current in-memory weights — LoRA adapters merged (W + ΔW, peft's own delta) — so a server can be
 moved to exactly the policy version a rollout names.
@@ -41,20 +42,17 @@ def text_weights(family) -> dict[str, torch.Tensor]:
     """The language model and text head, LoRA merged, under LlamaForCausalLM's names (on host)."""
     state = _merged(family.model)
     out = {"model." + k[len(LM_PREFIX):]: v for k, v in state.items() if k.startswith(LM_PREFIX)}
-    if not tied_head(family):  # a tied head is the embedding: the checkout says so and stores it once
-        out["lm_head.weight"] = state["lm_head.weight"]
+    out["lm_head.weight"] = family.model.lm_head.weight  # stored apart even when tied (below)
     return {k: v.detach().to("cpu").clone().contiguous() for k, v in out.items()}
-
-
-def tied_head(family) -> bool:
-    """Whether the text head's weight is the token embedding's (Janus-Pro ties them)."""
-    return family.model.lm_head.weight is family.model.get_input_embeddings().weight
 
 
 def text_config(family) -> dict:
     """The checkout's text config as a LlamaForCausalLM config.json."""
     cfg = family.model.config.text_config.to_dict()
-    cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=tied_head(family),
+    # untied even though Janus-Pro ties its head to the embedding: vLLM's CPU build keeps a
+    # repacked copy of a tied head that reload_weights does not refresh (measured: a full
+    # fine-tune's changed embedding left the server 0.02–0.05 nats off the policy)
+    cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=False,
                torch_dtype=str(family.dtype).removeprefix("torch."))
     return cfg
 

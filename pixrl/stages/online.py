@@ -19,6 +19,7 @@ from ..algorithms.advantages import aggregated_advantages
 from ..algorithms.base import build_algorithm
 from ..algorithms.dynamic_sampling import batch_full, groups_with_signal, trained_mask
 from ..algorithms.recipe import stored_recipe
+from ..algorithms.token_sampling import behavior_gap
 from ..artifacts.batch import COT_FIELDS, RolloutBatch
 from ..artifacts.rollout_rows import RowSink, rows_table
 from ..artifacts.checkpoints import CheckpointRef, save_checkpoint
@@ -127,6 +128,7 @@ class OnlineStages(DecodeScoreStages):
         scope, video = self.stores.round_scope(rnd), bool(info.get("video"))
         to_store = getattr(self.engine, "rollout_to_store", None)  # workers write their rows themselves
         in_process = self.overlap is not None or to_store is None  # this process stores the rows
+        extra = {}
         if in_process:
             hook = {}
             if self.overlap is not None:  # decode and score each micro-batch while the next one generates
@@ -139,13 +141,15 @@ class OnlineStages(DecodeScoreStages):
                     self.overlap.discard((iteration, rnd))
                 raise
             table = rows_table(batch, columns, video, self.step_kind)
+            if "cot_behavior_log_probs" in batch:  # the text came from a server: how far it is from the policy
+                extra = behavior_gap(batch["cot_log_probs"], batch["cot_behavior_log_probs"], batch["cot_mask"])
         else:
             self.table.ensure_absent(self.spec.run_id, iteration, scope)  # before any worker writes
             sink = RowSink(self.table.uri, columns, video, self.step_kind, create=not self.table.exists())
             fragments, schema, seconds = to_store(*args, noise_seeds=noise_seeds, sink=sink)
         n = len(rows)
         metrics = self._commit_record("generate", iteration, rnd,
-                                      {"images_per_s": n / seconds, "generate_compute_s": seconds})
+                                      {"images_per_s": n / seconds, "generate_compute_s": seconds, **extra})
         if in_process:
             ref = self.table.append(table, where=scope)
         else:
