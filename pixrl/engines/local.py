@@ -135,13 +135,14 @@ class LocalEngine:
         cond_all, pos = self._prompts.encode(prompts)
         cot = fam.encode_cot_prompts(list(pos), recipe.cot_template, recipe.cot_tokens) if recipe.cot_tokens else None
         self.policy.module.eval()
+        text_sampler = self._text_sampler() if cot else None  # synced to this version once per rollout
         trajs = []
         t0 = time.perf_counter()
         for start in range(lo, hi, mb):
             chunk = prompts[start:min(start + mb, hi)]
             gens = generators(seeds[start:start + len(chunk)], fam.device)
             rows = [pos[p] for p in chunk]
-            trajs.append(sample_with_cot(fam, cot, rows, gens, recipe, self._text_sampler()) if cot
+            trajs.append(sample_with_cot(fam, cot, rows, gens, recipe, text_sampler) if cot
                          else sample_tokens(fam, cond_all.select(rows), gens, recipe))
             if on_chunk is not None:
                 on_chunk(start, start + len(chunk), _host(trajs[-1].tokens).astype(np.int32))
