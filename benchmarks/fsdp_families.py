@@ -55,9 +55,12 @@ def _rank(rank: int, family: str, work: Path, master: str, out) -> None:
     try:
         from pixrl.engines.base import PolicySource
         from pixrl.engines.collective import TorchDistributed
+        from pixrl.engines.local import LocalEngine
 
         torch.set_num_threads(1)
-        engine, batch, plan, recipe = _batch(_config(family, work))
+        cfg = _config(family, work)
+        _, batch, plan, recipe = _batch(cfg)
+        engine = LocalEngine(cfg)  # fresh: rank 1 builds the trained module on the meta device
         engine.collective = TorchDistributed.join(rank, 2, master, "gloo", sharded=True)
         engine.shard()
         weights = engine.train(PolicySource(), batch, plan, recipe, seed=3).weights

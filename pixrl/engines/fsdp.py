@@ -12,6 +12,12 @@ the module's parts directly (Janus-Pro: embeddings, heads, the language model's 
 those parts (`Family.fsdp_units`); the root is then not wrapped, and trainable parameters in no
 part (a final norm) stay whole on every rank with their gradients all-reduced, as under DDP.
 
+Start-up never holds the whole trained module on a trainer's device, nor more than one host
+copy of it on a node: rank 0 loads it into host memory, the other ranks build it on the meta
+device (shapes only, no storage); every rank shards its skeleton, allocates its own shards on
+the device, and receives them from rank 0 (`materialize`). The frozen copies are skeletons too,
+filled from the trained module's shards without communication.
+
 The ranks must call the sharded modules in lockstep (every forward all-gathers, every backward
 reduce-scatters): the update pads a rank's share of an optimizer step with zero-weighted
 replays of the step's first micro-batch (`collective.TorchDistributed.share`). The gradient
@@ -21,6 +27,7 @@ divides by the step's global term count.
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import torch
@@ -65,6 +72,109 @@ def shard_module(module: torch.nn.Module, device_type: str, units=None) -> torch
     return module
 
 
+def skeleton(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `module` whose parameters and buffers are on the meta device (ties kept): the
+    structure of a frozen copy, without a second set of weights in memory."""
+    memo = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        if id(t) not in memo:
+            empty = torch.empty_like(t, device="meta")
+            memo[id(t)] = torch.nn.Parameter(empty, t.requires_grad) if isinstance(t, torch.nn.Parameter) else empty
+    return copy.deepcopy(module, memo)
+
+
+def loose_buffers(module: torch.nn.Module) -> list[str]:
+    """Buffers that are not in the state dict (non-persistent: positional tables, rotary
+    frequencies computed at construction). A meta-built module has none of their values, so
+    they travel apart from the weights."""
+    saved = set(module.state_dict())
+    return [name for name, _ in module.named_buffers() if name not in saved]
+
+
+def layout(module: torch.nn.Module) -> dict:
+    """What the ranks of a group must agree on before sharding: each parameter's shape and
+    dtype, and which names share one parameter (ties)."""
+    groups: dict[int, list[str]] = {}
+    params = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+        params[name] = (tuple(param.shape), param.dtype)
+    return {"params": params, "ties": sorted(names for names in groups.values() if len(names) > 1)}
+
+
+def align(module: torch.nn.Module, what: str) -> None:
+    """Make this rank's module — built from the config on another rank than 0 — match rank 0's
+    loaded one: the same parameters and ties, or an error naming the first difference (ranks
+    that disagree would hang in their first collective); rank 0's dtypes (a loader may keep
+    some modules in float32 under a bfloat16 model, as `_keep_in_fp32_modules` asks)."""
+    import torch.distributed as dist
+
+    theirs = [layout(module) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(theirs, src=0)
+    want, mine = theirs[0], layout(module)
+    differ = [f"{n}, which rank 0 lacks" for n in sorted(set(mine["params"]) - set(want["params"]))] + \
+        [f"no {n}" for n in sorted(set(want["params"]) - set(mine["params"]))] + \
+        [f"{n} of shape {mine['params'][n][0]}, not {shape}" for n, (shape, _) in want["params"].items()
+         if n in mine["params"] and mine["params"][n][0] != shape]
+    if not differ and want["ties"] != mine["ties"]:
+        differ = [f"tied parameters {mine['ties']}, not {want['ties']}"]
+    if differ:
+        raise RuntimeError(f"rank {dist.get_rank()} built the {what} unlike rank 0: it has {differ[0]}"
+                           f"{f' (and {len(differ) - 1} more differences)' if len(differ) > 1 else ''}; "
+                           f"every rank must load the same checkpoint and model settings")
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            dtype = want["params"][name][1]
+            if param.dtype != dtype:
+                param.data = param.data.to(dtype)
+
+
+def allocate(module: torch.nn.Module, device: torch.device) -> None:
+    """`to_empty` with tied parameters kept tied: moving off the meta device makes a new
+    Parameter per module that holds it, so an embedding and its tied head would come apart."""
+    groups: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    module.to_empty(device=device)
+    for first, *others in (names for names in groups.values() if len(names) > 1):
+        shared = module.get_parameter(first)
+        for name in others:
+            owner, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner), leaf, shared)
+
+
+def materialize(module: torch.nn.Module, device: torch.device, source: dict[str, torch.Tensor],
+                buffers: dict[str, torch.Tensor]) -> None:
+    """Give a sharded module (meta or not) this rank's storage on `device` and rank 0's values:
+    `source` (rank 0: the full state dict taken before sharding; others: {}) is broadcast into
+    each rank's shards, and the loose buffers (rank 0's `buffers`) are broadcast whole — in rank
+    0's shapes and dtypes, which a skeleton built from the config need not share."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    allocate(module, device)
+    set_model_state_dict(module, dict(source), options=StateDictOptions(full_state_dict=True,
+                                                                        broadcast_from_rank0=True))
+    rank0 = dist.get_rank() == 0
+    layout = [{n: (tuple(b.shape), b.dtype) for n, b in buffers.items()} if rank0 else None]
+    dist.broadcast_object_list(layout, src=0)
+    for name, (shape, dtype) in layout[0].items():
+        value = buffers[name].to(device) if rank0 else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(value, src=0)
+        owner, _, leaf = name.rpartition(".")
+        module.get_submodule(owner).register_buffer(leaf, value, persistent=False)
+
+
+def fill_like(module: torch.nn.Module, source: torch.nn.Module) -> None:
+    """Allocate a sharded skeleton laid out as `source` is, and copy `source`'s values into it:
+    shard for shard, so no data moves between ranks."""
+    allocate(module, next(source.parameters()).device)
+    theirs = dict(source.named_parameters()) | dict(source.named_buffers())
+    with torch.no_grad():
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            t.copy_(theirs[name])
+
+
 def untied(parts: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """The parts that share no parameter with another part. Parts tied together (an embedding
     and an output head with one weight) stay whole on every rank, their gradients all-reduced:
@@ -87,6 +197,8 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """A full tensor laid out as `param` is: this rank's shard of it, for a sharded parameter
     (every rank holds the whole value, so no data moves)."""
+    if _sharded(value):  # already a shard of a parameter laid out as this one (the base weights)
+        return value
     value = value.to(device=param.device, dtype=param.dtype)
     if _sharded(param):
         from torch.distributed.tensor import distribute_tensor

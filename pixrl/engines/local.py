@@ -204,7 +204,11 @@ class LocalEngine:
 
     def shard(self) -> None:
         """FSDP over the trainer group this engine's rank has joined: the trained module is
-        sharded, and the frozen copies the algorithm needs are made and sharded with it."""
+        sharded, and the frozen copies the algorithm needs are made and sharded with it. Called
+        before the policy is first used, only rank 0 reads the trained module's weights."""
+        if self._policy is None:  # rank 0 loads the trained module into host memory, the others build it empty
+            self._policy = TrainablePolicy(self.cfg, trainable_device="cpu" if self.collective.rank == 0 else "meta")
+            self._prompts = PromptCache(self._policy.family)
         pol, algo = self.policy, self.algorithm
         explicit = self.cfg.dpo is not None and self.cfg.dpo.reference != "base"
         pol.shard(reference_copy=algo.needs_reference and (not pol.lora or explicit),

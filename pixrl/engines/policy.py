@@ -16,7 +16,8 @@ from ..config.schema import ExperimentConfig
 from ..models.registry import get_family
 from ..stages.plan import seed_of
 from .assets import resolve_model_path
-from .fsdp import full, full_optimizer_state, like, shard_module, sharded_optimizer_state
+from .fsdp import (align, fill_like, full, full_optimizer_state, like, loose_buffers, materialize, shard_module,
+                   sharded_optimizer_state, skeleton)
 
 BASE = "base"
 ALGORITHM_STATE = "pixrl_algorithm"  # key of the algorithm's own state in the saved optimizer state
@@ -34,26 +35,29 @@ def seeded(run_seed: int, device) -> Iterator[None]:
 
 
 class TrainablePolicy:
-    def __init__(self, cfg: ExperimentConfig):
+    def __init__(self, cfg: ExperimentConfig, trainable_device: str | None = None):
+        """`trainable_device`: where the trained module is built when it is not `model.device` —
+        "cpu" (host memory) or "meta" (no storage): a rank of a sharded group (`shard`)."""
         self.cfg = cfg
         fam_cls = get_family(cfg.model.family)
         self.family = fam_cls.load(resolve_model_path(cfg.model.path), dtype=cfg.model.dtype,
                                    device=cfg.model.device, max_sequence_length=cfg.model.max_sequence_length,
                                    resolution=cfg.model.resolution,
-                                   **({"frames": cfg.model.frames} if cfg.model.frames else {}))
+                                   **({"frames": cfg.model.frames} if cfg.model.frames else {}),
+                                   **({"trainable_device": trainable_device} if trainable_device else {}))
         self.module: torch.nn.Module = self.family.trainable_module()
         self.lora = cfg.algorithm.lora.enabled
         if self.lora:
             from peft import LoraConfig
 
             lc = cfg.algorithm.lora
-            with seeded(cfg.run.seed, self.family.device):  # every process starts from the same adapter
+            with seeded(cfg.run.seed, cfg.model.device):  # every process starts from the same adapter
                 self.module.add_adapter(LoraConfig(r=lc.rank, lora_alpha=lc.alpha, init_lora_weights=lc.init,
                                                    target_modules=list(self.family.lora_targets)))
         self.module.requires_grad_(False)
         for p in self.trainable_parameters().values():
             p.requires_grad_(True)
-        self._base_state = {k: v.detach().clone() for k, v in self.trainable_parameters().items()}
+        self._base_state = None if trainable_device else self._snapshot()  # sharded: taken by `shard`
         self._reference = None
         self._frozen: torch.nn.Module | None = None  # frozen_view's copy
         self._explicit_reference = False
@@ -64,19 +68,38 @@ class TrainablePolicy:
         self.sharded = False  # FSDP over a trainer group (shard)
 
     def shard(self, reference_copy: bool, sampler_copy: bool) -> None:
-        """Shard the trained module over the process group (FSDP). The frozen copies an update
-        uses beside it (a full fine-tune's KL reference, a separate sampling policy) are made
-        now, from the base weights, and sharded too: a sharded module cannot be copied later."""
-        if reference_copy:
-            self._reference = self._copy(self._base_state, "base weights")
-        if sampler_copy:
-            self._frozen = self._copy(self._base_state, "base weights")
-        device_type = torch.device(self.family.device).type
+        """Shard the trained module over the process group (FSDP, engines/fsdp.py) from rank 0's
+        weights: the other ranks may have built it on the meta device. The frozen copies an update
+        uses beside it (a full fine-tune's KL reference, a separate sampling policy) are made now,
+        as skeletons filled from the base weights' shards: a sharded module cannot be copied later.
+        The base weights kept for `load_version(None)` are this rank's shards."""
+        import torch.distributed as dist
+
+        if self.weights_id != BASE:
+            raise RuntimeError(f"shard a policy at its base weights (it holds {self.weights_id!r})")
+        align(self.module, f"{self.family.name} trained module")
+        rank0 = dist.get_rank() == 0
+        source = dict(self.module.state_dict()) if rank0 else {}
+        held = dict(self.module.named_buffers())
+        loose = {n: held[n].detach().clone() for n in loose_buffers(self.module)} if rank0 else {}
+        copies = [skeleton(self.module).requires_grad_(False) for wanted in (reference_copy, sampler_copy) if wanted]
+        device = torch.device(self.cfg.model.device)
         units = getattr(self.family, "fsdp_units", None)
-        for module in (self.module, self._reference, self._frozen):
-            if module is not None:
-                shard_module(module, device_type, units)
+        for module in (self.module, *copies):
+            shard_module(module, device.type, units)
+        materialize(self.module, device, source, loose)
+        del source, loose
+        for module in copies:
+            fill_like(module, self.module)
+        if reference_copy:
+            self._reference = copies[0]
+        if sampler_copy:
+            self._frozen = copies[-1]
+        self._base_state = self._snapshot()
         self.sharded = True
+
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.trainable_parameters().items()}
 
     def _copy(self, weights: dict[str, torch.Tensor], what: str) -> torch.nn.Module:
         module = copy.deepcopy(self.module).requires_grad_(False)

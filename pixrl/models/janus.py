@@ -97,8 +97,11 @@ class JanusProFamily:
     # --- loading ------------------------------------------------------------------------------
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", max_sequence_length: int = 0,
-             resolution: int | None = None, frames: int | None = None) -> "JanusProFamily":
-        from transformers import AutoTokenizer, JanusForConditionalGeneration
+             resolution: int | None = None, frames: int | None = None,
+             trainable_device: str | None = None) -> "JanusProFamily":
+        """`trainable_device` keeps the model (all of it is the trainable module) off `device`:
+        "cpu", or "meta" (built from its config, no weights read: a sharded trainer rank)."""
+        from transformers import AutoConfig, AutoTokenizer, JanusForConditionalGeneration
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()  # the loader's bars would garble the CLI's own progress
@@ -106,14 +109,21 @@ class JanusProFamily:
             raise ModelLoadError(f"model.frames={frames}: the {cls.name} family makes images; unset model.frames")
         p = cls.check_checkpoint(path)
         try:
-            model = JanusForConditionalGeneration.from_pretrained(str(p), dtype=torch_dtype(dtype))
+            if trainable_device == "meta":
+                from accelerate import init_empty_weights
+
+                with init_empty_weights(include_buffers=False):  # rotary tables stay real
+                    model = JanusForConditionalGeneration(AutoConfig.from_pretrained(str(p))).to(torch_dtype(dtype))
+                model.tie_weights()  # the empty-weights context re-creates each parameter it registers
+            else:
+                model = JanusForConditionalGeneration.from_pretrained(str(p), dtype=torch_dtype(dtype))
             tokenizer = AutoTokenizer.from_pretrained(str(p))
         except Exception as exc:  # transformers raises many types; name the path and the cause
             raise ModelLoadError(f"could not load the Janus-Pro checkpoint {str(p)!r}: {exc}") from exc
         if getattr(tokenizer, "boi_token", None) is None:
             raise ModelLoadError(f"the tokenizer of {str(p)!r} declares no boi_token (<begin_of_image>); image "
                                  f"generation needs it (extra_special_tokens in tokenizer_config.json)")
-        model.to(device).eval()
+        model.to(trainable_device or device).eval()
         model.requires_grad_(False)
         fam = cls(model, tokenizer, str(p), torch_dtype(dtype), max_sequence_length)
         if resolution is not None and resolution != fam.resolution:

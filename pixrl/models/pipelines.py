@@ -32,20 +32,22 @@ class PipelineFamily:
 
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", max_sequence_length: int = 512,
-             resolution: int | None = None, frames: int | None = None):
+             resolution: int | None = None, frames: int | None = None, trainable_device: str | None = None):
         lo, hi = cls.text_tokens
         if not lo <= max_sequence_length <= hi:
             raise ModelLoadError(f"model.max_sequence_length={max_sequence_length}: the {cls.name} family reads "
                                  f"{lo}–{hi} prompt tokens")
         if frames is not None and not cls.video:
             raise ModelLoadError(f"model.frames={frames}: the {cls.name} family makes images; unset model.frames")
-        return cls.from_directory(path, dtype, device, max_sequence_length, resolution, frames)
+        return cls.from_directory(path, dtype, device, max_sequence_length, resolution, frames, trainable_device)
 
     @classmethod
     def from_directory(cls, path: str | Path, dtype: str, device: str, max_sequence_length: int,
-                       resolution: int | None, frames: int | None = None):
+                       resolution: int | None, frames: int | None = None, trainable_device: str | None = None):
         """Load `path` with the family's diffusers pipeline class: every component except the
-        transformer frozen, progress bars off; the resolution checked against the checkpoint."""
+        transformer frozen, progress bars off; the resolution checked against the checkpoint.
+        `trainable_device` keeps the transformer off `device`: "cpu", or "meta" (built from its
+        config, no weights read: a sharded trainer rank that receives them from rank 0)."""
         import diffusers
         from diffusers.utils import logging as diffusers_logging
 
@@ -56,13 +58,16 @@ class PipelineFamily:
                   if isinstance(v, list) and v[0] is None}
         swapped = cls.swap_components(p)
         try:
+            given = {"transformer": empty_transformer(p, dtype)} if trainable_device == "meta" else {}
             pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(
-                str(p), dtype=torch_dtype(dtype), **absent, **{k: None for k in swapped})
+                str(p), dtype=torch_dtype(dtype), **absent, **{k: None for k in swapped}, **given)
             for name, load in swapped.items():
                 setattr(pipe, name, load())
         except Exception as exc:  # diffusers raises many types; name the path and the cause
             raise ModelLoadError(f"could not load the {cls.pipeline_class} from {str(p)!r}: {exc}") from exc
-        pipe.to(device)
+        for key, module in pipe.components.items():
+            if isinstance(module, torch.nn.Module):
+                module.to(trainable_device or device if key == "transformer" else device)
         pipe.set_progress_bar_config(disable=True)
         for key, module in pipe.components.items():
             if isinstance(module, torch.nn.Module) and key != "transformer":
@@ -115,6 +120,20 @@ class PipelineFamily:
         cfg = self.vae.config
         z = latents.to(self.vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)
         return to_uint8(self.vae.decode(z, return_dict=False)[0])
+
+
+def empty_transformer(path: Path, dtype: str) -> torch.nn.Module:
+    """The checkpoint's transformer built from its config with its parameters on the meta
+    device: structure and dtype, no storage, no weights read. Buffers and plain tensors made at
+    construction (rotary tables) are real, as in a loaded one."""
+    import diffusers
+    from accelerate import init_empty_weights
+
+    _, class_name = json.loads((path / "model_index.json").read_text())["transformer"]
+    model_cls = getattr(diffusers, class_name)
+    with init_empty_weights(include_buffers=False):
+        model = model_cls.from_config(model_cls.load_config(str(path / "transformer")))
+    return model.to(torch_dtype(dtype))
 
 
 class PackedLatentsFamily(PipelineFamily):

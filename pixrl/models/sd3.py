@@ -53,8 +53,9 @@ class SD3Family(PipelineFamily):
 
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu",
-             max_sequence_length: int = 256, resolution: int | None = None, frames: int | None = None) -> "SD3Family":
-        return super().load(path, dtype, device, max_sequence_length, resolution, frames)
+             max_sequence_length: int = 256, resolution: int | None = None, frames: int | None = None,
+             trainable_device: str | None = None) -> "SD3Family":
+        return super().load(path, dtype, device, max_sequence_length, resolution, frames, trainable_device)
 
     @staticmethod
     def resolution_multiple(pipe) -> int:
