@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from ..rewards.base import ScoringError
-from ..rewards.http_post import detail, post_json
+from ..rewards.http_post import connect_served, post_json
 
 
 class CotServerError(RuntimeError):
@@ -54,24 +54,11 @@ class VllmTextSampler:
 
     # --- connection and weights ---------------------------------------------------------------
     def setup(self) -> None:
-        import httpx
-
-        if self.client is not None:
-            return
-        headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
-        self.client = httpx.Client(timeout=self.timeout, headers=headers)
-        try:
-            r = self.client.get(f"{self.url}/v1/models")
-        except httpx.TransportError as exc:
-            self.client = None
-            raise CotServerError(f"sampling.cot_backend=vllm: no vLLM server answers at {self.url} ({exc}); start "
-                                 f"one with `pixrl serve-vllm-text` or fix sampling.cot_vllm_url") from None
-        served = [m["id"] for m in r.json().get("data", [])] if r.status_code == 200 else []
-        if not self.model and len(served) == 1:
-            self.model = served[0]
-        if self.model not in served:
-            raise CotServerError(f"sampling.cot_backend=vllm: {self.url} serves {served}, not {self.model!r}; set "
-                                 f"sampling.cot_vllm_model to one of them")
+        if self.client is None:
+            self.client, self.model = connect_served(
+                self.url, self.token, self.timeout, self.model, "sampling.cot_backend=vllm",
+                "start one with `pixrl serve-vllm-text` or fix sampling.cot_vllm_url", "sampling.cot_vllm_model",
+                CotServerError)
 
     def _post(self, path: str, payload: dict | None, what: str) -> dict:
         try:

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..artifacts.media import png_bytes
 from .base import ScoringError
-from .http_post import detail, post_json
+from .http_post import connect_served, post_json
 
 
 def answer_probs(top_logprobs: list[dict], yes: tuple[str, ...], no: tuple[str, ...]) -> tuple[float, float]:
@@ -49,24 +49,10 @@ class VllmJudgeClient:
 
     def setup(self) -> None:
         """Connect and find the served model (the only one, or `served_model` among them)."""
-        import httpx
-
-        headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
-        self.client = httpx.Client(timeout=self.timeout, headers=headers)
-        try:
-            r = self.client.get(f"{self.url}/v1/models")
-        except httpx.TransportError as exc:
-            raise ScoringError(f"reward vlm_judge: no vLLM server answers at {self.url} ({exc}); start one with "
-                               f"`vllm serve CHECKOUT --max-logprobs {self.top}` from the environment "
-                               f"`pixrl setup-vllm` made, or fix reward.options.vlm_judge.url") from None
-        if r.status_code != 200:
-            raise ScoringError(f"reward vlm_judge: {self.url}/v1/models answered HTTP {r.status_code} {detail(r)}")
-        served = [m["id"] for m in r.json().get("data", [])]
-        if not self.model and len(served) == 1:
-            self.model = served[0]
-        if self.model not in served:
-            raise ScoringError(f"reward vlm_judge: {self.url} serves {served}, not {self.model!r}; set "
-                               f"reward.options.vlm_judge.served_model to one of them")
+        self.client, self.model = connect_served(
+            self.url, self.token, self.timeout, self.model, "reward vlm_judge",
+            f"start one with `vllm serve CHECKOUT --max-logprobs {self.top}` from the environment `pixrl "
+            f"setup-vllm` made, or fix reward.options.vlm_judge.url", "reward.options.vlm_judge.served_model")
 
     def _request(self, image: np.ndarray, prompt: str) -> dict:
         url = "data:image/png;base64," + base64.b64encode(png_bytes(np.asarray(image, np.uint8))).decode("ascii")
