@@ -12,12 +12,16 @@ Per rank: peak resident memory (the process's high-water mark), resident memory 
 the trained module's bytes the rank holds, and the seconds from engine start to sharded.
 
     .venv/bin/python benchmarks/fsdp_startup.py [--family sd3] [--layers N] [--workdir DIR]
+
+On 24 GB of RAM the SD3.5-M shapes fit with `--layers 12` (every rank loading the whole model
+is what does not fit at 24).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import queue
 import resource
 import socket
 import sys
@@ -73,10 +77,27 @@ def measure(mode: str, overrides: list[str]) -> list[dict]:
     procs = [ctx.Process(target=_rank, args=(r, master, mode, overrides, out)) for r in range(2)]
     for p in procs:
         p.start()
-    rows = sorted((out.get() for _ in procs), key=lambda r: r["rank"])
+    rows = []
+    while len(rows) < len(procs):
+        try:
+            rows.append(out.get(timeout=10))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:  # killed (out of memory: SIGKILL) before it could report
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"{mode}: rank {dead[0]} died (exit code {procs[dead[0]].exitcode}); "
+                                 f"a smaller model (--layers) fits this machine")
     for p in procs:
         p.join()
-    return rows
+    return sorted(rows, key=lambda r: r["rank"])
+
+
+def _build(model: Path, family: str, layers: int | None) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_smoke import build_model
+
+    build_model(model, False, 512, family, layers)
 
 
 def main() -> None:
@@ -87,14 +108,13 @@ def main() -> None:
     ap.add_argument("--lora", action="store_true", help="LoRA (no frozen copy) instead of a full fine-tune with a KL reference")
     ap.add_argument("--workdir", default=None, help="reuse the random checkpoint built there by an earlier run")
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from gpu_smoke import build_model
-
     work = Path(args.workdir or tempfile.mkdtemp(prefix="pixrl-fsdp-startup-"))
     model = work / "model"
     t0 = time.perf_counter()
     if not (model / "model_index.json").is_file() and not (model / "config.json").is_file():
-        build_model(model, False, 512, args.family, args.layers)
+        builder = mp.get_context("spawn").Process(target=_build, args=(model, args.family, args.layers))
+        builder.start()  # apart: this process must not hold the model while the ranks are measured
+        builder.join()
     print(f"checkpoint {model} ({time.perf_counter() - t0:.0f} s to build)", flush=True)
     overrides = [f"model.family={args.family}", f"model.path={model}", f"model.dtype={args.dtype}",
                  "model.device=cpu", "model.resolution=512", f"run.workdir={work / 'run'}", "run.threads=1",

@@ -84,7 +84,7 @@ def build_model(out: Path, tiny: bool, resolution: int, family: str = "sd3", lay
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from real_shapes import sd35_medium_pipeline
 
-    pipe = sd35_medium_pipeline(resolution, 0, out.parent)
+    pipe = sd35_medium_pipeline(resolution, 0, out.parent, layers)
     pipe.to(torch.bfloat16)
     return save_pipeline(pipe, out)
 
@@ -146,7 +146,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", default="sd3", choices=sorted(FAMILY_OVERRIDES))
     ap.add_argument("--tiny", action="store_true", help="a tiny random model instead of the family's real shapes")
-    ap.add_argument("--layers", type=int, default=None, help="flux1/qwen_image/sana/flux2/wan: fewer transformer blocks")
+    ap.add_argument("--layers", type=int, default=None, help="fewer transformer blocks than the real model's")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--resolution", type=int, default=512)

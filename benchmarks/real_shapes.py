@@ -8,8 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def sd35_medium_pipeline(resolution: int, seed: int, workdir: Path):
-    """A random StableDiffusion3Pipeline with SD3.5-Medium's transformer, VAE and CLIP shapes."""
+def sd35_medium_pipeline(resolution: int, seed: int, workdir: Path, layers: int | None = None):
+    """A random StableDiffusion3Pipeline with SD3.5-Medium's transformer, VAE and CLIP shapes
+    (`layers`: fewer MMDiT blocks than its 24, the first 13 of them dual-attention)."""
     import torch
     from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
                            StableDiffusion3Pipeline)
@@ -28,10 +29,10 @@ def sd35_medium_pipeline(resolution: int, seed: int, workdir: Path):
             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
 
     transformer = SD3Transformer2DModel(
-        sample_size=resolution // 8, patch_size=2, in_channels=16, out_channels=16, num_layers=24,
+        sample_size=resolution // 8, patch_size=2, in_channels=16, out_channels=16, num_layers=layers or 24,
         attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
         pooled_projection_dim=2048, pos_embed_max_size=384, qk_norm="rms_norm",
-        dual_attention_layers=tuple(range(13)))
+        dual_attention_layers=tuple(range(min(13, layers or 24))))
     vae = AutoencoderKL(
         in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
         up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
