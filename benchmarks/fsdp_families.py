@@ -5,6 +5,7 @@ its token miniature's Token-GRPO) on one process and on a 2-rank gloo group with
 minute a family. Prints the largest weight difference, relative to the weights' scale.
 
     .venv/bin/python benchmarks/fsdp_families.py [FAMILY ...]    # default: every family
+    .venv/bin/python benchmarks/fsdp_families.py --dtype bfloat16 wan   # Wan keeps modules in float32
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ FAMILIES = ["sd3", "flux1", "flux2", "qwen_image", "sana", "wan", "janus_pro"]
 PROMPTS = ["a red circle", "a blue square", "two green triangles", "a yellow circle"] * 5  # 5 micro-batches of 4
 
 
-def _config(family: str, work: Path):
+def _config(family: str, work: Path, dtype: str):
     from pixrl.config.loader import load_config
     from pixrl.models.registry import get_family
 
-    common = ["run.threads=1", "sampling.micro_batch=4", "algorithm.lora.enabled=false", f"run.workdir={work / 'w'}"]
+    common = ["run.threads=1", "sampling.micro_batch=4", "algorithm.lora.enabled=false", f"run.workdir={work / 'w'}",
+              f"model.dtype={dtype}"]
     if family == "janus_pro":
         return load_config("shapes_token_grpo", common)
     overrides = get_family(family).write_tiny(work / f"tiny-{family}", seed=0)
@@ -51,40 +53,40 @@ def _batch(cfg):
     return engine, batch, [mb[:3], [mb[3]], [mb[4]]], recipe  # a rank replays two of a step, or pads
 
 
-def _rank(rank: int, family: str, work: Path, master: str, out) -> None:
+def _rank(rank: int, family: str, work: Path, master: str, out, dtype: str) -> None:
     try:
         from pixrl.engines.base import PolicySource
         from pixrl.engines.collective import TorchDistributed
         from pixrl.engines.local import LocalEngine
 
         torch.set_num_threads(1)
-        cfg = _config(family, work)
+        cfg = _config(family, work, dtype)
         _, batch, plan, recipe = _batch(cfg)
         engine = LocalEngine(cfg)  # fresh: rank 1 builds the trained module on the meta device
         engine.collective = TorchDistributed.join(rank, 2, master, "gloo", sharded=True)
         engine.shard()
         weights = engine.train(PolicySource(), batch, plan, recipe, seed=3).weights
         if rank == 0:
-            out.put({k: v.clone().numpy() for k, v in weights.items()})
+            out.put({k: v.float().numpy() for k, v in weights.items()})
     except Exception:
         traceback.print_exc()
         out.put(None)
 
 
-def check(family: str) -> float:
+def check(family: str, dtype: str = "float32") -> float:
     from pixrl.engines.base import PolicySource
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        engine, batch, plan, recipe = _batch(_config(family, work))
+        engine, batch, plan, recipe = _batch(_config(family, work, dtype))
         want = engine.train(PolicySource(), batch, plan, recipe, seed=3).weights
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             master = f"127.0.0.1:{s.getsockname()[1]}"
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
-        ranks = [ctx.Process(target=_rank, args=(r, family, work, master, out)) for r in range(2)]
+        ranks = [ctx.Process(target=_rank, args=(r, family, work, master, out, dtype)) for r in range(2)]
         for p in ranks:
             p.start()
         got = out.get()
@@ -92,10 +94,14 @@ def check(family: str) -> float:
             p.join()
     if got is None or set(got) != set(want):
         raise RuntimeError(f"{family}: the sharded update failed or returned other tensors")
-    scale = max(float(w.abs().max()) for w in want.values())
-    return max(float(np.abs(got[k] - want[k].numpy()).max()) for k in want) / scale
+    scale = max(float(w.float().abs().max()) for w in want.values())
+    return max(float(np.abs(got[k] - want[k].float().numpy()).max()) for k in want) / scale
 
 
 if __name__ == "__main__":
-    for fam in sys.argv[1:] or FAMILIES:
-        print(f"{fam:12s} max |FSDP − one process| / max |w| = {check(fam):.2e}", flush=True)
+    args = sys.argv[1:]
+    dtype = "float32"
+    if args[:1] == ["--dtype"]:
+        dtype, args = args[1], args[2:]
+    for fam in args or FAMILIES:
+        print(f"{fam:12s} {dtype:9s} max |FSDP − one process| / max |w| = {check(fam, dtype):.2e}", flush=True)

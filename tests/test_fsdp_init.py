@@ -47,7 +47,8 @@ def test_a_meta_built_trained_module_has_the_checkpoints_layout_and_no_storage(w
 
 
 class _Toy(torch.nn.Module):
-    """Two blocks, a head tied to the embedding, a bfloat16 layer, a non-persistent buffer."""
+    """Two blocks, a head tied to the embedding, a gain, a non-persistent buffer (rank 0 makes
+    one block, the gain and the buffer bfloat16)."""
 
     def __init__(self, extra: bool = False):
         super().__init__()
@@ -57,6 +58,7 @@ class _Toy(torch.nn.Module):
         self.head = torch.nn.Linear(6, 10, bias=False)
         self.head.weight = self.embed.weight
         self.register_buffer("table", torch.arange(6.0) * 0.5, persistent=False)
+        self.gain = torch.nn.Parameter(torch.ones(6))  # rank 0 keeps it bfloat16 beside float32 weights
         if extra:
             self.extra = torch.nn.Linear(6, 6)
 
@@ -64,15 +66,15 @@ class _Toy(torch.nn.Module):
         x = self.embed(ids) + self.table
         for block in self.blocks:
             x = block(x.to(block.weight.dtype)).float()
-        return self.head(self.norm(x))
+        return self.head(self.norm(x) * self.gain.float())
 
 
 def _reference_toy() -> _Toy:
     torch.manual_seed(0)
     toy = _Toy()
     toy.blocks[1].to(torch.bfloat16)
-    with torch.no_grad():
-        toy.table.mul_(3.0)  # a value the constructor does not make: only rank 0 has it
+    toy.gain.data = toy.gain.data.to(torch.bfloat16) * 1.5  # one unit (the root), two trainable dtypes
+    toy.register_buffer("table", (toy.table * 3.0).to(torch.bfloat16), persistent=False)  # only rank 0 has it
     return toy
 
 
@@ -84,7 +86,7 @@ def _rank(rank: int, master: str, mode: str, out) -> None:
     from accelerate import init_empty_weights
 
     from pixrl.engines.collective import TorchDistributed
-    from pixrl.engines.fsdp import align, full, loose_buffers, materialize, shard_module
+    from pixrl.engines.fsdp import _sharded, align, fill_like, full, loose_buffers, materialize, shard_module, skeleton
 
     try:
         torch.set_num_threads(1)
@@ -105,11 +107,17 @@ def _rank(rank: int, master: str, mode: str, out) -> None:
             return
         source = dict(module.state_dict()) if rank == 0 else {}
         buffers = {n: dict(module.named_buffers())[n].clone() for n in loose_buffers(module)} if rank == 0 else {}
-        shard_module(module, "cpu")
+        frozen = skeleton(module)
+        for m in (module, frozen):
+            shard_module(m, "cpu")
         materialize(module, torch.device("cpu"), source, buffers)
+        fill_like(frozen, module)
         values = {n: _host(full(p.detach())) for n, p in module.named_parameters()}  # by value: the
         logits = module(torch.tensor([[1, 2, 3]]))  # queue's shared tensors die with this process
+        frozen_logits = frozen(torch.tensor([[1, 2, 3]]))
         out.put((rank, "ok", {"values": values, "table": _host(module.table), "logits": _host(logits.detach()),
+                              "frozen_logits": _host(frozen_logits.detach()), "frozen_table": str(frozen.table.dtype),
+                              "table_dtype": str(module.table.dtype), "gain_sharded": _sharded(module.gain),
                               "tied": module.head.weight is module.embed.weight,
                               "dtypes": {n: str(p.dtype) for n, p in module.named_parameters()}}))
     except Exception:
@@ -145,7 +153,10 @@ def test_a_rank_built_without_storage_receives_rank_0s_weights_buffers_ties_and_
         for name, p in want.named_parameters():
             np.testing.assert_array_equal(res["values"][name], _host(p.detach()), err_msg=f"rank {rank}: {name}")
         np.testing.assert_array_equal(res["table"], _host(want.table))
+        assert res["table_dtype"] == res["frozen_table"] == "torch.bfloat16"  # rank 0's, not the constructor's
+        assert res["dtypes"]["gain"] == "torch.bfloat16" and not res["gain_sharded"]  # whole: not the root's dtype
         np.testing.assert_array_equal(res["logits"], got[0][1]["logits"])
+        np.testing.assert_array_equal(res["frozen_logits"], res["logits"])  # the frozen copy, filled shard for shard
 
 
 def test_ranks_that_built_different_modules_stop_with_the_parameter_named():
@@ -154,3 +165,18 @@ def test_ranks_that_built_different_modules_stop_with_the_parameter_named():
     assert status == "error", got
     assert "rank 1 built the toy unlike rank 0" in message and "extra.bias" in message and "rank 0 lacks" in message
     assert "same checkpoint" in message
+
+
+def test_a_bfloat16_wan_update_sharded_over_two_ranks_equals_one_process():
+    """Wan's loader keeps its norms and modulation tables in float32 under a bfloat16 model, and
+    FSDP reduce-scatters one dtype per unit: those stay whole and all-reduced (`odd_dtype`).
+    Three optimizer steps of a full fine-tune with a KL reference, rank 1 built empty; bfloat16
+    weights of either update round alike to within a fraction of one bfloat16 step (≈ 4e-3 of
+    the weights' scale)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from fsdp_families import check
+
+    assert check("wan", "bfloat16") < 1e-3

@@ -10,7 +10,8 @@ What is sharded: each transformer block, then the rest of the module (its root),
 whose calls all go through the module's forward (the diffusion families). A family that calls
 the module's parts directly (Janus-Pro: embeddings, heads, the language model's layers) names
 those parts (`Family.fsdp_units`); the root is then not wrapped, and trainable parameters in no
-part (a final norm) stay whole on every rank with their gradients all-reduced, as under DDP.
+part (a final norm) stay whole on every rank with their gradients all-reduced, as under DDP —
+as do a unit's trainable parameters outside its main dtype (`odd_dtype`).
 
 Start-up never holds the whole trained module on a trainer's device, nor more than one host
 copy of it on a node: rank 0 loads it into host memory, the other ranks build it on the meta
@@ -63,8 +64,11 @@ def shard_module(module: torch.nn.Module, device_type: str, units=None) -> torch
     import torch.distributed as dist
 
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    placed: set[int] = set()  # parameters of units already sharded (a later, outer unit skips them)
     for unit in (untied(units(module)) if units else [*blocks(module), module]):
-        fully_shard(unit, mesh=mesh)
+        own = [p for p in unit.parameters() if id(p) not in placed]
+        fully_shard(unit, mesh=mesh, ignored_params=odd_dtype(own) or None)
+        placed |= {id(p) for p in own}
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.set_gradient_divide_factor(1.0)  # the ranks' gradients are summed, not averaged
@@ -94,12 +98,16 @@ def loose_buffers(module: torch.nn.Module) -> list[str]:
 def layout(module: torch.nn.Module) -> dict:
     """What the ranks of a group must agree on before sharding: each parameter's shape and
     dtype, and which names share one parameter (ties)."""
+    params = {n: (tuple(p.shape), p.dtype) for n, p in module.named_parameters(remove_duplicate=False)}
+    return {"params": params, "ties": ties(module)}
+
+
+def ties(module: torch.nn.Module) -> list[list[str]]:
+    """The names that share one parameter, group by group (an embedding and its tied head)."""
     groups: dict[int, list[str]] = {}
-    params = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         groups.setdefault(id(param), []).append(name)
-        params[name] = (tuple(param.shape), param.dtype)
-    return {"params": params, "ties": sorted(names for names in groups.values() if len(names) > 1)}
+    return sorted(names for names in groups.values() if len(names) > 1)
 
 
 def align(module: torch.nn.Module, what: str) -> None:
@@ -132,11 +140,9 @@ def align(module: torch.nn.Module, what: str) -> None:
 def allocate(module: torch.nn.Module, device: torch.device) -> None:
     """`to_empty` with tied parameters kept tied: moving off the meta device makes a new
     Parameter per module that holds it, so an embedding and its tied head would come apart."""
-    groups: dict[int, list[str]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(name)
+    tied = ties(module)
     module.to_empty(device=device)
-    for first, *others in (names for names in groups.values() if len(names) > 1):
+    for first, *others in tied:
         shared = module.get_parameter(first)
         for name in others:
             owner, _, leaf = name.rpartition(".")
@@ -156,9 +162,9 @@ def materialize(module: torch.nn.Module, device: torch.device, source: dict[str,
     set_model_state_dict(module, dict(source), options=StateDictOptions(full_state_dict=True,
                                                                         broadcast_from_rank0=True))
     rank0 = dist.get_rank() == 0
-    layout = [{n: (tuple(b.shape), b.dtype) for n, b in buffers.items()} if rank0 else None]
-    dist.broadcast_object_list(layout, src=0)
-    for name, (shape, dtype) in layout[0].items():
+    shapes = [{n: (tuple(b.shape), b.dtype) for n, b in buffers.items()} if rank0 else None]
+    dist.broadcast_object_list(shapes, src=0)
+    for name, (shape, dtype) in shapes[0].items():
         value = buffers[name].to(device) if rank0 else torch.empty(shape, dtype=dtype, device=device)
         dist.broadcast(value, src=0)
         owner, _, leaf = name.rpartition(".")
@@ -166,13 +172,35 @@ def materialize(module: torch.nn.Module, device: torch.device, source: dict[str,
 
 
 def fill_like(module: torch.nn.Module, source: torch.nn.Module) -> None:
-    """Allocate a sharded skeleton laid out as `source` is, and copy `source`'s values into it:
-    shard for shard, so no data moves between ranks."""
+    """Allocate a sharded skeleton of `source` and copy `source`'s values into it, shard for
+    shard, so no data moves between ranks."""
+    saved = set(module.state_dict())
     allocate(module, next(source.parameters()).device)
     theirs = dict(source.named_parameters()) | dict(source.named_buffers())
     with torch.no_grad():
-        for name, t in [*module.named_parameters(), *module.named_buffers()]:
-            t.copy_(theirs[name])
+        for name, t in module.named_parameters():  # a frozen copy shards what the trained module
+            t.copy_(like(theirs[name], t))  # keeps whole in another dtype (`odd_dtype`): no data moves
+        for name, t in list(module.named_buffers()):
+            if t.dtype == theirs[name].dtype and t.shape == theirs[name].shape:
+                t.copy_(theirs[name])
+            else:  # a loose buffer materialize replaced with rank 0's
+                owner, _, leaf = name.rpartition(".")
+                module.get_submodule(owner).register_buffer(leaf, theirs[name].clone(), persistent=name in saved)
+
+
+def odd_dtype(params: list[torch.nn.Parameter]) -> set[torch.nn.Parameter]:
+    """The trainable parameters of a unit not in its main dtype (the one most of its trainable
+    elements have). FSDP reduce-scatters one dtype per unit, and loaders keep some modules in
+    float32 under a bfloat16 model (Wan's norms and modulation tables): those stay whole on
+    every rank, their gradients all-reduced as under DDP (`collective.reduce_gradients`)."""
+    sizes: dict[torch.dtype, int] = {}
+    for p in params:
+        if p.requires_grad:
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    if len(sizes) < 2:
+        return set()
+    main = max(sizes, key=sizes.get)
+    return {p for p in params if p.requires_grad and p.dtype != main}
 
 
 def untied(parts: list[torch.nn.Module]) -> list[torch.nn.Module]:
