@@ -179,4 +179,8 @@ def test_a_bfloat16_wan_update_sharded_over_two_ranks_equals_one_process():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from fsdp_families import check
 
-    assert check("wan", "bfloat16") < 1e-3
+    threads = torch.get_num_threads()
+    try:
+        assert check("wan", "bfloat16") < 1e-3
+    finally:  # the check's one-process update runs here at 1 thread: later tests compare against
+        torch.set_num_threads(threads)  # runs in subprocesses at this process's count
