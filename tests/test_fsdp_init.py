@@ -86,7 +86,7 @@ def _rank(rank: int, master: str, mode: str, out) -> None:
     from accelerate import init_empty_weights
 
     from pixrl.engines.collective import TorchDistributed
-    from pixrl.engines.fsdp import _sharded, align, fill_like, full, loose_buffers, materialize, shard_module, skeleton
+    from pixrl.engines.fsdp import _sharded, align, fill_like, full, materialize, shard_module, skeleton
 
     try:
         torch.set_num_threads(1)
@@ -106,11 +106,10 @@ def _rank(rank: int, master: str, mode: str, out) -> None:
             out.put((rank, "aligned", None))
             return
         source = dict(module.state_dict()) if rank == 0 else {}
-        buffers = {n: dict(module.named_buffers())[n].clone() for n in loose_buffers(module)} if rank == 0 else {}
         frozen = skeleton(module)
         for m in (module, frozen):
             shard_module(m, "cpu")
-        materialize(module, torch.device("cpu"), source, buffers)
+        materialize(module, torch.device("cpu"), source)
         fill_like(frozen, module)
         values = {n: _host(full(p.detach())) for n, p in module.named_parameters()}  # by value: the
         logits = module(torch.tensor([[1, 2, 3]]))  # queue's shared tensors die with this process

@@ -149,43 +149,44 @@ def allocate(module: torch.nn.Module, device: torch.device) -> None:
             setattr(module.get_submodule(owner), leaf, shared)
 
 
-def materialize(module: torch.nn.Module, device: torch.device, source: dict[str, torch.Tensor],
-                buffers: dict[str, torch.Tensor]) -> None:
+def materialize(module: torch.nn.Module, device: torch.device, source: dict[str, torch.Tensor]) -> None:
     """Give a sharded module (meta or not) this rank's storage on `device` and rank 0's values:
     `source` (rank 0: the full state dict taken before sharding; others: {}) is broadcast into
-    each rank's shards, and the loose buffers (rank 0's `buffers`) are broadcast whole — in rank
-    0's shapes and dtypes, which a skeleton built from the config need not share."""
+    each rank's shards, and the loose buffers are broadcast whole — in rank 0's shapes and
+    dtypes, which a skeleton built from the config need not share."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    rank0 = dist.get_rank() == 0
+    held = dict(module.named_buffers())
+    buffers = {n: held[n].detach().clone() for n in loose_buffers(module)} if rank0 else {}  # before to_empty
     allocate(module, device)
     set_model_state_dict(module, dict(source), options=StateDictOptions(full_state_dict=True,
                                                                         broadcast_from_rank0=True))
-    rank0 = dist.get_rank() == 0
     shapes = [{n: (tuple(b.shape), b.dtype) for n, b in buffers.items()} if rank0 else None]
     dist.broadcast_object_list(shapes, src=0)
     for name, (shape, dtype) in shapes[0].items():
         value = buffers[name].to(device) if rank0 else torch.empty(shape, dtype=dtype, device=device)
         dist.broadcast(value, src=0)
-        owner, _, leaf = name.rpartition(".")
-        module.get_submodule(owner).register_buffer(leaf, value, persistent=False)
+        _put_buffer(module, name, value, persistent=False)
 
 
 def fill_like(module: torch.nn.Module, source: torch.nn.Module) -> None:
     """Allocate a sharded skeleton of `source` and copy `source`'s values into it, shard for
-    shard, so no data moves between ranks."""
+    shard, so no data moves between ranks; its buffers are copies of `source`'s (rank 0's)."""
     saved = set(module.state_dict())
     allocate(module, next(source.parameters()).device)
-    theirs = dict(source.named_parameters()) | dict(source.named_buffers())
+    theirs = dict(source.named_parameters())
     with torch.no_grad():
         for name, t in module.named_parameters():  # a frozen copy shards what the trained module
             t.copy_(like(theirs[name], t))  # keeps whole in another dtype (`odd_dtype`): no data moves
-        for name, t in list(module.named_buffers()):
-            if t.dtype == theirs[name].dtype and t.shape == theirs[name].shape:
-                t.copy_(theirs[name])
-            else:  # a loose buffer materialize replaced with rank 0's
-                owner, _, leaf = name.rpartition(".")
-                module.get_submodule(owner).register_buffer(leaf, theirs[name].clone(), persistent=name in saved)
+    for name, b in source.named_buffers():
+        _put_buffer(module, name, b.detach().clone(), persistent=name in saved)
+
+
+def _put_buffer(module: torch.nn.Module, name: str, value: torch.Tensor, persistent: bool) -> None:
+    owner, _, leaf = name.rpartition(".")
+    module.get_submodule(owner).register_buffer(leaf, value, persistent=persistent)
 
 
 def odd_dtype(params: list[torch.nn.Parameter]) -> set[torch.nn.Parameter]:

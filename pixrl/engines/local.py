@@ -53,9 +53,12 @@ class LocalEngine:
     def policy(self) -> TrainablePolicy:
         """Loaded on first use, so a stage that finds its output stored loads nothing."""
         if self._policy is None:
-            self._policy = TrainablePolicy(self.cfg)
-            self._prompts = PromptCache(self._policy.family)
+            self._load_policy()
         return self._policy
+
+    def _load_policy(self, trainable_device: str | None = None) -> None:
+        self._policy = TrainablePolicy(self.cfg, trainable_device)
+        self._prompts = PromptCache(self._policy.family)
 
     def describe(self) -> dict:
         fam = self.policy.family
@@ -207,8 +210,7 @@ class LocalEngine:
         sharded, and the frozen copies the algorithm needs are made and sharded with it. Called
         before the policy is first used, only rank 0 reads the trained module's weights."""
         if self._policy is None:  # rank 0 loads the trained module into host memory, the others build it empty
-            self._policy = TrainablePolicy(self.cfg, trainable_device="cpu" if self.collective.rank == 0 else "meta")
-            self._prompts = PromptCache(self._policy.family)
+            self._load_policy(trainable_device="cpu" if self.collective.rank == 0 else "meta")
         pol, algo = self.policy, self.algorithm
         explicit = self.cfg.dpo is not None and self.cfg.dpo.reference != "base"
         pol.shard(reference_copy=algo.needs_reference and (not pol.lora or explicit),

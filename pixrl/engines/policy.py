@@ -16,7 +16,7 @@ from ..config.schema import ExperimentConfig
 from ..models.registry import get_family
 from ..stages.plan import seed_of
 from .assets import resolve_model_path
-from .fsdp import (align, fill_like, full, full_optimizer_state, like, loose_buffers, materialize, shard_module,
+from .fsdp import (align, fill_like, full, full_optimizer_state, like, materialize, shard_module,
                    sharded_optimizer_state, skeleton)
 
 BASE = "base"
@@ -79,16 +79,14 @@ class TrainablePolicy:
             raise RuntimeError(f"shard a policy at its base weights (it holds {self.weights_id!r})")
         align(self.module, f"{self.family.name} trained module")
         rank0 = dist.get_rank() == 0
-        source = dict(self.module.state_dict()) if rank0 else {}
-        held = dict(self.module.named_buffers())
-        loose = {n: held[n].detach().clone() for n in loose_buffers(self.module)} if rank0 else {}
+        source = dict(self.module.state_dict()) if rank0 else {}  # whole: taken before sharding
         copies = [skeleton(self.module).requires_grad_(False) for wanted in (reference_copy, sampler_copy) if wanted]
         device = torch.device(self.cfg.model.device)
         units = getattr(self.family, "fsdp_units", None)
         for module in (self.module, *copies):
             shard_module(module, device.type, units)
-        materialize(self.module, device, source, loose)
-        del source, loose
+        materialize(self.module, device, source)
+        del source
         for module in copies:
             fill_like(module, self.module)
         if reference_copy:
