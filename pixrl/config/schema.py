@@ -62,6 +62,13 @@ class SamplingConfig(_Section):
                                                    "(engines/vllm_text.py; log-probs stay the policy's)")
     cot_vllm_url: str = Field("", description="cot_backend=vllm: the server `pixrl serve-vllm-text` started")
     cot_vllm_model: str = Field("", description="cot_backend=vllm: the served model's name (empty: the only one)")
+    cot_vllm_weights: Literal["broadcast", "files"] = Field(
+        "broadcast", description="cot_backend=vllm: how each policy version reaches the server: broadcast over a "
+        "process group of its own (gloo on CPU, NCCL on CUDA) through vLLM's weight-update API and pixrl's backend "
+        "(engines/vllm_weights.py; `pixrl serve-vllm-text` enables it), or files: safetensors under the run's "
+        "workdir that the server reloads (a disk both see)")
+    cot_vllm_address: str = Field("", description="cot_backend=vllm, weights broadcast: this process's address as "
+                                  "the server dials it (empty: the one on the route to the server)")
 
     @model_validator(mode="after")
     def _slots(self) -> SamplingConfig:

@@ -171,7 +171,8 @@ class LocalEngine:
             from .vllm_text import VllmTextSampler
 
             weights = Path(self.cfg.run.workdir).resolve() / "vllm_text" / self.cfg.run.name  # where versions go to the server
-            self._cot_server = VllmTextSampler(s.cot_vllm_url, weights, s.cot_vllm_model)
+            self._cot_server = VllmTextSampler(s.cot_vllm_url, weights, s.cot_vllm_model, moves=s.cot_vllm_weights,
+                                               address=s.cot_vllm_address)
         self._cot_server.sync(self.policy.family, self.policy.weights_id)
         return self._cot_server
 

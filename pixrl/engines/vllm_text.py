@@ -6,10 +6,16 @@ serves the policy's language model as a Llama checkout (models/janus_text.py; `p
 serve-vllm-text` starts one), and the image tokens from the policy in this process, as before.
 
 - **Exactly the named version.** Before a rollout the engine calls `sync(family, weights_id)`:
-  when the server holds another version, the current in-memory text weights (LoRA merged) are
-  written to `weights_dir/<version>.<pid>/model.safetensors` and the server reloads them in place
-  (vLLM's `reload_weights` over `/collective_rpc`, which needs `VLLM_SERVER_DEV_MODE=1`), then
-  drops its prefix cache. The previous version's file is removed once the new one is loaded.
+  when the server holds another version, the current in-memory text weights (LoRA merged) move
+  to it, then it drops its prefix cache. How (`sampling.cot_vllm_weights`):
+  - `broadcast` (default): over a process group of their own, through vLLM's weight-update API
+    and pixrl's backend inside the server (engines/vllm_weights.py, vllm_receiver.py); no file,
+    no shared disk. The server names the version it holds (`/weight_info`), so rollout workers
+    sharing one server move each version once.
+  - `files`: written to `weights_dir/<version>.<pid>/model.safetensors` and reloaded in place
+    (vLLM's `reload_weights` over `/collective_rpc`); the previous version's file is removed once
+    the new one is loaded.
+  Both need the server in dev mode (`VLLM_SERVER_DEV_MODE=1`; `pixrl serve-vllm-text` sets it).
 - **Log-probs are the policy's.** vLLM returns only the tokens; the stored log-probs are
   teacher-forced by the policy (algorithms/token_sampling.py), the function replay
   differentiates, so the ratio before an update is exactly 1. vLLM's own log-probs of the same
@@ -42,13 +48,17 @@ class CotServerError(RuntimeError):
 
 class VllmTextSampler:
     def __init__(self, url: str, weights_dir: Path, served_model: str = "", concurrency: int = 16,
-                 timeout: float = 300.0, retries: int = 2, token_env: str = "PIXRL_VLLM_TOKEN"):
+                 timeout: float = 300.0, retries: int = 2, token_env: str = "PIXRL_VLLM_TOKEN",
+                 moves: str = "broadcast", address: str = ""):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"sampling.cot_backend=vllm needs sampling.cot_vllm_url, the server `pixrl "
                              f"serve-vllm-text` started (e.g. http://127.0.0.1:8000); got {url!r}")
         self.url, self.model, self.weights_dir = url.rstrip("/"), served_model, Path(weights_dir)
         self.concurrency, self.timeout, self.retries = concurrency, timeout, retries
         self.token = os.environ.get(token_env, "")
+        if moves not in ("broadcast", "files"):
+            raise ValueError(f"sampling.cot_vllm_weights must be broadcast or files; got {moves!r}")
+        self.moves, self.address = moves, address
         self.client = None
         self.loaded: str | None = None  # the version the server holds (None: unknown, e.g. what it started with)
 
@@ -60,31 +70,64 @@ class VllmTextSampler:
                 "start one with `pixrl serve-vllm-text` or fix sampling.cot_vllm_url", "sampling.cot_vllm_model",
                 CotServerError)
 
-    def _post(self, path: str, payload: dict | None, what: str) -> dict:
+    def _post(self, path: str, payload: dict | None, what: str, retries: int | None = None) -> dict:
         try:
-            return post_json(self.client, f"{self.url}{path}", payload or {}, self.retries, 1.0,
+            return post_json(self.client, f"{self.url}{path}", payload or {},
+                             self.retries if retries is None else retries, 1.0,
                              f"the chain-of-thought server {self.url} ({what})",
                              "check the server (`pixrl serve-vllm-text`) and sampling.cot_vllm_url")
         except ScoringError as exc:
             hint = ("; the server must run with VLLM_SERVER_DEV_MODE=1 (pixrl serve-vllm-text sets it)"
-                    if "404" in str(exc) and path == "/collective_rpc" else "")
+                    if "404" in str(exc) and path != "/v1/completions" else "")
             raise CotServerError(str(exc) + hint) from None
+
+    def _get(self, path: str) -> dict:
+        import httpx
+
+        try:
+            r = self.client.get(f"{self.url}{path}")
+        except httpx.TransportError as exc:
+            raise CotServerError(f"the chain-of-thought server {self.url} is unreachable ({exc})") from None
+        if r.status_code != 200:
+            dev = "; the server must run with VLLM_SERVER_DEV_MODE=1 (pixrl serve-vllm-text sets it)"
+            raise CotServerError(f"the chain-of-thought server {self.url}{path} answered HTTP {r.status_code}"
+                                 f"{dev if r.status_code == 404 else ''}")
+        return r.json()
 
     def sync(self, family, weights_id: str) -> None:
         """Make the server's weights the family's current ones (version `weights_id`)."""
-        from ..models.janus_text import write_text_weights
-
         self.setup()
         if self.loaded == weights_id:
             return
+        if self._get("/weight_info").get("weight_version") == weights_id:  # another sender moved it
+            self.loaded = weights_id
+            return
+        if self.moves == "broadcast":
+            self._broadcast(family, weights_id)
+        else:
+            self._files(family, weights_id)
+        self._post("/reset_prefix_cache", None, "dropping the previous version's cache")
+        self.loaded = weights_id
+
+    def _broadcast(self, family, weights_id: str) -> None:
+        from ..models.janus_text import text_weights
+        from .vllm_weights import WeightPush
+
+        # an init or an update returns once the whole move is done: no retries, which would rejoin a session
+        call = lambda path, payload, what: self._post(path, payload, what, retries=0)  # noqa: E731
+        WeightPush(self.url, call, self._get, CotServerError, self.address, self.timeout).push(
+            text_weights(family), weights_id)
+
+    def _files(self, family, weights_id: str) -> None:
+        from ..models.janus_text import write_text_weights
+
         target = self._dir(weights_id)
         write_text_weights(family, target)
         self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(target)}},
                    f"loading version {weights_id}")
-        self._post("/reset_prefix_cache", None, "dropping the previous version's cache")
+        self._post("/update_weight_version", {"new_version": weights_id}, f"naming version {weights_id}")
         if self.loaded is not None:
             shutil.rmtree(self._dir(self.loaded), ignore_errors=True)
-        self.loaded = weights_id
 
     def _dir(self, weights_id: str) -> Path:
         """This process's copy of a version (rollout workers sharing a server each write their own,
