@@ -1,0 +1,178 @@
+"""The one prepared script of a session that is lent a GPU: it receives the device kit
+(benchmarks/device_kit.py), installs it, and runs the GPU checks of the open issues in priority
+order, each in its own process under its own timeout, all inside one call's time.
+
+Every call of the session is the same command, carrying the next part of the kit:
+
+    python3 benchmarks/device_kit.py build --with video          # here, first: prints the calls
+    run(command="PYTHONUNBUFFERED=1 python3 benchmarks/gpu_checks.py", carry=[".device_kit/part01"], timeout_s=600)
+    run(command=..., carry=[".device_kit/part02"], timeout_s=600)   # within 30 s, or the machine goes back
+    ...
+
+A call that leaves parts missing only stores its part (seconds) and says which comes next; the
+call that completes the kit installs it and runs the checks. Results: $OUT/checks.jsonl (one line
+per check: name, command, exit code, seconds, the check's own JSON result) and $OUT/checks.log
+(everything the checks printed). `--only a,b` runs some checks; `--list` shows them.
+
+The checks (priority order; each family's `gpu_smoke.py` is one iteration of the real flow):
+  environment   GPU, torch, the kit's requirements, pixrl's imports
+  sd3           SD3.5-Medium at its real shapes (24 blocks), 512², bf16 — issue 14's GPU line
+  janus_pro     Janus-Pro-1B, sana SANA-1600M, wan Wan2.1-1.3B (33 frames; kit --with video)
+  flux1 …       FLUX.1-dev, Qwen-Image and FLUX.2-dev (fewer blocks: the disk holds 64 GiB)
+  scaling       benchmarks/scaling.py --device cuda --gpus 1 (kit --with ray)
+
+`--device cpu --tiny` takes the same path on tiny models: how the kit is checked on a machine
+without a GPU (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import device_kit  # noqa: E402  (stdlib only: importable before the kit is installed)
+
+SMOKE = "benchmarks/gpu_smoke.py"
+# name → (argv after the interpreter, timeout s, the kit profile it needs or None)
+CHECKS = {
+    "sd3": ([SMOKE, "--family", "sd3"], 240, None),
+    "janus_pro": ([SMOKE, "--family", "janus_pro"], 150, None),
+    "sana": ([SMOKE, "--family", "sana"], 150, None),
+    "wan": ([SMOKE, "--family", "wan"], 180, "video"),
+    "flux1": ([SMOKE, "--family", "flux1"], 300, None),
+    "qwen_image": ([SMOKE, "--family", "qwen_image", "--layers", "20"], 300, None),
+    "flux2": ([SMOKE, "--family", "flux2", "--layers", "2"], 300, None),
+    "scaling": (["benchmarks/scaling.py", "--device", "cuda", "--gpus", "1", "--iterations", "3"], 300, "ray"),
+}
+MIN_START_S = 45  # a check is not started with less than this left before the deadline
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="comma-separated check names (default: all, in order)")
+    ap.add_argument("--deadline", type=float, default=560.0, help="seconds from start to stop starting checks")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="tiny models (the CPU check of the kit and this script)")
+    ap.add_argument("--no-kit", action="store_true", help="use this environment as it is (pixrl installed)")
+    ap.add_argument("--list", action="store_true")
+    args = ap.parse_args()
+    if args.list:
+        print("\n".join(f"{n}: {' '.join(a)} (≤{t} s{', kit --with ' + p if p else ''})" for n, (a, t, p) in CHECKS.items()))
+        return
+    start = time.monotonic()
+    env, profiles = (dict(os.environ), None) if args.no_kit else _kit_env()
+    if env is None:
+        return  # a part was stored; the next call carries the next one
+    out = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="pixrl-gpu-checks-"))
+    out.mkdir(parents=True, exist_ok=True)
+    names = [n for n in (args.only.split(",") if args.only else CHECKS) if n and n != "environment"]  # always first
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        sys.exit(f"unknown check(s) {unknown}; `--list` shows them")
+    log = open(out / "checks.log", "a")
+    record(out, environment(env, log))
+    for name in names:
+        argv, limit, needs = CHECKS[name]
+        left = args.deadline - (time.monotonic() - start)
+        if profiles is not None and needs and needs not in profiles:
+            record(out, {"check": name, "skipped": f"the kit lacks '{needs}': build it with --with {needs}"})
+        elif left < MIN_START_S:
+            record(out, {"check": name, "skipped": f"{left:.0f} s left before the deadline"})
+        else:
+            record(out, run_check(name, _adapt(argv, args), min(limit, left), env, log))
+    log.close()
+    print(f"results: {out / 'checks.jsonl'}; {time.monotonic() - start:.0f} s in all")
+
+
+def _kit_env() -> tuple[dict | None, list[str] | None]:
+    """Receive this call's part; once every part is here, install and return the environment
+    the checks run in (the kit's site first, then this checkout) and the kit's profiles."""
+    manifest, have = device_kit.receive()
+    if manifest is None:
+        sys.exit("no kit part here: build one (`python3 benchmarks/device_kit.py build`) and carry .device_kit/part01")
+    total = len(manifest["parts"])
+    if len(have) < total:
+        nxt = min(set(range(1, total + 1)) - set(have))
+        print(f"kit {manifest['kit'][:12]}: holding parts {have} of {total}; the next call carries .device_kit/part{nxt:02d}")
+        return None, None
+    site = device_kit.install(manifest)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_HOME=tempfile.mkdtemp(prefix="prefect-home-"),
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PIXRL_KIT_SITE=str(site))
+    return env, manifest["profiles"]
+
+
+def _adapt(argv: list[str], args) -> list[str]:
+    if args.tiny:
+        argv = [a for a in argv if a not in ("--layers",)]
+        argv = [a for i, a in enumerate(argv) if not (i and argv[i - 1] == "--layers")]
+        if argv[0] == SMOKE:
+            argv = [*argv, "--tiny", "--steps", "4"]
+    if argv[0] == SMOKE:
+        argv = [*argv, "--device", args.device]
+    elif args.device == "cpu":  # scaling on CPU: workers on cores instead of GPUs
+        argv = [argv[0], "--iterations", "2"]
+    return argv
+
+
+def environment(env: dict, log) -> dict:
+    """What the checks run on, and whether pixrl imports there (fails fast, before any model)."""
+    code = ("import json, sys, torch, importlib.metadata as m\n"
+            "import pixrl.flows.online, pixrl.stages.online\n"
+            "sys.path.insert(0, 'benchmarks'); import device_kit\n"
+            "site = device_kit.SITE\n"
+            "info = dict(python=sys.version.split()[0], torch=torch.__version__, cuda=torch.cuda.is_available(),\n"
+            "  gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,\n"
+            "  versions={p: m.version(p) for p in ('prefect','mlflow','pylance','diffusers','transformers','peft','pyarrow','numpy')},\n"
+            "  kit_problems=device_kit.check_requirements(site) if site.exists() else None)\n"
+            "print(json.dumps(info))\n")
+    return run_check("environment", ["-c", code], 120, env, log)
+
+
+def run_check(name: str, argv: list[str], timeout: float, env: dict, log) -> dict:
+    """One check in its own process and work directory; its last stdout line, when JSON, is its result."""
+    work = Path(tempfile.mkdtemp(prefix=f"pixrl-{name}-"))
+    cmd = [sys.executable, *argv, *(["--workdir", str(work)] if argv[0] == SMOKE else [])]
+    t0 = time.monotonic()
+    log.write(f"\n===== {name}: {' '.join(cmd)}\n")
+    log.flush()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        rc, stdout, stderr = p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, stdout, stderr = "timeout", _text(e.stdout), _text(e.stderr)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the disk holds 64 GiB; a real-shapes model is tens of GB
+    log.write(stdout + stderr)
+    log.flush()
+    res = {"check": name, "command": " ".join(argv[:4]), "rc": rc, "seconds": round(time.monotonic() - t0, 1)}
+    lines = [ln for ln in stdout.strip().splitlines() if ln.strip()]
+    try:
+        res["result"] = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        res["tail"] = (stdout + stderr)[-1500:]
+    return res
+
+
+def _text(b) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
+
+def record(out: Path, res: dict) -> None:
+    with open(out / "checks.jsonl", "a") as f:
+        f.write(json.dumps(res) + "\n")
+    brief = res.get("result") or res.get("skipped") or res.get("tail", "")[-300:]
+    print(f"[{res['check']}] rc={res.get('rc', '-')} {res.get('seconds', '')} s: {json.dumps(brief)[:600]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""benchmarks/device_kit.py and gpu_checks.py: pixrl's dependencies travel to the GPU machine as
+parts of one xz tar, one part per call; the call that completes the kit installs it whole and
+runs the checks. Real wheels (built here in the wheel format), real tar/xz, real subprocesses."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def kit(tmp_path, monkeypatch):
+    mod = _load("device_kit")
+    monkeypatch.setattr(mod, "KIT_DIR", tmp_path / "repo" / ".device_kit")
+    monkeypatch.setattr(mod, "RECEIVED", tmp_path / "received")
+    monkeypatch.setattr(mod, "SITE", tmp_path / "site")
+    return mod
+
+
+def _wheel(dirpath: Path, name: str, payload: bytes, requires: list[str] = ()) -> Path:
+    """A wheel as pip builds one: the package, a `.data/purelib` file, a script, dist-info."""
+    dist = f"{name}-1.0"
+    w = dirpath / f"{name}-1.0-py3-none-any.whl"
+    meta = "Metadata-Version: 2.1\nName: " + name + "\nVersion: 1.0\n" + "".join(f"Requires-Dist: {r}\n" for r in requires)
+    with zipfile.ZipFile(w, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr(f"{name}/__init__.py", f"BLOB = {payload!r}\n")
+        z.writestr(f"{dist}.data/purelib/{name}_extra.py", "VALUE = 7\n")
+        z.writestr(f"{dist}.data/scripts/{name}-cli", "#!python\n")
+        z.writestr(f"{name}/server/js/bundle.js", "x" * 100)
+        z.writestr(f"{dist}.dist-info/METADATA", meta)
+        z.writestr(f"{dist}.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{dist}.dist-info/RECORD", "")
+    return w
+
+
+def _build(kit, tmp_path, part_bytes, requires=()):
+    import os
+
+    site = tmp_path / "build-site"
+    blob = os.urandom(150_000)  # incompressible: several parts
+    kit.unpack_wheel(_wheel(tmp_path, "kitpkg", blob, requires), site, prune=("kitpkg/server/js/",))
+    archive = tmp_path / "kit.tar.xz"
+    digest = kit.compress_site(site, archive)
+    parts = kit.split(archive, kit.KIT_DIR, part_bytes, {"kit": digest, "profiles": ["core"], "packages": []})
+    return parts, blob
+
+
+def test_wheel_unpacks_as_installed_and_prunes(kit, tmp_path):
+    site = tmp_path / "s"
+    kit.unpack_wheel(_wheel(tmp_path, "kitpkg", b"abc"), site, prune=("kitpkg/server/js/",))
+    assert (site / "kitpkg" / "__init__.py").exists() and (site / "kitpkg_extra.py").read_text() == "VALUE = 7\n"
+    assert (site / "kitpkg-1.0.dist-info" / "METADATA").exists()
+    assert not list(site.rglob("*cli")) and not (site / "kitpkg" / "server").exists()
+
+
+def test_parts_travel_one_per_call_and_install_whole(kit, tmp_path):
+    parts, blob = _build(kit, tmp_path, part_bytes=60_000)
+    assert len(parts) >= 3 and all((p / "kit.json").exists() for p in parts)
+    assert all(f.stat().st_size <= 60_000 for p in parts for f in p.glob("kit.[0-9]*"))
+    staged = {p.name: list(p.iterdir()) for p in parts}
+    import shutil
+
+    shutil.move(str(kit.KIT_DIR), tmp_path / "all-parts")  # each call carries one part directory
+    for k, p in enumerate(parts, start=1):
+        shutil.copytree(tmp_path / "all-parts" / p.name, kit.KIT_DIR / p.name)
+        manifest, have = kit.receive()
+        shutil.rmtree(kit.KIT_DIR)
+        assert have == list(range(1, k + 1)) and len(staged[p.name]) == 2
+    site = kit.install(manifest)
+    out = subprocess.run([sys.executable, "-c", "import kitpkg, kitpkg_extra; print(len(kitpkg.BLOB), kitpkg_extra.VALUE)"],
+                         cwd=tmp_path, env={"PYTHONPATH": str(site)}, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [str(len(blob)), "7"]
+    assert kit.install(manifest) == site  # installed already: kept
+
+
+def test_damaged_part_is_refused_and_nothing_installed(kit, tmp_path):
+    parts, _ = _build(kit, tmp_path, part_bytes=60_000)
+    manifest, have = kit.receive()
+    assert have == list(range(1, len(parts) + 1))
+    victim = kit.RECEIVED / "kit.02"
+    data = bytearray(victim.read_bytes())
+    data[100] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(SystemExit, match="kit part kit.02 is damaged.*carry its part directory again"):
+        kit.install(manifest)
+    assert not kit.SITE.exists()
+
+
+def test_a_part_of_another_kit_replaces_the_old_one(kit, tmp_path):
+    _build(kit, tmp_path, part_bytes=60_000)
+    kit.receive()
+    first = json.loads((kit.RECEIVED / "kit.json").read_text())["kit"]
+    again = tmp_path / "again"
+    again.mkdir()
+    _build(kit, again, part_bytes=400_000)
+    manifest, have = kit.receive()
+    assert manifest["kit"] != first and have == [1]
+    assert sorted(f.name for f in kit.RECEIVED.glob("kit.[0-9]*")) == ["kit.01"]
+
+
+def test_requirements_are_checked_against_this_python(kit, tmp_path):
+    site = tmp_path / "s"
+    kit.unpack_wheel(_wheel(tmp_path, "kitpkg", b"a", ["pytest>=1", "no-such-dist-pixrl>=1", "pytest<1",
+                                                      'other-missing; extra == "x"']), site)
+    problems = kit.check_requirements(site)
+    assert problems == ["kitpkg needs no-such-dist-pixrl>=1: not installed",
+                        f"kitpkg needs pytest<1: this machine has {pytest.__version__}"]
+
+
+def test_lock_sections_and_carried_set():
+    kit = _load("device_kit")
+    core = kit.read_lock([])
+    names = {kit.canonical(p.split("==")[0]) for p in core}
+    assert {"prefect", "mlflow", "pylance", "diffusers", "transformers", "peft", "omegaconf", "pydantic"} <= names
+    assert not names & {"torch", "numpy", "pyarrow", "lancedb", "av", "ray"}  # the device's, never imported, profiles
+    assert {"av"} <= {kit.canonical(p.split("==")[0]) for p in kit.read_lock(["video"])}
+    with pytest.raises(SystemExit, match="unknown profile"):
+        kit.read_lock(["nope"])
+
+
+def test_checks_wait_for_the_whole_kit_then_run(kit, tmp_path, monkeypatch):
+    """gpu_checks.py: a call that leaves parts missing stores its part and names the next; the
+    call that completes the kit installs it and runs the environment check with it on the path."""
+    import shutil
+
+    parts, _ = _build(kit, tmp_path, part_bytes=60_000)
+    shutil.move(str(kit.KIT_DIR), tmp_path / "all-parts")
+    checks = _load("gpu_checks")
+    monkeypatch.setattr(checks, "device_kit", kit)
+    out = tmp_path / "out"
+    monkeypatch.setenv("OUT", str(out))
+    monkeypatch.setattr(sys, "argv", ["gpu_checks.py", "--only", "environment", "--device", "cpu"])
+    for k, p in enumerate(parts, start=1):
+        if kit.KIT_DIR.exists():
+            shutil.rmtree(kit.KIT_DIR)
+        shutil.copytree(tmp_path / "all-parts" / p.name, kit.KIT_DIR / p.name)  # this call's carry
+        checks.main()
+        assert out.exists() == (k == len(parts))  # nothing runs before the kit is whole
+    lines = [json.loads(x) for x in (out / "checks.jsonl").read_text().splitlines()]
+    assert [x["check"] for x in lines] == ["environment"] and lines[0]["rc"] == 0, lines
+    env = lines[0]["result"]
+    assert env["kit_problems"] is not None and env["versions"]["prefect"]
