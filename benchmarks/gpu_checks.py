@@ -113,8 +113,7 @@ def _kit_env() -> tuple[dict | None, list[str] | None]:
 
 def _adapt(argv: list[str], args) -> list[str]:
     if args.tiny:
-        argv = [a for a in argv if a not in ("--layers",)]
-        argv = [a for i, a in enumerate(argv) if not (i and argv[i - 1] == "--layers")]
+        argv = [a for i, a in enumerate(argv) if a != "--layers" and not (i and argv[i - 1] == "--layers")]
         if argv[0] == SMOKE:
             argv = [*argv, "--tiny", "--steps", "4"]
     if argv[0] == SMOKE:

@@ -54,6 +54,18 @@ def test_errors_name_key_and_choices():
         load_config(None, ["model=sdxl"])
 
 
+def test_an_sde_window_that_does_not_fit_the_steps_is_refused_at_load():
+    """Flow-GRPO-Fast's window is checked with the config, before a run opens or a model loads."""
+    ok = load_config(None, ["sampling.steps=4", "sampling.window_size=2", "sampling.window_range=[0,4]"])
+    assert ok.sampling.window_range == (0, 4)
+    for bad in (["sampling.steps=2", "sampling.window_size=2", "sampling.window_range=[0,4]"],
+                ["sampling.steps=10", "sampling.window_size=3", "sampling.window_range=[4,6]"],
+                ["sampling.steps=4", "sampling.window_size=3", "sampling.window_range=null"]):  # default: [0, steps // 2]
+        with pytest.raises(ConfigError, match=r"sampling.window_range=\[\d+, \d+\] cannot hold a window of \d SDE "
+                                              r"steps within sampling.steps=\d+: set window_range"):
+            load_config(None, bad)
+
+
 def test_diffusion_dpo_loss_settings_live_in_the_algorithm_section():
     """Diffusion-DPO's loss (β, σ sampling) is its algorithm's settings; the old dpo.* keys — on a
     command line or in a recorded config — mean the same, and both places set differently is refused."""

@@ -154,3 +154,16 @@ def test_checks_wait_for_the_whole_kit_then_run(kit, tmp_path, monkeypatch):
     assert [x["check"] for x in lines] == ["environment"] and lines[0]["rc"] == 0, lines
     env = lines[0]["result"]
     assert env["kit_problems"] is not None and env["versions"]["prefect"]
+
+
+def test_checks_shrink_to_tiny_models_for_the_cpu_path():
+    from argparse import Namespace
+
+    checks = _load("gpu_checks")
+    cpu = Namespace(tiny=True, device="cpu")
+    assert checks._adapt(["benchmarks/gpu_smoke.py", "--family", "flux2", "--layers", "2"], cpu) == \
+        ["benchmarks/gpu_smoke.py", "--family", "flux2", "--tiny", "--steps", "4", "--device", "cpu"]
+    gpu = Namespace(tiny=False, device="cuda")
+    assert checks._adapt(["benchmarks/gpu_smoke.py", "--family", "qwen_image", "--layers", "20"], gpu)[-4:] == \
+        ["--layers", "20", "--device", "cuda"]
+    assert checks._adapt(checks.CHECKS["scaling"][0], gpu) == checks.CHECKS["scaling"][0]

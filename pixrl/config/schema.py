@@ -78,6 +78,12 @@ class SamplingConfig(_Section):
             raise ValueError(f"sampling.cot_backend=vllm samples the chain of thought on a vLLM server: it needs "
                              f"sampling.cot_tokens > 0 (got {self.cot_tokens}) and sampling.cot_vllm_url (got "
                              f"{self.cot_vllm_url!r}; `pixrl serve-vllm-text` prints it)")
+        if self.window_size:  # refused here, before a run opens, not at its first generate
+            lo, hi = self.window_range or (0, self.steps // 2)
+            if lo < 0 or hi - lo < self.window_size or hi > self.steps:
+                raise ValueError(f"sampling.window_range={[lo, hi]} cannot hold a window of {self.window_size} SDE "
+                                 f"steps within sampling.steps={self.steps}: set window_range to [lo, hi] with "
+                                 f"0 ≤ lo, hi − lo ≥ window_size and hi ≤ steps")
         if self.prompts_per_iteration * self.max_rounds > 1000:  # sample ids hold 3-digit group slots
             raise ValueError(f"sampling.prompts_per_iteration × sampling.max_rounds = "
                              f"{self.prompts_per_iteration * self.max_rounds} groups per iteration; at most 1000")
