@@ -272,9 +272,9 @@ def receive() -> tuple[dict | None, list[int]]:
 
 # ------------------------------------------------------------------------------- install (device)
 def install(manifest: dict) -> Path:
-    """Verify every part, unpack the archive into SITE (a fresh directory renamed into place:
-    complete or absent) and check the unpacked packages' requirements against what this Python
-    sees. Idempotent: an installed kit of the same digest is kept."""
+    """Verify every part, then unpack the archive into SITE (a fresh directory renamed into place:
+    complete or absent). Idempotent: an installed kit of the same digest is kept, so a later call
+    on the same warm machine carries nothing and runs at once."""
     marker = SITE / ".pixrl-kit"
     if marker.exists() and marker.read_text() == manifest["kit"]:
         return SITE
