@@ -7,8 +7,9 @@ and micro-batch plan through the Engine protocol, no stores).
     .venv/bin/python benchmarks/scaling.py --device cuda --gpus 4 --config qwen_image_geneval model.path=...
 
 On CPU, `--cores C` is split between the workers of a kind (1 worker: C threads; 2 workers: C/2
-each); the local engine uses C threads. `--device cuda --gpus N`: one GPU per rollout and trainer
-worker, N of each, and the report adds images/GPU/s (compare with VeRL-Omni's 0.510 images/GPU/s
+each); the local engine uses C threads. `--device cuda --gpus N`: N rollout workers and N trainer
+ranks, one of each sharing every GPU (stages alternate, as a colocated rollout/trainer layout
+runs them), and the report adds images/GPU/s (compare with VeRL-Omni's 0.510 images/GPU/s
 for Qwen-Image on 4×H200 at 512², no CFG — state the same conditions when you quote it).
 The first iteration (model loading, worker start) is reported apart and left out of the medians.
 """
@@ -89,6 +90,9 @@ def measure(name: str, make_engine, cfg, iterations: int) -> dict:
     return res
 
 
+GPU_SHARE = 0.5  # of a GPU, per rollout worker and per trainer rank (`--gpus N`: N of each on N GPUs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=None)
@@ -119,8 +123,9 @@ def main() -> None:
         threads = max(1, args.cores // n)
         per = [f"ray.rollout_workers={n}", f"ray.trainer_workers={n}", "ray.reward_workers=1",
                f"ray.rollout.num_cpus={threads}", f"ray.trainer.num_cpus={threads}", f"run.threads={threads}"]
-        if args.gpus:
-            per += ["ray.rollout.num_gpus=1", "ray.trainer.num_gpus=1"]
+        if args.gpus:  # a rollout worker and a trainer rank share each GPU: the stages alternate, so
+            # N GPUs hold N of each (asking one GPU apiece would leave the trainers unplaced)
+            per += [f"ray.rollout.num_gpus={GPU_SHARE}", f"ray.trainer.num_gpus={GPU_SHARE}"]
         cfg = load_config(args.config, base + ["run.engine=ray", *per])
         res = measure(f"ray x{n}", lambda cfg=cfg: RayEngine(cfg), cfg, args.iterations)
         if args.gpus:
