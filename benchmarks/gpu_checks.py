@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -144,11 +145,16 @@ def run_check(name: str, argv: list[str], timeout: float, env: dict, log) -> dic
     t0 = time.monotonic()
     log.write(f"\n===== {name}: {' '.join(cmd)}\n")
     log.flush()
+    # its own process group: a check past its time is stopped with what it started (Prefect's API server)
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
     try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        rc, stdout, stderr = p.returncode, p.stdout, p.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, stdout, stderr = "timeout", _text(e.stdout), _text(e.stderr)
+        stdout, stderr = p.communicate(timeout=timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        stdout, stderr = p.communicate()
+        rc = "timeout"
     finally:
         shutil.rmtree(work, ignore_errors=True)  # the disk holds 64 GiB; a real-shapes model is tens of GB
     log.write(stdout + stderr)
@@ -160,10 +166,6 @@ def run_check(name: str, argv: list[str], timeout: float, env: dict, log) -> dic
     except (IndexError, json.JSONDecodeError):
         res["tail"] = (stdout + stderr)[-1500:]
     return res
-
-
-def _text(b) -> str:
-    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
 
 def record(out: Path, res: dict) -> None:

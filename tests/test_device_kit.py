@@ -167,3 +167,24 @@ def test_checks_shrink_to_tiny_models_for_the_cpu_path():
     assert checks._adapt(["benchmarks/gpu_smoke.py", "--family", "qwen_image", "--layers", "20"], gpu)[-4:] == \
         ["--layers", "20", "--device", "cuda"]
     assert checks._adapt(checks.CHECKS["scaling"][0], gpu) == checks.CHECKS["scaling"][0]
+
+
+def test_a_check_past_its_time_is_stopped_with_what_it_started(tmp_path):
+    """A check that overruns is killed with its process group (a smoke's Prefect API server too),
+    and the record says timeout."""
+    import io
+    import os
+    import time
+
+    checks = _load("gpu_checks")
+    code = ("import subprocess, sys, time\n"
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(120)\n")
+    t0 = time.monotonic()
+    res = checks.run_check("sleeper", ["-c", code], 3, dict(os.environ), io.StringIO())
+    assert res["rc"] == "timeout" and time.monotonic() - t0 < 30
+    grandchild = int(res["result"])  # its last line: the pid it printed
+    time.sleep(0.5)
+    stat = Path(f"/proc/{grandchild}/stat")  # gone, or a zombie nobody has reaped yet: not running
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
