@@ -18,7 +18,8 @@ The checks (priority order; each family's `gpu_smoke.py` is one iteration of the
   environment   GPU, torch, the kit's requirements, pixrl's imports
   sd3           SD3.5-Medium at its real shapes (24 blocks), 512², bf16 — issue 14's GPU line
   janus_pro     Janus-Pro-1B, sana SANA-1600M, wan Wan2.1-1.3B (33 frames; kit --with video)
-  flux1 …       FLUX.1-dev, Qwen-Image and FLUX.2-dev (fewer blocks: the disk holds 64 GiB)
+  qwen_image …  Qwen-Image (12 of 60 blocks), FLUX.1-dev (8 + 16 of 19 + 38), FLUX.2-dev (2 + 12 of 8 + 48):
+                real widths, fewer blocks, so that every family fits one call
   scaling       benchmarks/scaling.py --device cuda --gpus 1 (kit --with ray)
 
 `--device cpu --tiny` takes the same path on tiny models: how the kit is checked on a machine
@@ -49,8 +50,10 @@ CHECKS = {
     "janus_pro": ([SMOKE, "--family", "janus_pro"], 150, None),
     "sana": ([SMOKE, "--family", "sana"], 150, None),
     "wan": ([SMOKE, "--family", "wan"], 180, "video"),
-    "flux1": ([SMOKE, "--family", "flux1"], 300, None),
-    "qwen_image": ([SMOKE, "--family", "qwen_image", "--layers", "20"], 300, None),
+    # the three largest at real widths with fewer blocks, so that every family fits one lease's
+    # call; at full depth: `--only flux1 --full-depth` (flux1's 12B fits the GPU and the disk)
+    "qwen_image": ([SMOKE, "--family", "qwen_image", "--layers", "12"], 240, None),
+    "flux1": ([SMOKE, "--family", "flux1", "--layers", "8"], 240, None),
     "flux2": ([SMOKE, "--family", "flux2", "--layers", "2"], 300, None),
     "scaling": (["benchmarks/scaling.py", "--device", "cuda", "--gpus", "1", "--iterations", "3"], 300, "ray"),
 }
@@ -63,6 +66,7 @@ def main() -> None:
     ap.add_argument("--deadline", type=float, default=560.0, help="seconds from start to stop starting checks")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny models (the CPU check of the kit and this script)")
+    ap.add_argument("--full-depth", action="store_true", help="every family at its real block count (no --layers)")
     ap.add_argument("--no-kit", action="store_true", help="use this environment as it is (pixrl installed)")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args()
@@ -113,8 +117,9 @@ def _kit_env() -> tuple[dict | None, list[str] | None]:
 
 
 def _adapt(argv: list[str], args) -> list[str]:
-    if args.tiny:
+    if args.tiny or getattr(args, "full_depth", False):
         argv = [a for i, a in enumerate(argv) if a != "--layers" and not (i and argv[i - 1] == "--layers")]
+    if args.tiny:
         if argv[0] == SMOKE:
             argv = [*argv, "--tiny", "--steps", "4"]
     if argv[0] == SMOKE:

@@ -167,6 +167,9 @@ def test_checks_shrink_to_tiny_models_for_the_cpu_path():
     assert checks._adapt(["benchmarks/gpu_smoke.py", "--family", "qwen_image", "--layers", "20"], gpu)[-4:] == \
         ["--layers", "20", "--device", "cuda"]
     assert checks._adapt(checks.CHECKS["scaling"][0], gpu) == checks.CHECKS["scaling"][0]
+    full = Namespace(tiny=False, device="cuda", full_depth=True)
+    assert checks._adapt(["benchmarks/gpu_smoke.py", "--family", "flux1", "--layers", "8"], full) == \
+        ["benchmarks/gpu_smoke.py", "--family", "flux1", "--device", "cuda"]
 
 
 def test_a_check_past_its_time_is_stopped_with_what_it_started(tmp_path):
