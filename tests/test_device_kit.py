@@ -54,7 +54,7 @@ def _build(kit, tmp_path, part_bytes, requires=()):
     blob = os.urandom(150_000)  # incompressible: several parts
     kit.unpack_wheel(_wheel(tmp_path, "kitpkg", blob, requires), site, prune=("kitpkg/server/js/",))
     archive = tmp_path / "kit.tar.xz"
-    digest = kit.compress_site(site, archive)
+    digest = kit.compress_site(site, archive, chunk=40_000)  # several xz streams, as a large kit has
     parts = kit.split(archive, kit.KIT_DIR, part_bytes, {"kit": digest, "profiles": ["core"], "packages": []})
     return parts, blob
 
@@ -191,3 +191,18 @@ def test_a_check_past_its_time_is_stopped_with_what_it_started(tmp_path):
     time.sleep(0.5)
     stat = Path(f"/proc/{grandchild}/stat")  # gone, or a zombie nobody has reaped yet: not running
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def test_the_archive_is_the_same_bytes_for_the_same_tree_and_one_valid_xz(kit, tmp_path):
+    import lzma
+    import os
+    import tarfile
+
+    site = tmp_path / "s"
+    kit.unpack_wheel(_wheel(tmp_path, "kitpkg", os.urandom(100_000)), site)
+    a, b = tmp_path / "a.tar.xz", tmp_path / "b.tar.xz"
+    assert kit.compress_site(site, a, chunk=30_000) == kit.compress_site(site, b, chunk=30_000)
+    assert a.read_bytes().count(b"\xfd7zXZ\x00") >= 4  # one xz stream per 30 kB of tar
+    with tarfile.open(a, mode="r:xz") as tar:
+        assert sorted(tar.getnames()) == sorted(str(p.relative_to(site)) for p in site.rglob("*") if p.is_file())
+    assert len(lzma.decompress(a.read_bytes())) % 512 == 0  # the whole tar, stream after stream
