@@ -1,6 +1,6 @@
 """The one prepared script of a session that is lent a GPU: it receives the device kit
 (benchmarks/device_kit.py), installs it, and runs the GPU checks of the open issues in priority
-order, each in its own process under its own timeout, all inside one call's time.
+order, each in its own process group under its own timeout, all inside one call's time.
 
 Every call of the session is the same command, carrying the next part of the kit:
 
@@ -136,7 +136,8 @@ def environment(env: dict, log) -> dict:
             "sys.path.insert(0, 'benchmarks'); import device_kit\n"
             "site = device_kit.SITE\n"
             "info = dict(python=sys.version.split()[0], torch=torch.__version__, cuda=torch.cuda.is_available(),\n"
-            "  gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,\n"
+            "  gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None, cuda_runtime=torch.version.cuda,\n"
+            "  gpu_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if torch.cuda.is_available() else None,\n"
             "  versions={p: m.version(p) for p in ('prefect','mlflow','pylance','diffusers','transformers','peft','pyarrow','numpy')},\n"
             "  kit_problems=device_kit.check_requirements(site) if site.exists() else None)\n"
             "print(json.dumps(info))\n")
