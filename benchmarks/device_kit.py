@@ -74,6 +74,11 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def requirement_name(req: str) -> str:
+    """The distribution a requirement string names ("ray[default]==2.60.0" → "ray")."""
+    return canonical(re.split(r"[<>=!~\[ ;]", req)[0])
+
+
 def provided_by_device(name: str) -> bool:
     n = canonical(name)
     return n in DEVICE_PROVIDES or n.startswith(DEVICE_PROVIDES_PREFIXES)
@@ -86,8 +91,8 @@ def project_requirements() -> list[str]:
     import tomllib
 
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    optional = {canonical(re.split(r"[<>=!~\[ ;]", r)[0]) for reqs in PROFILES.values() for r in reqs}
-    return [d for d in deps if canonical(re.split(r"[<>=!~\[ ;]", d)[0]) not in {"torch", *NOT_CARRIED, *optional}]
+    optional = {requirement_name(r) for reqs in PROFILES.values() for r in reqs}
+    return [d for d in deps if requirement_name(d) not in {"torch", *NOT_CARRIED, *optional}]
 
 
 def _pip_target_flags(python: str) -> list[str]:
@@ -111,7 +116,7 @@ def lock(python: str) -> None:
             pins = {canonical(i["metadata"]["name"]): i["metadata"]["version"]
                     for i in json.loads(report.read_text())["install"]}
         taken = {p.split("==")[0] for s in sections.values() for p in s}
-        named = {canonical(re.split(r"[<>=!~\[ ;]", r)[0]) for r in extra}  # a profile's own packages travel
+        named = {requirement_name(r) for r in extra}  # a profile's own packages travel
         sections[profile] = sorted(f"{n}=={v}" for n, v in pins.items()
                                    if (n in named or not provided_by_device(n)) and n not in taken)
     lines = [f"# benchmarks/device_kit.py lock — Python {python} (device torch {DEVICE_TORCH}); what the device image lacks",
@@ -206,6 +211,7 @@ def _xz_span(span: tuple[Path, int, int]) -> bytes:
 
 
 def sha256(path: Path) -> str:
+    """Hex digest of a file (here, not pixrl's: this module runs on the device before the kit is)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

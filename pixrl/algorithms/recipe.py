@@ -27,10 +27,7 @@ def rollout_recipe(s: SamplingConfig, rng: np.random.Generator, step: str = "den
     if step == "token":
         return token_recipe(s)
     if s.window_size:
-        lo, hi = s.window_range or (0, s.steps // 2)
-        if hi - lo < s.window_size or hi > s.steps:
-            raise ValueError(f"sampling.window_range={lo, hi} cannot hold a window of {s.window_size} "
-                             f"in {s.steps} steps")
+        lo, hi = s.window_range or (0, s.steps // 2)  # that it fits is checked with the config (SamplingConfig)
         start = int(rng.integers(lo, hi - s.window_size + 1))
         window = tuple(range(start, start + s.window_size))
         return SamplerRecipe(s.steps, s.noise_level, s.sde_type, s.guidance_scale, window, window)
