@@ -58,8 +58,8 @@ DEVICE_PROVIDES = {
     "torch", "triton", "numpy", "scipy", "pandas", "pyarrow", "pillow", "sympy", "mpmath", "networkx",
     "matplotlib", "contourpy", "cycler", "fonttools", "kiwisolver", "scikit-learn", "joblib", "threadpoolctl",
     "jinja2", "markupsafe", "filelock", "fsspec", "pyyaml", "regex", "psutil", "packaging", "typing-extensions",
-    "setuptools", "python-dateutil", "six", "tzdata",
-}
+    "setuptools", "python-dateutil", "six",
+}  # not tzdata: the H200 image lacks it (2026-12-04), and pendulum asks for it
 DEVICE_PROVIDES_PREFIXES = ("nvidia-", "cuda-")
 # Optional groups: the core kit runs gpu_smoke for the image families; video adds PyAV (Wan's
 # clips), ray the Ray engine (benchmarks/scaling.py --device cuda).

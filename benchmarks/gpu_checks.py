@@ -14,13 +14,16 @@ call that completes the kit installs it and runs the checks. Results: $OUT/check
 per check: name, command, exit code, seconds, the check's own JSON result) and $OUT/checks.log
 (everything the checks printed). `--only a,b` runs some checks; `--list` shows them.
 
-The checks (priority order; each family's `gpu_smoke.py` is one iteration of the real flow):
+The checks (priority order: first what has not yet passed on the H200, docs/runs/gpu_smoke;
+each family's `gpu_smoke.py` is one iteration of the real flow):
   environment   GPU, torch, the kit's requirements, pixrl's imports
-  sd3           SD3.5-Medium at its real shapes (24 blocks), 512², bf16 — issue 14's GPU line
-  janus_pro     Janus-Pro-1B, sana SANA-1600M, wan Wan2.1-1.3B (33 frames; kit --with video)
-  qwen_image …  Qwen-Image (12 of 60 blocks), FLUX.1-dev (8 + 16 of 19 + 38), FLUX.2-dev (2 + 12 of 8 + 48):
-                real widths, fewer blocks, so that every family fits one call
+  wan           Wan2.1-1.3B, 33 frames of 512², activation checkpointing (kit --with video)
+  flux1 …       FLUX.1-dev (8 + 16 of 19 + 38 blocks), Janus-Pro-1B, FLUX.2-dev (2 + 12 of 8 + 48)
+  sd3 …         SD3.5-Medium (24 blocks; issue 14's line), SANA-1600M, Qwen-Image (12 of 60 blocks):
+                passed on 2026-12-04
   scaling       benchmarks/scaling.py --device cuda --gpus 1 (kit --with ray)
+Each check's line carries the GPU's peak used memory as `nvidia-smi` saw it (also when it fails),
+and its log Prefect's task lines with their times (how far a check stopped at its limit got).
 
 `--device cpu --tiny` takes the same path on tiny models: how the kit is checked on a machine
 without a GPU (docs/gpu.md).
@@ -36,6 +39,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -46,15 +50,19 @@ import device_kit  # noqa: E402  (stdlib only: importable before the kit is inst
 SMOKE = "benchmarks/gpu_smoke.py"
 # name → (argv after the interpreter, timeout s, the kit profile it needs or None)
 CHECKS = {
-    "sd3": ([SMOKE, "--family", "sd3"], 240, None),
-    "janus_pro": ([SMOKE, "--family", "janus_pro"], 150, None),
-    "sana": ([SMOKE, "--family", "sana"], 150, None),
+    # First what has not yet passed on the H200 (docs/runs/gpu_smoke, 2026-12-04): Wan ran out of
+    # memory in its update (now with activation checkpointing), FLUX.1 failed in a cuBLAS GEMM of its
+    # backward, Janus-Pro ran past 150 s, FLUX.2 had no time left. The three largest at real widths
+    # with fewer blocks, so that every family fits one lease's call; at full depth:
+    # `--only flux1 --full-depth` (flux1's 12B fits the GPU and the disk).
     "wan": ([SMOKE, "--family", "wan"], 180, "video"),
-    # the three largest at real widths with fewer blocks, so that every family fits one lease's
-    # call; at full depth: `--only flux1 --full-depth` (flux1's 12B fits the GPU and the disk)
-    "qwen_image": ([SMOKE, "--family", "qwen_image", "--layers", "12"], 240, None),
-    "flux1": ([SMOKE, "--family", "flux1", "--layers", "8"], 240, None),
+    "flux1": ([SMOKE, "--family", "flux1", "--layers", "8"], 200, None),
+    "janus_pro": ([SMOKE, "--family", "janus_pro"], 240, None),
     "flux2": ([SMOKE, "--family", "flux2", "--layers", "2"], 300, None),
+    # passed there: sd3 (issue 14's line) 144 s, sana 68 s, qwen_image (12 blocks) 79 s
+    "sd3": ([SMOKE, "--family", "sd3"], 240, None),
+    "sana": ([SMOKE, "--family", "sana"], 150, None),
+    "qwen_image": ([SMOKE, "--family", "qwen_image", "--layers", "12"], 200, None),
     "scaling": (["benchmarks/scaling.py", "--device", "cuda", "--gpus", "1", "--iterations", "3"], 300, "ray"),
 }
 MIN_START_S = 45  # a check is not started with less than this left before the deadline
@@ -152,8 +160,11 @@ def run_check(name: str, argv: list[str], timeout: float, env: dict, log) -> dic
     log.write(f"\n===== {name}: {' '.join(cmd)}\n")
     log.flush()
     # its own process group: a check past its time is stopped with what it started (Prefect's API server)
+    # Prefect's task lines (with times) in the log: a check stopped at its limit shows how far it got
+    env = dict(env, PREFECT_LOGGING_LEVEL="INFO")
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
+    memory = GpuMemory()
     try:
         stdout, stderr = p.communicate(timeout=timeout)
         rc = p.returncode
@@ -162,16 +173,49 @@ def run_check(name: str, argv: list[str], timeout: float, env: dict, log) -> dic
         stdout, stderr = p.communicate()
         rc = "timeout"
     finally:
+        memory.stop()
         shutil.rmtree(work, ignore_errors=True)  # the disk holds 64 GiB; a real-shapes model is tens of GB
     log.write(stdout + stderr)
     log.flush()
     res = {"check": name, "command": " ".join(argv[:4]), "rc": rc, "seconds": round(time.monotonic() - t0, 1)}
+    if memory.peak_mib is not None:  # what the device held at most, seen from outside (also for a failed check)
+        res["gpu_used_peak_gib"] = round(memory.peak_mib / 1024, 2)
     lines = [ln for ln in stdout.strip().splitlines() if ln.strip()]
     try:
         res["result"] = json.loads(lines[-1])
     except (IndexError, json.JSONDecodeError):
         res["tail"] = (stdout + stderr)[-1500:]
     return res
+
+
+class GpuMemory:
+    """The GPU's used memory sampled once a second by `nvidia-smi` while a check runs: its peak,
+    whatever way the check ends (PyTorch's own peak dies with a process that fails). No
+    `nvidia-smi` (a CPU rehearsal): `peak_mib` stays None."""
+
+    def __init__(self, every_s: float = 1.0):
+        self.peak_mib: float | None = None
+        self._stop = threading.Event()
+        self._smi = shutil.which("nvidia-smi")
+        self._thread = threading.Thread(target=self._poll, args=(every_s,), daemon=True)
+        if self._smi:
+            self._thread.start()
+
+    def _poll(self, every_s: float) -> None:
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run([self._smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=10).stdout
+                used = max(float(v) for v in out.split())
+                self.peak_mib = used if self.peak_mib is None else max(self.peak_mib, used)
+            except (ValueError, OSError, subprocess.SubprocessError):
+                pass
+            self._stop.wait(every_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=15)
 
 
 def record(out: Path, res: dict) -> None:

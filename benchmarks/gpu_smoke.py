@@ -41,18 +41,19 @@ from pathlib import Path
 STAGES = ("generate", "decode", "score", "replay", "update", "publish")
 
 
+GC = "model.gradient_checkpointing=true"  # as the presets of the 12B–32B DiTs and of Wan's clips set it
 FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
     "sd3": lambda tiny: ["model.max_sequence_length=0" if tiny else "model.max_sequence_length=256"],
-    "flux1": lambda tiny: ["model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
+    "flux1": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
                            "sampling.guidance_scale=3.5", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
-    "qwen_image": lambda tiny: ["model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
+    "qwen_image": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
                                 "sampling.guidance_scale=4.0", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
     "sana": lambda tiny: ["model.max_sequence_length=64" if tiny else "model.max_sequence_length=300",
                           "sampling.guidance_scale=4.5", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
-    "flux2": lambda tiny: ["model.max_sequence_length=96" if tiny else "model.max_sequence_length=512",
+    "flux2": lambda tiny: [GC, "model.max_sequence_length=96" if tiny else "model.max_sequence_length=512",
                            "sampling.guidance_scale=4.0", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
     "janus_pro": lambda tiny: ["model.max_sequence_length=0", "sampling.guidance_scale=5.0", "algorithm=token_grpo"],
-    "wan": lambda tiny: ["model.max_sequence_length=64" if tiny else "model.max_sequence_length=226",
+    "wan": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=226",
                          "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=5.0",
                          *([] if tiny else ["algorithm=flow_grpo_wan"])],
 }
@@ -114,6 +115,7 @@ def run(args) -> dict:
     model = build_model(work / "model", args.tiny, args.resolution, family, getattr(args, "layers", None),
                         args.device)
     build_s = time.perf_counter() - t0
+    print(f"built {family}'s model in {build_s:.1f} s: {model}", flush=True)  # progress, for a check stopped at its limit
     resolution = 32 if args.tiny and family != "sd3" else None if args.tiny else args.resolution
     if family == "janus_pro":  # generates at its VQ grid's size
         resolution = None

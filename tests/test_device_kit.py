@@ -193,6 +193,29 @@ def test_a_check_past_its_time_is_stopped_with_what_it_started(tmp_path):
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
+def test_a_checks_gpu_memory_peak_is_kept_whatever_way_it_ends(tmp_path, monkeypatch):
+    """The GPU's used memory is sampled while a check runs and its peak recorded, also for a check
+    that fails; without `nvidia-smi` (this machine) nothing is recorded. The device's `nvidia-smi`
+    is stood in for by a script answering as it does (one line per GPU, MiB, no header), each call
+    the next reading."""
+    import io
+    import os
+
+    checks = _load("gpu_checks")
+    res = checks.run_check("plain", ["-c", "raise SystemExit(3)"], 30, dict(os.environ), io.StringIO())
+    assert res["rc"] == 3 and "gpu_used_peak_gib" not in res
+    readings = tmp_path / "readings"
+    readings.write_text("1024\n98304\n2048\n")
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\nhead -n1 %s; sed -i 1d %s\n" % (readings, readings))
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}{os.pathsep}{os.environ['PATH']}")
+    res = checks.run_check("failing", ["-c", "import time; time.sleep(4); raise SystemExit(1)"], 30,
+                           dict(os.environ), io.StringIO())
+    assert res["rc"] == 1 and res["gpu_used_peak_gib"] == 96.0
+
+
 def test_the_archive_is_the_same_bytes_for_the_same_tree_and_one_valid_xz(kit, tmp_path):
     import lzma
     import os

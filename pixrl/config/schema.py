@@ -20,6 +20,10 @@ class ModelConfig(_Section):
     max_sequence_length: int = Field(0, ge=0, description="T5 tokens (256 for SD3.5; 0 when there is no T5)")
     resolution: int | None = Field(None, ge=8, description="image side in pixels; None: the checkpoint's default")
     frames: int | None = Field(None, ge=1, description="video families: frames per clip; None: the family's default")
+    gradient_checkpointing: bool = Field(
+        False, description="recompute each block's activations in the update's backward instead of keeping them "
+        "(engines/activation_checkpointing.py): activation memory of one block instead of all, for about one more "
+        "forward per update; losses and gradients unchanged")
 
 
 #: T2I-R1's reasoning prompt (data/prompt/reasoning_prompt.txt), with {prompt} for its "{}"

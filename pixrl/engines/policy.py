@@ -15,6 +15,7 @@ from ..artifacts.checkpoints import load_optimizer_state, load_weights, read_cou
 from ..config.schema import ExperimentConfig
 from ..models.registry import get_family
 from ..stages.plan import seed_of
+from .activation_checkpointing import enable_activation_checkpointing
 from .assets import resolve_model_path
 from .fsdp import (align, fill_like, full, full_optimizer_state, like, materialize, shard_module,
                    sharded_optimizer_state, skeleton)
@@ -54,6 +55,8 @@ class TrainablePolicy:
             with seeded(cfg.run.seed, cfg.model.device):  # every process starts from the same adapter
                 self.module.add_adapter(LoraConfig(r=lc.rank, lora_alpha=lc.alpha, init_lora_weights=lc.init,
                                                    target_modules=list(self.family.lora_targets)))
+        if cfg.model.gradient_checkpointing:
+            enable_activation_checkpointing(self.family, self.module)
         self.module.requires_grad_(False)
         for p in self.trainable_parameters().values():
             p.requires_grad_(True)
