@@ -45,7 +45,7 @@ def trained_forward(policy, batch: int = 1, seed: int = 0) -> torch.Tensor:
         cond = fam.encode_prompts([PROMPT] * batch)
         tokens = torch.randint(0, fam.model.config.vq_config.num_embeddings, (batch, fam.image_token_count()), generator=g)
         return fam.sequence_logits(cond, tokens.to(fam.device), guided=True)
-    x = torch.randn(batch, *fam.latent_shape(), generator=g).to(fam.device)
+    x = torch.randn(batch, *fam.latent_shape(), generator=g).to(fam.device, fam.dtype)  # as the sampler feeds it
     _, timesteps = fam.schedule(4)
     cond = fam.encode_prompts([PROMPT] * batch)
     if getattr(fam, "guidance", "cfg") == "cfg":
@@ -55,18 +55,37 @@ def trained_forward(policy, batch: int = 1, seed: int = 0) -> torch.Tensor:
 
 def saved_bytes(policy, batch: int = 1) -> int:
     """Bytes of the tensors autograd keeps for the backward of one forward (parameters and
-    buffers excluded: they are there anyway)."""
+    buffers excluded: they are there anyway). A checkpointed block's own store of its inputs is
+    not seen by an outer saved-tensor hook, so those inputs are counted at the block's entry."""
+    from pixrl.engines.activation_checkpointing import checkpoint_units
+
     params = {p.data_ptr() for p in policy.module.parameters()} | {b.data_ptr() for b in policy.module.buffers()}
+    seen: set[int] = set()
     total = 0
 
-    def pack(t: torch.Tensor):
+    def count(t) -> None:
         nonlocal total
-        if t.data_ptr() not in params:
+        if isinstance(t, torch.Tensor) and t.data_ptr() not in params | seen:
+            seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
+
+    def entry(module, args, kwargs):
+        if getattr(module, "_pixrl_checkpointed", False) and torch.is_grad_enabled():
+            for a in (*args, *kwargs.values()):
+                for t in (a if isinstance(a, (tuple, list)) else (a,)):
+                    count(t)
+
+    def pack(t: torch.Tensor):
+        count(t)
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = trained_forward(policy, batch)
+    hooks = [u.register_forward_pre_hook(entry, with_kwargs=True) for u in checkpoint_units(policy.family, policy.module)]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = trained_forward(policy, batch)
+    finally:
+        for h in hooks:
+            h.remove()
     del out
     return total
 

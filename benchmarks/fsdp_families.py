@@ -24,12 +24,12 @@ FAMILIES = ["sd3", "flux1", "flux2", "qwen_image", "sana", "wan", "janus_pro"]
 PROMPTS = ["a red circle", "a blue square", "two green triangles", "a yellow circle"] * 5  # 5 micro-batches of 4
 
 
-def _config(family: str, work: Path, dtype: str):
+def _config(family: str, work: Path, dtype: str, extra: tuple[str, ...] = ()):
     from pixrl.config.loader import load_config
     from pixrl.models.registry import get_family
 
     common = ["run.threads=1", "sampling.micro_batch=4", "algorithm.lora.enabled=false", f"run.workdir={work / 'w'}",
-              f"model.dtype={dtype}"]
+              f"model.dtype={dtype}", *extra]
     if family == "janus_pro":
         return load_config("shapes_token_grpo", common)
     overrides = get_family(family).write_tiny(work / f"tiny-{family}", seed=0)
@@ -53,14 +53,14 @@ def _batch(cfg):
     return engine, batch, [mb[:3], [mb[3]], [mb[4]]], recipe  # a rank replays two of a step, or pads
 
 
-def _rank(rank: int, family: str, work: Path, master: str, out, dtype: str) -> None:
+def _rank(rank: int, family: str, work: Path, master: str, out, dtype: str, extra: tuple[str, ...]) -> None:
     try:
         from pixrl.engines.base import PolicySource
         from pixrl.engines.collective import TorchDistributed
         from pixrl.engines.local import LocalEngine
 
         torch.set_num_threads(1)
-        cfg = _config(family, work, dtype)
+        cfg = _config(family, work, dtype, extra)
         _, batch, plan, recipe = _batch(cfg)
         engine = LocalEngine(cfg)  # fresh: rank 1 builds the trained module on the meta device
         engine.collective = TorchDistributed.join(rank, 2, master, "gloo", sharded=True)
@@ -73,7 +73,9 @@ def _rank(rank: int, family: str, work: Path, master: str, out, dtype: str) -> N
         out.put(None)
 
 
-def check(family: str, dtype: str = "float32") -> float:
+def check(family: str, dtype: str = "float32", rank_overrides: tuple[str, ...] = ()) -> float:
+    """`rank_overrides`: settings of the sharded ranks only (e.g. activation checkpointing), the
+    one-process update being the plain one."""
     from pixrl.engines.base import PolicySource
 
     torch.set_num_threads(1)
@@ -86,7 +88,7 @@ def check(family: str, dtype: str = "float32") -> float:
             master = f"127.0.0.1:{s.getsockname()[1]}"
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
-        ranks = [ctx.Process(target=_rank, args=(r, family, work, master, out, dtype)) for r in range(2)]
+        ranks = [ctx.Process(target=_rank, args=(r, family, work, master, out, dtype, rank_overrides)) for r in range(2)]
         for p in ranks:
             p.start()
         got = out.get()

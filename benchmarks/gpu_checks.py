@@ -23,7 +23,9 @@ each family's `gpu_smoke.py` is one iteration of the real flow):
                 passed on 2026-12-04
   scaling       benchmarks/scaling.py --device cuda --gpus 1 (kit --with ray)
 Each check's line carries the GPU's peak used memory as `nvidia-smi` saw it (also when it fails),
-and its log Prefect's task lines with their times (how far a check stopped at its limit got).
+and its log Prefect's task lines with their times (how far a check stopped at its limit got). A
+check that failed with a CUDA error (not out of memory) is run once more at the end, time left,
+with CUDA_LAUNCH_BLOCKING=1 (`NAME+blocking`): the error then names the kernel that caused it.
 
 `--device cpu --tiny` takes the same path on tiny models: how the kit is checked on a machine
 without a GPU (docs/gpu.md).
@@ -93,6 +95,7 @@ def main() -> None:
         sys.exit(f"unknown check(s) {unknown}; `--list` shows them")
     log = open(out / "checks.log", "a")
     record(out, environment(env, log))
+    failed = []
     for name in names:
         argv, limit, needs = CHECKS[name]
         left = args.deadline - (time.monotonic() - start)
@@ -101,7 +104,15 @@ def main() -> None:
         elif left < MIN_START_S:
             record(out, {"check": name, "skipped": f"{left:.0f} s left before the deadline"})
         else:
-            record(out, run_check(name, _adapt(argv, args), min(limit, left), env, log))
+            res = run_check(name, _adapt(argv, args), min(limit, left), env, log)
+            record(out, res)
+            failed += [name] if kernel_failure(res) else []
+    for name in failed:  # with time left: once more with synchronous launches, to name the kernel
+        argv, limit, _ = CHECKS[name]
+        left = args.deadline - (time.monotonic() - start)
+        if left >= MIN_START_S:
+            record(out, run_check(f"{name}+blocking", _adapt(argv, args), min(2 * limit, left),
+                                  dict(env, CUDA_LAUNCH_BLOCKING="1"), log))
     log.close()
     print(f"results: {out / 'checks.jsonl'}; {time.monotonic() - start:.0f} s in all")
 
@@ -186,6 +197,14 @@ def run_check(name: str, argv: list[str], timeout: float, env: dict, log) -> dic
     except (IndexError, json.JSONDecodeError):
         res["tail"] = (stdout + stderr)[-1500:]
     return res
+
+
+def kernel_failure(res: dict) -> bool:
+    """A check that failed with a CUDA error other than running out of memory: CUDA reports such
+    errors at a later call than the kernel that caused them (the FLUX.1 smoke's cuBLAS failure,
+    2026-12-04), so a rerun with CUDA_LAUNCH_BLOCKING=1 is what names the kernel."""
+    tail = res.get("tail", "")
+    return res.get("rc") not in (0, "timeout") and "CUDA error" in tail and "out of memory" not in tail
 
 
 class GpuMemory:

@@ -216,6 +216,29 @@ def test_a_checks_gpu_memory_peak_is_kept_whatever_way_it_ends(tmp_path, monkeyp
     assert res["rc"] == 1 and res["gpu_used_peak_gib"] == 96.0
 
 
+def test_a_cuda_kernel_failure_is_rerun_with_synchronous_launches(tmp_path, monkeypatch, capsys):
+    """A check failing with a CUDA error other than out-of-memory is run once more after the others
+    with CUDA_LAUNCH_BLOCKING=1, which names the failing kernel; an out-of-memory one is not."""
+    checks = _load("gpu_checks")
+    cublas = "RuntimeError: CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx(...)`"
+    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 630.00 MiB"
+    assert checks.kernel_failure({"rc": 1, "tail": cublas})
+    assert not checks.kernel_failure({"rc": 1, "tail": oom + " CUDA error"})
+    assert not checks.kernel_failure({"rc": 0, "result": {}}) and not checks.kernel_failure({"rc": "timeout", "tail": cublas})
+    code = ("import os, sys\n"
+            "print('blocking=' + os.environ.get('CUDA_LAUNCH_BLOCKING', '0'))\n"
+            f"sys.exit({cublas!r}) if os.environ.get('CUDA_LAUNCH_BLOCKING') != '1' else print('{{}}')\n")
+    monkeypatch.setattr(checks, "CHECKS", {"gemm": (["-c", code], 30, None)})
+    monkeypatch.setattr(checks, "environment", lambda env, log: {"check": "environment", "rc": 0})
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["gpu_checks.py", "--no-kit"])
+    checks.main()
+    lines = [json.loads(ln) for ln in (tmp_path / "checks.jsonl").read_text().splitlines()]
+    assert [ln["check"] for ln in lines] == ["environment", "gemm", "gemm+blocking"]
+    assert lines[1]["rc"] == 1 and "CUBLAS_STATUS_EXECUTION_FAILED" in lines[1]["tail"]
+    assert lines[2]["rc"] == 0
+
+
 def test_the_archive_is_the_same_bytes_for_the_same_tree_and_one_valid_xz(kit, tmp_path):
     import lzma
     import os
