@@ -50,7 +50,7 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
                                 "sampling.guidance_scale=4.0", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
     "sana": lambda tiny: ["model.max_sequence_length=64" if tiny else "model.max_sequence_length=300",
                           "sampling.guidance_scale=4.5", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
-    "flux2": lambda tiny: [GC, "model.max_sequence_length=96" if tiny else "model.max_sequence_length=512",
+    "flux2": lambda tiny: [GC, "model.offload_text_encoders=true", "model.max_sequence_length=96" if tiny else "model.max_sequence_length=512",
                            "sampling.guidance_scale=4.0", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
     "janus_pro": lambda tiny: ["model.max_sequence_length=0", "sampling.guidance_scale=5.0", "algorithm=token_grpo"],
     "wan": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=226",
@@ -126,7 +126,7 @@ def run(args) -> dict:
         f"sampling.group_size={args.group_size}", f"sampling.prompts_per_iteration={args.prompts}",
         f"sampling.micro_batch={args.micro_batch}", f"sampling.steps={args.steps}",
         "sampling.window_size=2", "sampling.window_range=[0,4]", "algorithm.optimizer_steps_per_iteration=1",
-        "reward=jpeg_compressibility", "dataset.categories=null", *_cot(args)])
+        "reward=jpeg_compressibility", "dataset.categories=null", *_cot(args), *getattr(args, "set", [])])
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     t1 = time.perf_counter()
@@ -158,6 +158,8 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--cot", type=int, default=0, help="janus_pro: a chain of thought of at most N text tokens first")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a further config override, last (e.g. model.offload_text_encoders=false)")
     args = ap.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.device.startswith("cuda"):

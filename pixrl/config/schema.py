@@ -24,6 +24,10 @@ class ModelConfig(_Section):
         False, description="recompute each block's activations in the update's backward instead of keeping them "
         "(engines/activation_checkpointing.py): activation memory of one block instead of all, for about one more "
         "forward per update; losses and gradients unchanged")
+    offload_text_encoders: bool = Field(
+        False, description="keep the text encoders in host memory and bring them to model.device only to encode a "
+        "prompt set (a prompt-cache miss: about twice an iteration): frees their weights' accelerator memory "
+        "(T5-XXL 9.5 GB, Qwen2.5-VL 16 GB, Mistral-24B 48 GB in bf16); encodings unchanged. Diffusers families")
 
 
 #: T2I-R1's reasoning prompt (data/prompt/reasoning_prompt.txt), with {prompt} for its "{}"

@@ -46,6 +46,8 @@ class TrainablePolicy:
                                    resolution=cfg.model.resolution,
                                    **({"frames": cfg.model.frames} if cfg.model.frames else {}),
                                    **({"trainable_device": trainable_device} if trainable_device else {}))
+        if cfg.model.offload_text_encoders:
+            self.family.offload_text_towers()
         self.module: torch.nn.Module = self.family.trainable_module()
         self.lora = cfg.algorithm.lora.enabled
         if self.lora:

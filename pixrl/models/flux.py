@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .pipelines import PackedLatentsFamily
+from .pipelines import PackedLatentsFamily, encodes_text
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -61,6 +61,7 @@ class FluxFamily(PackedLatentsFamily):
         self._ids: dict[tuple, torch.Tensor] = {}
 
     # --- conditioning -------------------------------------------------------------------------
+    @encodes_text
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> FluxConditioning:
         embeds, pooled, text_ids = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, device=self.device,

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .pipelines import PipelineFamily, to_uint8
+from .pipelines import PipelineFamily, encodes_text, to_uint8
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -80,6 +80,7 @@ class Flux2Family(PipelineFamily):
                 "shift": "flux2 empirical μ", "image_seq_len": h * w}
 
     # --- conditioning -------------------------------------------------------------------------
+    @encodes_text
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> Flux2Conditioning:
         embeds, text_ids = self.pipe.encode_prompt(prompt=prompts, device=self.device,

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .pipelines import PackedLatentsFamily, to_uint8
+from .pipelines import PackedLatentsFamily, encodes_text, to_uint8
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -52,6 +52,7 @@ class QwenImageFamily(PackedLatentsFamily):
     lora_targets = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                     "attn.add_v_proj", "attn.to_add_out"]
 
+    @encodes_text
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> QwenImageConditioning:
         embeds, mask = self.pipe.encode_prompt(prompt=prompts, device=self.device,

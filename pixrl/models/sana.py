@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .pipelines import PipelineFamily, scheduler_grid, to_uint8
+from .pipelines import PipelineFamily, encodes_text, scheduler_grid, to_uint8
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -75,6 +75,7 @@ class SanaFamily(PipelineFamily):
         """The prefix the pipeline's `__call__` prepends by default (SANA's prompt enhancer text)."""
         return inspect.signature(type(self.pipe).__call__).parameters["complex_human_instruction"].default
 
+    @encodes_text
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> SanaConditioning:
         embeds, mask, _, _ = self.pipe.encode_prompt(

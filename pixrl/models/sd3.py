@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .base import ModelLoadError, torch_dtype
-from .pipelines import PipelineFamily, dynamic_shift_mu
+from .pipelines import PipelineFamily, dynamic_shift_mu, encodes_text
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -65,6 +65,7 @@ class SD3Family(PipelineFamily):
         return {"resolution": list(self.latent_shape()), "shift": self.scheduler.config.get("shift")}
 
     # --- conditioning -------------------------------------------------------------------------
+    @encodes_text
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> SD3Conditioning:
         embeds, _, pooled, _ = self.pipe.encode_prompt(

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .base import ModelLoadError
-from .pipelines import PipelineFamily, scheduler_grid
+from .pipelines import PipelineFamily, encodes_text, scheduler_grid
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -85,6 +85,7 @@ class WanFamily(PipelineFamily):
                 "guidance": self.guidance}
 
     # --- conditioning -------------------------------------------------------------------------
+    @encodes_text
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> WanConditioning:
         embeds, _ = self.pipe.encode_prompt(prompts, do_classifier_free_guidance=False, device=self.device,

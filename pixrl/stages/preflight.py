@@ -36,6 +36,9 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
         if cfg.model.frames and not getattr(family, "video", False):
             raise ValueError(f"model.frames={cfg.model.frames}: the {family.name} family makes images, not clips; "
                              "unset model.frames (or choose a video family such as wan)")
+        if cfg.model.offload_text_encoders and not hasattr(family, "offload_text_towers"):
+            raise ValueError(f"model.offload_text_encoders: the {family.name} family has no separate text encoder to "
+                             "offload (its language model is the policy); set it to false")
         path = resolve_model_path(cfg.model.path)
         if hasattr(family, "check_checkpoint"):  # not a diffusers pipeline (a transformers model)
             family.check_checkpoint(path)
