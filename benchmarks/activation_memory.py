@@ -1,7 +1,8 @@
 """What an update's backward keeps in memory at a family's real widths, measured on CPU before a
 GPU lease is spent: the bytes autograd saves from one forward of the trained module (as the GPU
 smoke trains it: LoRA or full, guidance rows included), with and without
-`model.gradient_checkpointing`, at 1 and 2 blocks and one sample — then extrapolated linearly to
+`model.gradient_checkpointing`, at 1 and 2 blocks and one sample (CFG's negative rows when the
+smoke guides with CFG) — then extrapolated linearly to
 the smoke's depth, the real depth and the micro-batch.
 
 Saved bytes grow by the same amount with every block (the blocks of a DiT are alike; FLUX's `layers`
@@ -36,21 +37,21 @@ GIB = 2 ** 30
 
 
 def trained_forward(policy, batch: int = 1, seed: int = 0) -> torch.Tensor:
-    """The trained module's forward as the update runs it: the velocity with the family's guidance
-    (a negative-prompt batch under CFG, the scale as an input when embedded) for denoise families,
-    the teacher-forced image-token logits with CFG rows for Janus."""
-    fam = policy.family
+    """The trained module's forward as the update runs it, at the config's guidance scale: the
+    velocity (with a negative-prompt batch under CFG, the scale as an input when embedded) for
+    denoise families, the teacher-forced image-token logits (with CFG rows above 1) for Janus."""
+    from pixrl.models.base import uses_negative_prompt
+
+    fam, scale = policy.family, policy.cfg.sampling.guidance_scale
     g = torch.Generator().manual_seed(seed)
     if fam.name == "janus_pro":
         cond = fam.encode_prompts([PROMPT] * batch)
         tokens = torch.randint(0, fam.model.config.vq_config.num_embeddings, (batch, fam.image_token_count()), generator=g)
-        return fam.sequence_logits(cond, tokens.to(fam.device), guided=True)
+        return fam.sequence_logits(cond, tokens.to(fam.device), guided=scale > 1)
     x = torch.randn(batch, *fam.latent_shape(), generator=g).to(fam.device, fam.dtype)  # as the sampler feeds it
     _, timesteps = fam.schedule(4)
-    cond = fam.encode_prompts([PROMPT] * batch)
-    if getattr(fam, "guidance", "cfg") == "cfg":
-        return fam.velocity(x, timesteps[1:2], cond, 4.0, fam.encode_prompts([""] * batch))
-    return fam.velocity(x, timesteps[1:2], cond, 3.5)
+    neg = fam.encode_prompts([""] * batch) if uses_negative_prompt(fam, scale) else None
+    return fam.velocity(x, timesteps[1:2], fam.encode_prompts([PROMPT] * batch), scale, neg)
 
 
 def saved_bytes(policy, batch: int = 1) -> int:

@@ -37,7 +37,8 @@ def _policy(tiny_dirs, tmp_path_factory, family: str, checkpointing: bool) -> Tr
         tiny_dirs[family] = (out, get_family(family).write_tiny(out, seed=0))
     path, overrides = tiny_dirs[family]
     cfg = load_config(None, [*(f"{k}={v}" for k, v in overrides.items()),
-                             f"model.gradient_checkpointing={str(checkpointing).lower()}"])
+                             f"model.gradient_checkpointing={str(checkpointing).lower()}",
+                             "sampling.guidance_scale=2.0"])  # CFG rows (or the embedded scale) in the forward
     return TrainablePolicy(cfg)
 
 
