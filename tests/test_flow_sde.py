@@ -45,6 +45,24 @@ def test_sde_formula_and_log_prob_match_normal():
         assert torch.allclose(out.log_prob, ref, atol=1e-5)
 
 
+def test_a_grid_starting_just_below_one_takes_sigmas_1_at_its_first_step():
+    """Wan's shipped UniPC grid starts at 1 − 1e-6 and SANA's at 1 − 3e-4: their first step takes
+    σ̃ = sigmas[1] as a grid starting at 1 does (flow_grpo's rule, read as "σ above sigmas[1]"),
+    not 1/(1 − σ) ≈ 1e6 — which made Wan's first SDE step a std of ~700 and its rollouts
+    latents of 10⁴ (docs/runs/family_learning_wan). On a grid from 1 nothing changes."""
+    x, v, eps = _xv()
+    a, s1 = 0.7, 0.9643
+    for s0 in (1.0 - 1e-6, 1.0 - 3.3e-4, 1.0):
+        out = flow_step(v, x, s0, s1, s1, a, "sde", noise=eps)
+        s_t = a * math.sqrt(s0 / (1 - s1))
+        dt = s1 - s0
+        mu = x * (1 + s_t**2 / (2 * s0) * dt) + v * (1 + s_t**2 * (1 - s0) / (2 * s0)) * dt
+        assert torch.allclose(out.mean, mu, atol=1e-5) and torch.allclose(out.std, torch.full((3,), s_t * math.sqrt(-dt)))
+        assert out.prev_sample.abs().max() < 10  # x ~ N(0, 1) stays O(1)
+    later = flow_step(v, x, 0.9, 0.8, s1, a, "sde", noise=eps)  # σ ≤ sigmas[1]: its own σ
+    assert torch.allclose(later.std, torch.full((3,), a * math.sqrt(0.9 / 0.1) * math.sqrt(0.1)), atol=1e-6)
+
+
 def test_gradient_flows_only_through_mean():
     x, v, eps = _xv()
     v = v.clone().requires_grad_(True)

@@ -52,7 +52,7 @@ def flow_step(
     """x_σ → x_σ' with log π(x'|x).
 
     sigma, sigma_next: [B] (or scalars). sigma_max: sigmas[1] of the schedule, used in place of
-    σ = 1 so the SDE std stays finite. noise: ε for rollout (required when prev_sample is None
+    the first step's σ (1, or just below it) so the SDE std stays finite. noise: ε for rollout (required when prev_sample is None
     and the step is stochastic). Gradient flows only through the mean (x' is detached).
     """
     v = velocity.float()
@@ -65,7 +65,12 @@ def flow_step(
     s, sn = _bcast(sigma, x), _bcast(sigma_next, x)
     dt = sn - s
     if sde_type == "sde":
-        sig_tilde = torch.where(s >= 1.0, torch.full_like(s, sigma_max), s)
+        # σ above sigmas[1] — the first step — is replaced by it in 1 − σ̃. flow_grpo replaces σ = 1
+        # exactly; the same rule on "σ > sigmas[1]" also covers grids that start just below 1 (Wan's
+        # shipped UniPC grid at 1 − 1e-6, SANA's DPM-Solver one at 1 − 3e-4), where 1/(1 − σ) would
+        # blow the first step's std up to hundreds (docs/runs/family_learning_wan). On a grid that
+        # starts at 1 the two rules agree bit for bit: every later σ is ≤ sigmas[1].
+        sig_tilde = torch.minimum(s, torch.full_like(s, sigma_max))
         s_t = noise_level * torch.sqrt(s / (1.0 - sig_tilde))
         mean = x * (1 + s_t**2 / (2 * s) * dt) + v * (1 + s_t**2 * (1 - s) / (2 * s)) * dt
         std = s_t * torch.sqrt(-dt)
