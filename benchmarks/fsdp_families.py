@@ -10,6 +10,8 @@ minute a family. Prints the largest weight difference, relative to the weights' 
 
 from __future__ import annotations
 
+import json
+import queue
 import socket
 import sys
 import tempfile
@@ -32,7 +34,12 @@ def _config(family: str, work: Path, dtype: str, extra: tuple[str, ...] = ()):
               f"model.dtype={dtype}", *extra]
     if family == "janus_pro":
         return load_config("shapes_token_grpo", common)
-    overrides = get_family(family).write_tiny(work / f"tiny-{family}", seed=0)
+    written = work / f"tiny-{family}.json"  # the parent writes the checkpoint once; its ranks read it, never
+    if written.is_file():                     # rewrite it under each other's feet
+        overrides = json.loads(written.read_text())
+    else:
+        overrides = get_family(family).write_tiny(work / f"tiny-{family}", seed=0)
+        written.write_text(json.dumps(overrides))
     return load_config(None, [f"{k}={v}" for k, v in overrides.items()] + common + [
         "reward=jpeg_compressibility", "sampling.steps=4", "sampling.group_size=4", "algorithm.beta=0.01"])
 
@@ -91,9 +98,15 @@ def check(family: str, dtype: str = "float32", rank_overrides: tuple[str, ...] =
         ranks = [ctx.Process(target=_rank, args=(r, family, work, master, out, dtype, rank_overrides)) for r in range(2)]
         for p in ranks:
             p.start()
-        got = out.get()
-        for p in ranks:
-            p.join()
+        try:
+            got = out.get(timeout=900)
+        except queue.Empty:
+            got = None
+        for p in ranks:  # a rank that failed leaves the other waiting in a collective: stop it
+            p.join(timeout=60)
+            if p.is_alive():
+                p.terminate()
+                p.join()
     if got is None or set(got) != set(want):
         raise RuntimeError(f"{family}: the sharded update failed or returned other tensors")
     scale = max(float(w.float().abs().max()) for w in want.values())
