@@ -38,6 +38,15 @@ def _mean_chw(t: torch.Tensor) -> torch.Tensor:
     return t.mean(dim=tuple(range(1, t.ndim)))
 
 
+def sigma_tilde(s: torch.Tensor, sigma_max: float) -> torch.Tensor:
+    """σ̃ in s_t = a·sqrt(σ/(1 − σ̃)): σ above sigmas[1] (`sigma_max`) — the first step — takes
+    sigmas[1]. flow_grpo replaces σ = 1 exactly; "σ > sigmas[1]" also covers grids that start just
+    below 1 (Wan's shipped UniPC grid at 1 − 1e-6, SANA's DPM-Solver one at 1 − 3e-4), where
+    1/(1 − σ) blew the first step's std up to hundreds (docs/runs/family_learning_wan). On a grid
+    from 1 the two rules agree bit for bit: every later σ is ≤ sigmas[1]."""
+    return torch.minimum(s, torch.full_like(s, sigma_max))
+
+
 def flow_step(
     velocity: torch.Tensor,
     sample: torch.Tensor,
@@ -65,12 +74,7 @@ def flow_step(
     s, sn = _bcast(sigma, x), _bcast(sigma_next, x)
     dt = sn - s
     if sde_type == "sde":
-        # σ above sigmas[1] — the first step — is replaced by it in 1 − σ̃. flow_grpo replaces σ = 1
-        # exactly; the same rule on "σ > sigmas[1]" also covers grids that start just below 1 (Wan's
-        # shipped UniPC grid at 1 − 1e-6, SANA's DPM-Solver one at 1 − 3e-4), where 1/(1 − σ) would
-        # blow the first step's std up to hundreds (docs/runs/family_learning_wan). On a grid that
-        # starts at 1 the two rules agree bit for bit: every later σ is ≤ sigmas[1].
-        sig_tilde = torch.minimum(s, torch.full_like(s, sigma_max))
+        sig_tilde = sigma_tilde(s, sigma_max)
         s_t = noise_level * torch.sqrt(s / (1.0 - sig_tilde))
         mean = x * (1 + s_t**2 / (2 * s) * dt) + v * (1 + s_t**2 * (1 - s) / (2 * s)) * dt
         std = s_t * torch.sqrt(-dt)
