@@ -58,7 +58,7 @@ def saved_bytes(policy, batch: int = 1) -> int:
     """Bytes of the tensors autograd keeps for the backward of one forward (parameters and
     buffers excluded: they are there anyway). A checkpointed block's own store of its inputs is
     not seen by an outer saved-tensor hook, so those inputs are counted at the block's entry."""
-    from pixrl.engines.activation_checkpointing import checkpoint_units
+    from pixrl.engines.fsdp import blocks
 
     params = {p.data_ptr() for p in policy.module.parameters()} | {b.data_ptr() for b in policy.module.buffers()}
     seen: set[int] = set()
@@ -80,7 +80,7 @@ def saved_bytes(policy, batch: int = 1) -> int:
         count(t)
         return t
 
-    hooks = [u.register_forward_pre_hook(entry, with_kwargs=True) for u in checkpoint_units(policy.family, policy.module)]
+    hooks = [u.register_forward_pre_hook(entry, with_kwargs=True) for u in blocks(policy.module)]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = trained_forward(policy, batch)

@@ -60,9 +60,9 @@ def flow_step(
 ) -> StepOut:
     """x_σ → x_σ' with log π(x'|x).
 
-    sigma, sigma_next: [B] (or scalars). sigma_max: sigmas[1] of the schedule, used in place of
-    the first step's σ (1, or just below it) so the SDE std stays finite. noise: ε for rollout (required when prev_sample is None
-    and the step is stochastic). Gradient flows only through the mean (x' is detached).
+    sigma, sigma_next: [B] (or scalars). sigma_max: sigmas[1] of the schedule, in place of the
+    first step's σ (1, or just below it: `sigma_tilde`) so the SDE std stays finite. noise: ε for
+    rollout (required when prev_sample is None and the step is stochastic). Gradient flows only through the mean (x' is detached).
     """
     v = velocity.float()
     x = sample.float()

@@ -36,16 +36,9 @@ def _checkpointed_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def checkpoint_units(family, module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The blocks to checkpoint: the family's `checkpoint_units(module)` when it names them, else
-    each entry of the module's outermost ModuleLists (a DiT's blocks, a language model's layers)."""
-    units = getattr(family, "checkpoint_units", None)
-    return list(units(module)) if units else blocks(module)
-
-
 def enable_activation_checkpointing(family, module: torch.nn.Module) -> int:
     """Checkpoint each block of `module` (idempotent); returns how many blocks are checkpointed."""
-    units = checkpoint_units(family, module)
+    units = blocks(module)  # a DiT's blocks, a language model's layers: the units FSDP shards
     if not units:
         raise ValueError(f"model.gradient_checkpointing: the {family.name} family's trained module "
                          f"({type(module).__name__}) has no blocks to checkpoint; set it to false")
