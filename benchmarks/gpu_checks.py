@@ -25,8 +25,9 @@ each family's `gpu_smoke.py` is one iteration of the real flow):
   scaling       benchmarks/scaling.py --device cuda --gpus 1 (kit --with ray)
 Each check's line carries the GPU's peak used memory as `nvidia-smi` saw it (also when it fails),
 and its log Prefect's task lines with their times (how far a check stopped at its limit got). A
-check that failed with a CUDA error (not out of memory) is run once more at the end, time left,
-with CUDA_LAUNCH_BLOCKING=1 (`NAME+blocking`): the error then names the kernel that caused it.
+check that failed with a CUDA error (not out of memory) is run again at the end, time left,
+with CUDA_LAUNCH_BLOCKING=1 (`NAME+blocking`): the error then names the kernel that caused it;
+when that is still a cuBLAS GEMM, once more with TORCH_BLAS_PREFER_CUBLASLT=1 (`NAME+cublaslt`).
 
 `--device cpu --tiny` takes the same path on tiny models: how the kit is checked on a machine
 without a GPU (docs/gpu.md).
@@ -71,6 +72,13 @@ CHECKS = {
                        300, None),
     "scaling": (["benchmarks/scaling.py", "--device", "cuda", "--gpus", "1", "--iterations", "3"], 300, "ray"),
 }
+# A check that failed with a CUDA error is run again at the end, time left: first with synchronous
+# launches (the error then names the kernel that caused it); when that still fails in cuBLAS, with
+# PyTorch's cuBLASLt path for its GEMMs (whether the fault is in cuBLAS's own GEMM for those shapes).
+RERUNS = [
+    ("blocking", {"CUDA_LAUNCH_BLOCKING": "1"}, lambda res: "CUBLAS_STATUS" in res.get("tail", "")),
+    ("cublaslt", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}, lambda res: False),
+]
 MIN_START_S = 45  # a check is not started with less than this left before the deadline
 
 
@@ -111,12 +119,16 @@ def main() -> None:
             res = run_check(name, _adapt(argv, args), min(limit, left), env, log)
             record(out, res)
             failed += [name] if kernel_failure(res) else []
-    for name in failed:  # with time left: once more with synchronous launches, to name the kernel
+    for name in failed:  # with time left: the diagnostic reruns, each while the failure persists
         argv, limit, _ = CHECKS[name]
-        left = args.deadline - (time.monotonic() - start)
-        if left >= MIN_START_S:
-            record(out, run_check(f"{name}+blocking", _adapt(argv, args), min(2 * limit, left),
-                                  dict(env, CUDA_LAUNCH_BLOCKING="1"), log))
+        for suffix, extra, persists in RERUNS:
+            left = args.deadline - (time.monotonic() - start)
+            if left < MIN_START_S:
+                break
+            res = run_check(f"{name}+{suffix}", _adapt(argv, args), min(2 * limit, left), dict(env, **extra), log)
+            record(out, res)
+            if not persists(res):
+                break
     log.close()
     print(f"results: {out / 'checks.jsonl'}; {time.monotonic() - start:.0f} s in all")
 

@@ -216,9 +216,10 @@ def test_a_checks_gpu_memory_peak_is_kept_whatever_way_it_ends(tmp_path, monkeyp
     assert res["rc"] == 1 and res["gpu_used_peak_gib"] == 96.0
 
 
-def test_a_cuda_kernel_failure_is_rerun_with_synchronous_launches(tmp_path, monkeypatch, capsys):
+def test_a_cuda_kernel_failure_is_rerun_with_synchronous_launches_then_cublaslt(tmp_path, monkeypatch, capsys):
     """A check failing with a CUDA error other than out-of-memory is run once more after the others
-    with CUDA_LAUNCH_BLOCKING=1, which names the failing kernel; an out-of-memory one is not."""
+    with CUDA_LAUNCH_BLOCKING=1, which names the failing kernel, and when that still fails in
+    cuBLAS, with TORCH_BLAS_PREFER_CUBLASLT=1; an out-of-memory one is not rerun."""
     checks = _load("gpu_checks")
     cublas = "RuntimeError: CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx(...)`"
     oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 630.00 MiB"
@@ -228,15 +229,20 @@ def test_a_cuda_kernel_failure_is_rerun_with_synchronous_launches(tmp_path, monk
     code = ("import os, sys\n"
             "print('blocking=' + os.environ.get('CUDA_LAUNCH_BLOCKING', '0'))\n"
             f"sys.exit({cublas!r}) if os.environ.get('CUDA_LAUNCH_BLOCKING') != '1' else print('{{}}')\n")
-    monkeypatch.setattr(checks, "CHECKS", {"gemm": (["-c", code], 30, None)})
+    # fails in cuBLAS whatever the launches, and passes on cuBLASLt's path
+    gemm = ("import os, sys\n"
+            f"sys.exit({cublas!r}) if os.environ.get('TORCH_BLAS_PREFER_CUBLASLT') != '1' else print('{{}}')\n")
+    monkeypatch.setattr(checks, "CHECKS", {"gemm": (["-c", code], 30, None), "lt": (["-c", gemm], 30, None)})
     monkeypatch.setattr(checks, "environment", lambda env, log: {"check": "environment", "rc": 0})
     monkeypatch.setenv("OUT", str(tmp_path))
     monkeypatch.setattr(sys, "argv", ["gpu_checks.py", "--no-kit"])
     checks.main()
     lines = [json.loads(ln) for ln in (tmp_path / "checks.jsonl").read_text().splitlines()]
-    assert [ln["check"] for ln in lines] == ["environment", "gemm", "gemm+blocking"]
+    assert [ln["check"] for ln in lines] == ["environment", "gemm", "lt", "gemm+blocking", "lt+blocking",
+                                             "lt+cublaslt"]
     assert lines[1]["rc"] == 1 and "CUBLAS_STATUS_EXECUTION_FAILED" in lines[1]["tail"]
-    assert lines[2]["rc"] == 0
+    assert lines[3]["rc"] == 0  # the blocking rerun passed: no cuBLASLt rerun for it
+    assert lines[4]["rc"] == 1 and lines[5]["rc"] == 0
 
 
 def test_the_archive_is_the_same_bytes_for_the_same_tree_and_one_valid_xz(kit, tmp_path):
