@@ -5,7 +5,10 @@ import json
 
 import duckdb
 import lance
+import lancedb
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401
 import pytest
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
@@ -47,6 +50,24 @@ def test_lance_rows_complete(trained):
     # readable without pixrl: duckdb scans the Lance dataset directly
     n = duckdb.sql(f"SELECT count(*) FROM ds WHERE run_id = '{out['run_id']}'").fetchall()[0][0]
     assert n == 16
+
+
+def test_lancedb_opens_the_run_table_and_its_iteration_tags(trained):
+    """LanceDB, the query layer users reach for, sees the run's folder as a database whose
+    `trajectories` table is pixrl's; a tag checks out the rows as generate wrote them."""
+    wd, out = trained
+    uri = out["table_uri"]
+    db = lancedb.connect(uri.rsplit("/", 1)[0])
+    assert "trajectories" in db.list_tables().tables
+    table = db.open_table("trajectories")
+    rows = table.search().where("iteration = 1 AND reward IS NOT NULL").select(["sample_id", "reward"]).to_arrow()
+    assert rows.num_rows == 8
+    assert sorted(rows["reward"].to_pylist()) == sorted(
+        lance.dataset(uri).to_table(columns=["reward"], filter="iteration = 1")["reward"].to_pylist())
+    table.checkout("e2e-it1-generate")  # the run is named e2e
+    at_generate = table.to_arrow()
+    assert at_generate.num_rows == 16 and "image" in at_generate.column_names
+    assert at_generate.filter(pa.compute.equal(at_generate["iteration"], 1))["image"].null_count == 8  # decode came later
 
 
 def test_mlflow_run_versions_alias_and_config(trained):
