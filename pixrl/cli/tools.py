@@ -68,9 +68,12 @@ def tiny(
     family: str = typer.Argument(..., help="model family (see `pixrl tiny --help`): sd3, flux1, …"),
     out: str = typer.Option(..., "--out", help="new directory for the checkpoint (must not exist)"),
     seed: int = typer.Option(0),
+    two_experts: bool = typer.Option(False, "--two-experts", help="wan: Wan2.2-T2V-A14B's layout (a high- and a "
+                                                                   "low-noise transformer)"),
 ) -> None:
     """Write a tiny random checkpoint of FAMILY in its real on-disk layout (real classes, small
     configs, tokenizers built offline) — to try a family without its weights, and for tests."""
+    import inspect
     import shutil
 
     from ..models.registry import UnknownFamilyError, get_family
@@ -81,6 +84,8 @@ def tiny(
         _fail(str(exc), exc=exc)
     if not hasattr(fam, "write_tiny"):
         _fail(f"family {family!r} has no tiny checkpoint writer")
+    if two_experts and "two_experts" not in inspect.signature(fam.write_tiny).parameters:
+        _fail(f"--two-experts: the {family} family has no two-expert layout (wan has: Wan2.2-T2V-A14B)")
     dest = Path(out)
     if dest.exists():
         _fail(f"{dest} already exists; pass a new --out directory (nothing is overwritten)")
@@ -88,7 +93,7 @@ def tiny(
     shutil.rmtree(staging, ignore_errors=True)
     staging.parent.mkdir(parents=True, exist_ok=True)
     try:
-        overrides = fam.write_tiny(staging, seed=seed)
+        overrides = fam.write_tiny(staging, seed=seed, **({"two_experts": True} if two_experts else {}))
         staging.rename(dest)  # complete or absent
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -28,6 +28,18 @@ class ModelConfig(_Section):
         False, description="keep the text encoders in host memory and bring them to model.device only to encode a "
         "prompt set (a prompt-cache miss: about twice an iteration): frees their weights' accelerator memory "
         "(T5-XXL 9.5 GB, Qwen2.5-VL 16 GB, Mistral-24B 48 GB in bf16); encodings unchanged. Diffusers families")
+    expert: Literal["high", "low"] | None = Field(
+        None, description="two-expert checkpoints (Wan2.2-A14B): the expert trained — 'high' denoises the steps at "
+        "t ≥ boundary_ratio·T (the pipeline's `transformer`), 'low' the rest (`transformer_2`); the other samples "
+        "frozen. Required for such a checkpoint, refused for any other")
+    guidance_scale_2: float | None = Field(
+        None, ge=1.0, description="two-expert checkpoints: the low-noise expert's CFG scale (the pipeline's "
+        "guidance_scale_2; Wan2.2-T2V-A14B ships 3.0 beside 4.0); None: sampling.guidance_scale")
+
+    def family_options(self) -> dict:
+        """The settings only some families read, as `Family.load` keywords: those that are set."""
+        return {k: v for k, v in (("expert", self.expert), ("guidance_scale_2", self.guidance_scale_2))
+                if v is not None}
 
 
 #: T2I-R1's reasoning prompt (data/prompt/reasoning_prompt.txt), with {prompt} for its "{}"

@@ -45,7 +45,8 @@ class TrainablePolicy:
                                    device=cfg.model.device, max_sequence_length=cfg.model.max_sequence_length,
                                    resolution=cfg.model.resolution,
                                    **({"frames": cfg.model.frames} if cfg.model.frames else {}),
-                                   **({"trainable_device": trainable_device} if trainable_device else {}))
+                                   **({"trainable_device": trainable_device} if trainable_device else {}),
+                                   **cfg.model.family_options())
         if cfg.model.offload_text_encoders:
             self.family.offload_text_towers()
         self.module: torch.nn.Module = self.family.trainable_module()

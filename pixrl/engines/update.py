@@ -97,19 +97,12 @@ def run_update(pol: TrainablePolicy, prompts: PromptCache, algo, max_grad_norm: 
     for opt_step, step_batches in enumerate(plan):
         opt.zero_grad(set_to_none=True)
         n_terms = sum(algo.terms(batch.select(mb)) for mb in step_batches)
-        mine: dict[str, list[float]] = {}
-        for j, mb, weight in coll.share(step_batches):
-            gen = torch.Generator(device=fam.device).manual_seed(seed_of(seed, opt_step, j))
-            for loss, m in algo.losses(batch.select(mb), replay_policy(mb, gen)):
-                if weight != 1.0:  # a sharded rank's lockstep padding: the same calls, no contribution
-                    (loss * weight / n_terms).backward()
-                    continue
-                if opt_step == 0 and "ratio_max" in m:  # before any update: off-policy drift is numerics only
-                    m["onpolicy_ratio_dev"] = torch.max(torch.abs(m["ratio_max"] - 1), torch.abs(m["ratio_min"] - 1))
-                (loss / n_terms).backward()
-                m["loss"] = loss.detach()
-                for key, val in m.items():
-                    mine.setdefault(key, []).append(float(val))
+        mine, graded = _backward_terms(algo, batch, step_batches, replay_policy, coll, fam.device, seed, opt_step,
+                                       n_terms)
+        if not graded:
+            raise RuntimeError("no loss term of this optimizer step depends on the trained weights: every stored step "
+                               "was denoised by frozen weights (a two-expert checkpoint's other expert) — put the "
+                               "SDE window on model.expert's steps")
         step_acc: dict[str, list[float]] = {}
         for part in coll.gather(mine):  # every rank's values, in rank order
             for key, vals in part.items():
@@ -136,3 +129,28 @@ def run_update(pol: TrainablePolicy, prompts: PromptCache, algo, max_grad_norm: 
     if pol.algorithm_state is not None:
         saved = {**saved, ALGORITHM_STATE: pol.algorithm_state}
     return TrainResult(pol.state(), saved, metrics, history)
+
+
+def _backward_terms(algo, batch: RolloutBatch, step_batches, replay_policy, coll, device, seed: int, opt_step: int,
+                    n_terms: int) -> tuple[dict[str, list[float]], int]:
+    """One optimizer step's loss terms, backpropagated (this rank's share): their metrics, and how
+    many depend on the trained weights (a frozen expert's step does not: its gradient is zero, so
+    it is not backpropagated)."""
+    mine: dict[str, list[float]] = {}
+    graded = 0
+    for j, mb, weight in coll.share(step_batches):
+        gen = torch.Generator(device=device).manual_seed(seed_of(seed, opt_step, j))
+        for loss, m in algo.losses(batch.select(mb), replay_policy(mb, gen)):
+            graded += int(loss.requires_grad)
+            if weight != 1.0:  # a sharded rank's lockstep padding: the same calls, no contribution
+                if loss.requires_grad:
+                    (loss * weight / n_terms).backward()
+                continue
+            if opt_step == 0 and "ratio_max" in m:  # before any update: off-policy drift is numerics only
+                m["onpolicy_ratio_dev"] = torch.max(torch.abs(m["ratio_max"] - 1), torch.abs(m["ratio_min"] - 1))
+            if loss.requires_grad:
+                (loss / n_terms).backward()
+            m["loss"] = loss.detach()
+            for key, val in m.items():
+                mine.setdefault(key, []).append(float(val))
+    return mine, graded

@@ -24,6 +24,8 @@ class PipelineFamily:
     guidance: str = "cfg"
     text_tokens: tuple[int, int] = (1, 512)  # the prompt lengths the family's text encoder reads (model.max_sequence_length)
     video: bool = False  # decode gives clips [B, F, H, W, 3] (model.frames applies)
+    #: model.* settings only some families read (name → what it sets); `load` takes them as keywords
+    options: dict[str, str] = {}
 
     def __init__(self, pipe, path: str, dtype: torch.dtype, max_sequence_length: int = 0,
                  resolution: int | None = None, frames: int | None = None):
@@ -35,21 +37,33 @@ class PipelineFamily:
 
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", max_sequence_length: int = 512,
-             resolution: int | None = None, frames: int | None = None, trainable_device: str | None = None):
+             resolution: int | None = None, frames: int | None = None, trainable_device: str | None = None,
+             **options):
+        unknown = sorted(set(options) - set(cls.options))
+        if unknown:
+            raise ModelLoadError(f"model.{unknown[0]}: the {cls.name} family has no such setting "
+                                 f"({', '.join(f'model.{k}' for k in cls.options) or 'none of its own'}); unset it")
         lo, hi = cls.text_tokens
         if not lo <= max_sequence_length <= hi:
             raise ModelLoadError(f"model.max_sequence_length={max_sequence_length}: the {cls.name} family reads "
                                  f"{lo}–{hi} prompt tokens")
         if frames is not None and not cls.video:
             raise ModelLoadError(f"model.frames={frames}: the {cls.name} family makes images; unset model.frames")
-        return cls.from_directory(path, dtype, device, max_sequence_length, resolution, frames, trainable_device)
+        return cls.from_directory(path, dtype, device, max_sequence_length, resolution, frames, trainable_device,
+                                  **options)
+
+    @classmethod
+    def trained_component(cls, options: dict) -> str:
+        """The pipeline component the family trains (a two-expert checkpoint: the chosen expert)."""
+        return "transformer"
 
     @classmethod
     def from_directory(cls, path: str | Path, dtype: str, device: str, max_sequence_length: int,
-                       resolution: int | None, frames: int | None = None, trainable_device: str | None = None):
+                       resolution: int | None, frames: int | None = None, trainable_device: str | None = None,
+                       **options):
         """Load `path` with the family's diffusers pipeline class: every component except the
-        transformer frozen, progress bars off; the resolution checked against the checkpoint.
-        `trainable_device` keeps the transformer off `device`: "cpu", or "meta" (built from its
+        trained transformer frozen, progress bars off; the resolution checked against the checkpoint.
+        `trainable_device` keeps the trained transformer off `device`: "cpu", or "meta" (built from its
         config, no weights read: a sharded trainer rank that receives them from rank 0)."""
         import diffusers
         from diffusers.utils import logging as diffusers_logging
@@ -60,8 +74,9 @@ class PipelineFamily:
         absent = {k: None for k, v in json.loads((p / "model_index.json").read_text()).items()
                   if isinstance(v, list) and v[0] is None}
         swapped = cls.swap_components(p)
+        trained = cls.trained_component(options)
         try:
-            given = {"transformer": empty_transformer(p, dtype)} if trainable_device == "meta" else {}
+            given = {trained: empty_transformer(p, dtype, trained)} if trainable_device == "meta" else {}
             pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(
                 str(p), dtype=torch_dtype(dtype), **absent, **{k: None for k in swapped}, **given)
             for name, load in swapped.items():
@@ -70,12 +85,12 @@ class PipelineFamily:
             raise ModelLoadError(f"could not load the {cls.pipeline_class} from {str(p)!r}: {exc}") from exc
         for key, module in pipe.components.items():
             if isinstance(module, torch.nn.Module):
-                module.to(trainable_device or device if key == "transformer" else device)
+                module.to(trainable_device or device if key == trained else device)
         pipe.set_progress_bar_config(disable=True)
         for key, module in pipe.components.items():
-            if isinstance(module, torch.nn.Module) and key != "transformer":
+            if isinstance(module, torch.nn.Module) and key != trained:
                 module.requires_grad_(False)
-        fam = cls(pipe, str(p), torch_dtype(dtype), max_sequence_length, resolution, frames)
+        fam = cls(pipe, str(p), torch_dtype(dtype), max_sequence_length, resolution, frames, **options)
         step = cls.resolution_multiple(pipe)
         if fam.resolution % step:
             raise ModelLoadError(f"model.resolution={fam.resolution}: this {cls.name} checkpoint needs a multiple of "
@@ -170,17 +185,17 @@ def encodes_text(encode):
     return wrapper
 
 
-def empty_transformer(path: Path, dtype: str) -> torch.nn.Module:
-    """The checkpoint's transformer built from its config with its parameters on the meta
-    device: structure and dtype, no storage, no weights read. Buffers and plain tensors made at
-    construction (rotary tables) are real, as in a loaded one."""
+def empty_transformer(path: Path, dtype: str, component: str = "transformer") -> torch.nn.Module:
+    """The checkpoint's transformer (`component`) built from its config with its parameters on
+    the meta device: structure and dtype, no storage, no weights read. Buffers and plain tensors
+    made at construction (rotary tables) are real, as in a loaded one."""
     import diffusers
     from accelerate import init_empty_weights
 
-    _, class_name = json.loads((path / "model_index.json").read_text())["transformer"]
+    _, class_name = json.loads((path / "model_index.json").read_text())[component]
     model_cls = getattr(diffusers, class_name)
     with init_empty_weights(include_buffers=False):
-        model = model_cls.from_config(model_cls.load_config(str(path / "transformer")))
+        model = model_cls.from_config(model_cls.load_config(str(path / component)))
     return model.to(torch_dtype(dtype))
 
 

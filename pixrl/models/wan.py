@@ -7,8 +7,14 @@ Loads any directory in the diffusers WanPipeline layout and reuses the pipeline'
 `encode_prompt` (prompt cleaning, UMT5, zero past each prompt's length). Clips have
 `model.frames` frames (4k+1; the pipeline's 81 by default); latents are the pipeline's
 [C, (F−1)/4 + 1, H/8, W/8]. Wan2.2-TI2V-5B (`expand_timesteps`: a timestep per latent token)
-runs the same way; the two-expert Wan2.2-A14B (`transformer_2`) is refused — which expert to
-train is a recipe decision this family does not make yet.
+runs the same way.
+
+Two experts (Wan2.2-T2V-A14B: `transformer` denoises t ≥ boundary_ratio·T, `transformer_2` the
+rest, with its own CFG scale `guidance_scale_2`): sampling uses both, as the pipeline does;
+`model.expert` names the one trained (high or low), the other samples frozen — the practice of
+the trainers that fine-tune A14B (one expert per run, each on its own timesteps). Its LoRA, its
+full weights, its FSDP shards and its checkpoints are that expert's; set the SDE window on its
+steps (steps of the frozen expert replay at ratio 1 and give no gradient).
 
 Sampling: rollouts step the σ grid of the checkpoint's scheduler with the shared Euler/SDE
 kernels (flow_grpo samples Wan with its SDE; a multistep solver step carries no log-prob).
@@ -58,17 +64,80 @@ class WanFamily(PipelineFamily):
     default_frames = 81  # the pipeline's num_frames
     decode_batch = 2  # clips per VAE decode: 81 frames of 480² each hold gigabytes of activations
 
-    def __init__(self, pipe, *args, **kwargs):
+    options = {"expert": "the trained expert of a two-expert checkpoint: high or low",
+               "guidance_scale_2": "the low-noise expert's CFG scale"}
+
+    def __init__(self, pipe, *args, expert: str | None = None, guidance_scale_2: float | None = None, **kwargs):
         super().__init__(pipe, *args, **kwargs)
-        if getattr(pipe, "transformer_2", None) is not None:
-            raise ModelLoadError(f"{self.path!r} is a two-expert Wan2.2 checkpoint (transformer_2, boundary "
-                                 f"{pipe.config.boundary_ratio}); the wan family trains single-transformer "
-                                 "checkpoints (Wan2.1, Wan2.2-TI2V-5B)")
+        self._check_experts(self.path, _has_two_experts(pipe), expert, guidance_scale_2)
+        self.expert, self.guidance_scale_2 = expert, guidance_scale_2
+        self.frozen_expert: torch.nn.Module | None = None
+        self.boundary: float | None = None  # in the transformer's timestep units (σ·T)
+        if expert is not None:
+            self.boundary = pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps
+            high, low = pipe.transformer, pipe.transformer_2
+            self.transformer, self.frozen_expert = (high, low) if expert == "high" else (low, high)
+            self.frozen_expert.requires_grad_(False)
         self.frames = self.frames or self.default_frames
         step = pipe.vae_scale_factor_temporal
         if (self.frames - 1) % step:
             raise ModelLoadError(f"model.frames={self.frames}: this Wan VAE compresses time ×{step}, so a clip has "
                                  f"{step}k+1 frames (e.g. {self.default_frames}, or {(self.frames // step) * step + 1})")
+
+    @classmethod
+    def trained_component(cls, options: dict) -> str:
+        return "transformer_2" if options.get("expert") == "low" else "transformer"
+
+    @staticmethod
+    def _check_experts(path: str, two: bool, expert: str | None, guidance_scale_2: float | None) -> None:
+        if two and expert is None:
+            raise ModelLoadError(f"{path!r} is a two-expert Wan2.2 checkpoint (transformer for the high-noise steps, "
+                                 "transformer_2 for the low-noise ones): choose the one to train with "
+                                 "model.expert=high or model.expert=low")
+        if not two and (expert is not None or guidance_scale_2 is not None):
+            which = "model.expert" if expert is not None else "model.guidance_scale_2"
+            raise ModelLoadError(f"{which}: {path!r} has one transformer (Wan2.1, Wan2.2-TI2V-5B); it applies to "
+                                 "two-expert checkpoints (Wan2.2-A14B) only — unset it")
+
+    @classmethod
+    def check_options(cls, path: Path, options: dict, sampling) -> None:
+        """Preflight: model.expert / model.guidance_scale_2 against the checkpoint's model_index.json,
+        and the steps the sampling config trains against the trained expert's steps."""
+        import json
+
+        index = json.loads((Path(path) / "model_index.json").read_text())
+        two = isinstance(index.get("transformer_2"), list) and index["transformer_2"][0] is not None
+        cls._check_experts(str(path), two, options.get("expert"), options.get("guidance_scale_2"))
+        if options.get("guidance_scale_2") is not None and sampling.guidance_scale <= 1.0:
+            raise ModelLoadError(f"model.guidance_scale_2={options['guidance_scale_2']}: CFG is off "
+                                 f"(sampling.guidance_scale={sampling.guidance_scale}), as in the pipeline, which "
+                                 "then ignores it — set sampling.guidance_scale > 1 or unset model.guidance_scale_2")
+        if two:
+            cls._check_expert_steps(Path(path), index["boundary_ratio"], options["expert"], sampling)
+
+    @staticmethod
+    def _check_expert_steps(path: Path, boundary_ratio: float, expert: str, sampling) -> None:
+        """An SDE window must lie on the trained expert's steps (the other's give no gradient: a
+        window wholly there would leave an update with nothing to train); every-step SDE must
+        reach at least one of them."""
+        import diffusers
+
+        _, cls_name = json_component(path, "scheduler")
+        sched = getattr(diffusers, cls_name).from_pretrained(str(path), subfolder="scheduler")
+        sched.set_timesteps(sampling.steps)
+        high = [float(t) >= boundary_ratio * sched.config.num_train_timesteps for t in sched.timesteps]
+        ours = [k for k, h in enumerate(high) if h == (expert == "high")]
+        if sampling.window_size:
+            lo, hi = sampling.window_range or (0, sampling.steps // 2)
+            outside = [k for k in range(lo, hi) if k not in ours]
+            if outside:
+                raise ModelLoadError(
+                    f"sampling.window_range=[{lo},{hi}] reaches step(s) {outside} of {sampling.steps}, which the frozen "
+                    f"{'low' if expert == 'high' else 'high'}-noise expert denoises; model.expert={expert} denoises "
+                    f"steps {ours}: set the window range within them")
+        elif not any(k in ours for k in range(max(1, int(sampling.steps * sampling.timestep_fraction)))):
+            raise ModelLoadError(f"no trained step of {sampling.steps} is model.expert={expert}'s (its steps: {ours}); "
+                                 "raise sampling.timestep_fraction or train the other expert")
 
     @staticmethod
     def default_resolution(pipe) -> int:
@@ -80,9 +149,12 @@ class WanFamily(PipelineFamily):
 
     def describe(self) -> dict:
         c = self.scheduler.config
-        return {"resolution": [self.resolution, self.resolution], "frames": self.frames,
-                "shift": c.get("flow_shift", c.get("shift")), "scheduler": type(self.scheduler).__name__,
-                "guidance": self.guidance}
+        out = {"resolution": [self.resolution, self.resolution], "frames": self.frames,
+               "shift": c.get("flow_shift", c.get("shift")), "scheduler": type(self.scheduler).__name__,
+               "guidance": self.guidance}
+        if self.expert is not None:
+            out.update(expert=self.expert, boundary=self.boundary, guidance_scale_2=self.guidance_scale_2)
+        return out
 
     # --- conditioning -------------------------------------------------------------------------
     @encodes_text
@@ -111,18 +183,41 @@ class WanFamily(PipelineFamily):
         if self.pipe.config.expand_timesteps:  # Wan2.2-TI2V: one timestep per latent token
             _, ph, pw = self.transformer.config.patch_size
             t = t[:, None].expand(b, f * (h // ph) * (w // pw))
-        v = self._predict(x, t, cond)
-        if guidance_scale > 1.0:
-            if neg is None:
-                raise ValueError("guidance_scale > 1 needs the negative-prompt conditioning")
-            v_u = self._predict(x, t, neg)
-            v = v_u + guidance_scale * (v - v_u)
+        if guidance_scale > 1.0 and neg is None:
+            raise ValueError("guidance_scale > 1 needs the negative-prompt conditioning")
+        if self.expert is None:
+            return self._guided(self.transformer, x, t, cond, neg, guidance_scale)
+        high = timestep.reshape(-1).to(x.device).expand(b) >= self.boundary  # the pipeline's `t >= boundary`
+        if bool(high.all()) or not bool(high.any()):  # a sampler step: every row on one side
+            return self._expert(bool(high[0]), x, t, cond, neg, guidance_scale)
+        v_high = self._expert(True, x[high], t[high], cond.select(high), _rows(neg, high), guidance_scale)
+        v_low = self._expert(False, x[~high], t[~high], cond.select(~high), _rows(neg, ~high), guidance_scale)
+        v = v_high.new_empty(x.shape)
+        v[high], v[~high] = v_high, v_low
         return v
 
-    def _predict(self, x, t, cond: WanConditioning) -> torch.Tensor:
-        dtype = self.transformer.dtype
-        return self.transformer(hidden_states=x.to(dtype), timestep=t, encoder_hidden_states=cond.prompt_embeds.to(dtype),
-                                return_dict=False)[0]
+    def _expert(self, high: bool, x, t, cond: WanConditioning, neg: WanConditioning | None,
+                guidance_scale: float) -> torch.Tensor:
+        """The high- or low-noise expert's guided velocity, as the pipeline switches them."""
+        module = self.transformer if (self.expert == "high") == high else self.frozen_expert
+        scale = guidance_scale if high or self.guidance_scale_2 is None else self.guidance_scale_2
+        return self._guided(module, x, t, cond, neg, guidance_scale, scale)
+
+    def _guided(self, module, x, t, cond: WanConditioning, neg: WanConditioning | None, guidance_scale: float,
+                scale: float | None = None) -> torch.Tensor:
+        """One expert's velocity with the pipeline's CFG: on when `guidance_scale` > 1, combined at
+        `scale` (the low-noise expert's own, for a two-expert checkpoint)."""
+        v = self._predict(module, x, t, cond)
+        if guidance_scale > 1.0:
+            v_u = self._predict(module, x, t, neg)
+            v = v_u + (scale or guidance_scale) * (v - v_u)
+        return v
+
+    @staticmethod
+    def _predict(module, x, t, cond: WanConditioning) -> torch.Tensor:
+        dtype = module.dtype
+        return module(hidden_states=x.to(dtype), timestep=t, encoder_hidden_states=cond.prompt_embeds.to(dtype),
+                      return_dict=False)[0]
 
     # --- pixels -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -136,10 +231,12 @@ class WanFamily(PipelineFamily):
 
     # --- a tiny random checkpoint in the real layout --------------------------------------------
     @classmethod
-    def write_tiny(cls, out_dir: Path, seed: int = 0) -> dict:
+    def write_tiny(cls, out_dir: Path, seed: int = 0, two_experts: bool = False) -> dict:
         """A random Wan2.1-shaped pipeline (UMT5 with a SentencePiece-Unigram tokenizer, causal video
         VAE ×2 in time and ×4 in space with latent mean/std, 3-D-patch DiT, UniPC with flow sigmas
-        and flow_shift 3) with tiny widths. Returns the overrides that run it (32 px, 5 frames)."""
+        and flow_shift 3) with tiny widths. Returns the overrides that run it (32 px, 5 frames).
+        `two_experts`: Wan2.2-T2V-A14B's layout — a second, differently initialised transformer for
+        the low-noise steps and its boundary_ratio 0.875 (the high-noise expert is trained)."""
         import shutil
 
         from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
@@ -164,11 +261,35 @@ class WanFamily(PipelineFamily):
                                             num_layers=2, rope_max_seq_len=32)
         sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
                                         num_train_timesteps=1000)
+        experts = {}
+        if two_experts:
+            torch.manual_seed(seed + 1)
+            experts = dict(transformer_2=WanTransformer3DModel(
+                patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=z, out_channels=z,
+                text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=32), boundary_ratio=0.875)
         WanPipeline(tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer,
-                    scheduler=sched).save_pretrained(str(out_dir), safe_serialization=True)
+                    scheduler=sched, **experts).save_pretrained(str(out_dir), safe_serialization=True)
         shutil.rmtree(build, ignore_errors=True)
         return {"model.family": cls.name, "model.path": str(out_dir), "model.resolution": 32, "model.frames": 5,
-                "model.max_sequence_length": 64}
+                "model.max_sequence_length": 64,
+                # the high-noise expert trains; the SDE window on its steps (t ≥ 875: the first 2 of 4, 4 of 10)
+                **({"model.expert": "high", "sampling.window_size": 2, "sampling.window_range": "[0,2]"}
+                   if two_experts else {})}
+
+
+def json_component(path: Path, name: str) -> tuple[str, str]:
+    """A component's (library, class) from the checkpoint's model_index.json."""
+    import json
+
+    return tuple(json.loads((path / "model_index.json").read_text())[name])
+
+
+def _rows(cond: WanConditioning | None, rows: torch.Tensor) -> WanConditioning | None:
+    return None if cond is None else cond.select(rows)
+
+
+def _has_two_experts(pipe) -> bool:
+    return getattr(pipe, "transformer_2", None) is not None
 
 
 def video_to_uint8(video: torch.Tensor) -> np.ndarray:

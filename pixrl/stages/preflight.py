@@ -39,11 +39,18 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
         if cfg.model.offload_text_encoders and not hasattr(family, "offload_text_towers"):
             raise ValueError(f"model.offload_text_encoders: the {family.name} family has no separate text encoder to "
                              "offload (its language model is the policy); set it to false")
+        options = cfg.model.family_options()
+        unread = sorted(set(options) - set(getattr(family, "options", {})))
+        if unread:
+            raise ValueError(f"model.{unread[0]}={options[unread[0]]}: the {family.name} family does not read it "
+                             "(two-expert Wan2.2 checkpoints do); unset it")
         path = resolve_model_path(cfg.model.path)
         if hasattr(family, "check_checkpoint"):  # not a diffusers pipeline (a transformers model)
             family.check_checkpoint(path)
         else:
             check_layout(path, family.pipeline_class, family.name)
+        if hasattr(family, "check_options"):  # the checkpoint's own settings against model.*
+            family.check_options(path, options, cfg.sampling)
         items = select_categories(load_prompt_set(resolve_asset(cfg.dataset.path), cfg.dataset.name),
                                   cfg.dataset.categories)
         s = cfg.sampling

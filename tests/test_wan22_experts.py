@@ -1,0 +1,154 @@
+"""Two-expert Wan2.2 (the T2V-A14B layout: `transformer` for t ≥ boundary_ratio·T, `transformer_2`
+below, each with its CFG scale) on a tiny random checkpoint in the real diffusers layout: ODE
+sampling equals diffusers' WanPipeline whichever expert is trained, a replay batch that mixes the
+experts' steps equals its rows one by one, stored log-probs replay exactly across the switch, the
+errors that name model.expert, and two RL iterations that train only the chosen expert."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import two_iterations
+from family_checks import assert_replay_is_on_policy, euler, gens
+from pixrl.algorithms.sampling import SamplerRecipe, replay_step, sample
+from pixrl.config.loader import load_config
+from pixrl.models.base import ModelLoadError
+from pixrl.models.wan import WanFamily
+from pixrl.stages.preflight import PreflightError, preflight
+
+PROMPTS = ["a red circle", "two blue squares in the sky"]
+
+
+@pytest.fixture(scope="module")
+def tiny_a14b(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "tiny-wan22-a14b"
+    overrides = WanFamily.write_tiny(out, seed=3, two_experts=True)
+    return out, overrides
+
+
+def _load(path, expert: str, guidance_scale_2: float | None = 3.0) -> WanFamily:
+    return WanFamily.load(path, max_sequence_length=64, resolution=32, frames=5, expert=expert,
+                          **({} if guidance_scale_2 is None else {"guidance_scale_2": guidance_scale_2}))
+
+
+@pytest.mark.parametrize("expert", ["high", "low"])
+@pytest.mark.parametrize("cfg,cfg2", [(5.0, 3.0), (4.0, None), (1.0, None)])
+def test_ode_sampling_equals_the_two_expert_pipeline(tiny_a14b, expert, cfg, cfg2):
+    family = _load(tiny_a14b[0], expert, cfg2)
+    assert family.boundary == 875.0 and family.describe()["expert"] == expert
+    trained = family.pipe.transformer if expert == "high" else family.pipe.transformer_2
+    assert family.trainable_module() is trained and family.frozen_expert is not trained
+    cond = family.encode_prompts(PROMPTS)
+    neg = family.encode_prompts([""]).expand(2) if cfg > 1 else None
+    with euler(family):
+        ref = family.pipe(prompt_embeds=cond.prompt_embeds, negative_prompt_embeds=None if neg is None else neg.prompt_embeds,
+                          guidance_scale=cfg, guidance_scale_2=cfg2, num_inference_steps=6, generator=gens([7, 8]),
+                          output_type="latent", height=32, width=32, num_frames=5, max_sequence_length=64).frames
+        _, timesteps = family.schedule(6)
+        traj = sample(family, cond, neg, gens([7, 8]), SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
+    assert (timesteps >= 875).any() and (timesteps < 875).any()  # both experts denoise
+    assert (traj.final - ref).abs().max().item() <= 1e-5
+
+
+def test_a_batch_mixing_the_experts_steps_equals_its_rows_one_by_one(tiny_a14b):
+    family = _load(tiny_a14b[0], "low")
+    cond, neg = family.encode_prompts(PROMPTS * 2), family.encode_prompts([""]).expand(4)
+    x = torch.randn(4, *family.latent_shape(), generator=torch.Generator().manual_seed(0))
+    t = torch.tensor([999.0, 600.0, 937.0, 376.0])  # high, low, high, low
+    with torch.no_grad():
+        mixed = family.velocity(x, t, cond, 5.0, neg)
+        by_expert = {rows: family.velocity(x[list(rows)], t[list(rows)], cond.select(list(rows)), 5.0,
+                                           neg.select(list(rows))) for rows in ((0, 2), (1, 3))}
+        high = family._guided(family.frozen_expert, x[[0, 2]], t[[0, 2]], cond.select([0, 2]), neg.select([0, 2]), 5.0)
+        low_at_5 = family._guided(family.transformer, x[[1, 3]], t[[1, 3]], cond.select([1, 3]), neg.select([1, 3]),
+                                  5.0)
+    assert torch.equal(mixed[[0, 2]], by_expert[(0, 2)]) and torch.equal(mixed[[1, 3]], by_expert[(1, 3)])
+    assert torch.equal(by_expert[(0, 2)], high)  # t ≥ 875: the (frozen) high-noise expert, at guidance_scale
+    assert not torch.allclose(by_expert[(1, 3)], low_at_5, atol=1e-4)  # below: the trained one, at guidance_scale_2
+    assert torch.allclose(by_expert[(1, 3)], family._guided(family.transformer, x[[1, 3]], t[[1, 3]],
+                                                            cond.select([1, 3]), neg.select([1, 3]), 5.0, 3.0))
+
+
+@pytest.mark.parametrize("expert", ["high", "low"])
+def test_replay_is_on_policy_across_the_switch(tiny_a14b, expert):
+    """SDE at steps on both sides of the boundary (t = 999, 900 | 750, 500): every stored log-prob
+    replays exactly (ratio 1); the trained expert's steps carry a gradient, the frozen one's none."""
+    family = _load(tiny_a14b[0], expert)
+    cond, neg = family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2)
+    recipe = SamplerRecipe(steps=4, noise_level=0.7, guidance_scale=5.0, train_steps=(0, 1, 2))
+    traj = sample(family, cond, neg, gens([0, 1]), recipe)
+    for j, k in enumerate(traj.stored_steps):
+        out = replay_step(family, traj.latents[:, j], traj.next_latents[:, j], k, traj.sigmas, traj.timesteps,
+                          cond, neg, recipe)
+        assert torch.equal(out.log_prob.detach(), traj.log_probs[:, j])
+        assert out.log_prob.requires_grad == ((traj.timesteps[k] >= 875).item() == (expert == "high")), k
+    window = (0, 1) if expert == "high" else (2, 3)
+    assert_replay_is_on_policy(family, cond, neg, SamplerRecipe(steps=4, noise_level=0.7, guidance_scale=5.0,
+                                                                sde_steps=window, train_steps=window))
+    assert all(p.grad is None for p in family.frozen_expert.parameters())
+
+
+def test_expert_errors_name_the_setting(tiny_a14b, tiny_wan, tiny_flux, tmp_path):
+    path, _ = tiny_a14b
+    with pytest.raises(ModelLoadError, match="two-expert Wan2.2 checkpoint.*model.expert=high or model.expert=low"):
+        WanFamily.load(path, max_sequence_length=64, resolution=32, frames=5)
+    with pytest.raises(ModelLoadError, match="model.expert: .* has one transformer"):
+        WanFamily.load(tiny_wan[0], max_sequence_length=64, resolution=32, frames=5, expert="high")
+
+    def check(model_path, *overrides):
+        cfg = load_config(None, [f"model.path={model_path}", "model.max_sequence_length=64", "model.resolution=32",
+                                 f"run.workdir={tmp_path}", *overrides])
+        preflight(cfg)
+
+    with pytest.raises(PreflightError, match="two-expert Wan2.2 checkpoint"):
+        check(path, "model.family=wan", "model.frames=5")
+    with pytest.raises(PreflightError, match="model.expert=low: the flux1 family does not read it"):
+        check(tiny_flux[0], "model.family=flux1", "model.expert=low")
+    with pytest.raises(PreflightError, match="model.guidance_scale_2=3.0: CFG is off"):
+        check(path, "model.family=wan", "model.frames=5", "model.expert=low", "model.guidance_scale_2=3.0",
+              "sampling.guidance_scale=1.0")
+    low = ["model.family=wan", "model.frames=5", "model.expert=low", "sampling.steps=10", "sampling.window_size=2"]
+    with pytest.raises(PreflightError, match=r"window_range=\[0,4\] reaches step\(s\) \[0, 1, 2, 3\] of 10, which the "
+                                             r"frozen high-noise expert denoises; model.expert=low denoises steps \[4,"):
+        check(path, *low, "sampling.window_range=[0,4]")
+    check(path, *low, "sampling.window_range=[4,8]", "model.guidance_scale_2=3.0", "sampling.guidance_scale=4.0")
+
+
+def test_two_iterations_train_only_the_low_noise_expert(tiny_a14b, tmp_path, prefect_harness):
+    """A full fine-tune of transformer_2 with the SDE window on its steps: its weights move, and
+    they are transformer_2's (the high-noise expert's differ by far more than the update)."""
+    path, overrides = tiny_a14b
+    two_iterations((path, {**overrides, "model.expert": "low"}), tmp_path, "a14b-low", "full",
+                   "sampling.guidance_scale=5.0", "model.guidance_scale_2=3.0", "sampling.window_size=2",
+                   "sampling.window_range=[2,4]", base_weights="transformer_2/diffusion_pytorch_model.safetensors")
+    last = load_file(str(sorted((tmp_path / "checkpoints" / "a14b-low").glob("*/it_*"))[-1] / "trainable.safetensors"))
+    low = load_file(str(path / "transformer_2" / "diffusion_pytorch_model.safetensors"))
+    high = load_file(str(path / "transformer" / "diffusion_pytorch_model.safetensors"))
+    assert set(last) == set(low)
+    moved = sum((last[k].float() - low[k].float()).norm() for k in last)
+    apart = sum((high[k].float() - low[k].float()).norm() for k in last)
+    assert 0 < moved < 0.1 * apart
+
+
+def test_two_iterations_lora_on_the_high_noise_expert(tiny_a14b, tmp_path, prefect_harness):
+    path, overrides = tiny_a14b
+    two_iterations((path, overrides), tmp_path, "a14b-high", "lora", "sampling.guidance_scale=5.0",
+                   "sampling.window_size=2", "sampling.window_range=[0,2]")
+
+
+def test_an_update_with_every_step_on_the_frozen_expert_names_the_cause(tiny_a14b, tmp_path, prefect_harness,
+                                                                          monkeypatch):
+    """Past preflight (an algorithm's own recipe could put its window anywhere): the update stops
+    with the cause instead of autograd's "does not require grad"."""
+    from typer.testing import CliRunner
+
+    from conftest import tiny_overrides
+    from pixrl.cli import app
+
+    monkeypatch.setattr(WanFamily, "_check_expert_steps", staticmethod(lambda *a: None))
+    path, overrides = tiny_a14b
+    extra = {k: v for k, v in overrides.items() if k != "model.path"}
+    res = CliRunner().invoke(app, ["train", "--iterations", "1", "--run", "frozen", "reward=jpeg_compressibility",
+                                   *tiny_overrides(path, tmp_path, **extra), "sampling.window_range=[2,4]"])
+    assert res.exit_code != 0
+    assert "no loss term of this optimizer step depends on the trained weights" in res.output + repr(res.exception)
