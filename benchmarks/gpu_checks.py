@@ -18,7 +18,8 @@ The checks (priority order: first what has not yet passed on the H200, docs/runs
 each family's `gpu_smoke.py` is one iteration of the real flow):
   environment   GPU, torch, the kit's requirements, pixrl's imports
   wan           Wan2.1-1.3B, 33 frames of 512², activation checkpointing (kit --with video)
-  flux1 …       FLUX.1-dev (8 + 16 of 19 + 38 blocks), Janus-Pro-1B, FLUX.2-dev (2 + 12 of 8 + 48)
+  flux1 …       FLUX.1-dev (8 + 16 of 19 + 38 blocks), Janus-Pro-1B, FLUX.2-dev (2 + 12 of 8 + 48),
+                Wan2.2-T2V-A14B (two experts, 8 of 40 blocks each)
   sd3 …         SD3.5-Medium (24 blocks; issue 14's line), SANA-1600M, Qwen-Image (12 of 60 blocks):
                 passed on 2026-12-04
   flux2_resident  FLUX.2 again with its text tower resident: the memory the offload frees
@@ -63,6 +64,8 @@ CHECKS = {
     "flux1": ([SMOKE, "--family", "flux1", "--layers", "8"], 200, None),
     "janus_pro": ([SMOKE, "--family", "janus_pro"], 240, None),
     "flux2": ([SMOKE, "--family", "flux2", "--layers", "2"], 300, None),  # text tower offloaded, as its preset
+    # Wan2.2-T2V-A14B's two experts (new since that lease): 8 of 40 blocks each, at their real width
+    "wan_a14b": ([SMOKE, "--family", "wan_a14b", "--layers", "8"], 240, "video"),
     # passed there: sd3 (issue 14's line) 144 s, sana 68 s, qwen_image (12 blocks) 79 s
     "sd3": ([SMOKE, "--family", "sd3"], 240, None),
     "sana": ([SMOKE, "--family", "sana"], 150, None),

@@ -18,6 +18,9 @@ images/s and peak memory.
   with the 30 layers the pipeline reads (narrow MLP); LoRA r64 on diffusers' FLUX.2 targets.
 - `--family wan`: Wan2.1-T2V-1.3B — the real transformer and causal video VAE, 33 frames; UMT5-XXL
   at its real width with 2 layers; LoRA r32 as flow_grpo trains Wan.
+- `--family wan_a14b`: Wan2.2-T2V-A14B — two experts of the real width (40×128 heads, FFN 13824)
+  switched at boundary_ratio 0.875, CFG 5 / 3; the high-noise expert trains (LoRA r32) with the SDE
+  window on its steps. `--layers N` blocks per expert (40 in the real one).
 - `--family janus_pro`: Janus-Pro-1B — the real decoder, vision tower, VQ-VAE and generation
   head (576 image tokens, 384²), Token-GRPO with CFG 5 on the logits, full fine-tune; `--cot N`
   first samples a chain of thought of up to N text tokens (T2I-R1's reasoning prompt).
@@ -42,6 +45,7 @@ STAGES = ("generate", "decode", "score", "replay", "update", "publish")
 
 
 GC = "model.gradient_checkpointing=true"  # as the presets of the 12B–32B DiTs and of Wan's clips set it
+VARIANTS = {"wan_a14b": ("wan", {"two_experts": True})}  # a smoke of a family's other layout: (family, tiny options)
 FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
     "sd3": lambda tiny: ["model.max_sequence_length=0" if tiny else "model.max_sequence_length=256"],
     "flux1": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
@@ -52,6 +56,11 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
                           "sampling.guidance_scale=4.5", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
     "flux2": lambda tiny: [GC, "model.offload_text_encoders=true", "model.max_sequence_length=96" if tiny else "model.max_sequence_length=512",
                            "sampling.guidance_scale=4.0", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
+    # the window on the high-noise expert's steps: t ≥ 875 for the first 2 of 4 steps, 4 of 10
+    "wan_a14b": lambda tiny: [GC, "model.expert=high", "model.guidance_scale_2=3.0", "sampling.window_range=[0,2]",
+                              "model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
+                              "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=5.0",
+                              *([] if tiny else ["algorithm=flow_grpo_wan"])],
     "janus_pro": lambda tiny: ["model.max_sequence_length=0", "sampling.guidance_scale=5.0", "algorithm=token_grpo"],
     "wan": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=226",
                          "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=5.0",
@@ -67,7 +76,8 @@ def build_model(out: Path, tiny: bool, resolution: int, family: str = "sd3", lay
         if tiny:
             from pixrl.models.registry import get_family
 
-            get_family(family).write_tiny(out)
+            variant = VARIANTS.get(family)
+            get_family(variant[0] if variant else family).write_tiny(out, **(variant[1] if variant else {}))
             return out
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from real_shapes import BUILDERS, janus_pro_1b_checkpoint
@@ -120,12 +130,14 @@ def run(args) -> dict:
     if family == "janus_pro":  # generates at its VQ grid's size
         resolution = None
     cfg = load_config(None, [
-        f"model.family={family}", f"model.path={model}", f"model.device={args.device}", f"model.dtype={args.dtype}",
+        f"model.family={VARIANTS[family][0] if family in VARIANTS else family}", f"model.path={model}",
+        f"model.device={args.device}", f"model.dtype={args.dtype}",
+        "sampling.window_size=2", "sampling.window_range=[0,4]",  # a family's own window follows
         *FAMILY_OVERRIDES[family](args.tiny), f"model.resolution={'null' if resolution is None else resolution}",
         f"run.workdir={work}", "run.name=gpu-smoke", "run.iterations=1", "run.eval_every=0",
         f"sampling.group_size={args.group_size}", f"sampling.prompts_per_iteration={args.prompts}",
         f"sampling.micro_batch={args.micro_batch}", f"sampling.steps={args.steps}",
-        "sampling.window_size=2", "sampling.window_range=[0,4]", "algorithm.optimizer_steps_per_iteration=1",
+        "algorithm.optimizer_steps_per_iteration=1",
         "reward=jpeg_compressibility", "dataset.categories=null", *_cot(args), *getattr(args, "set", [])])
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()

@@ -174,6 +174,26 @@ def wan21_1_3b_pipeline(layers: int | None, device: str, workdir: Path):
                        scheduler=sched)
 
 
+def wan22_a14b_pipeline(layers: int | None, device: str, workdir: Path):
+    """A random two-expert WanPipeline with Wan2.2-T2V-A14B's shapes: two 14B transformers (40
+    blocks, 40×128 heads, FFN 13824) switched at boundary_ratio 0.875, the Wan2.1 VAE; UMT5-XXL at
+    its real width with 2 of its 24 layers. `--layers N`: N blocks per expert."""
+    import torch
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+
+    base = wan21_1_3b_pipeline(1, "cpu", workdir)  # its tokenizer and UMT5 (the transformer is replaced)
+
+    def expert():
+        with torch.device(device):
+            return WanTransformer3DModel(
+                patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
+                text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=layers or 40).to(torch.bfloat16)
+
+    sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    return WanPipeline(tokenizer=base.tokenizer, text_encoder=base.text_encoder, vae=AutoencoderKLWan(),
+                       transformer=expert(), transformer_2=expert(), boundary_ratio=0.875, scheduler=sched)
+
+
 def janus_pro_1b_checkpoint(layers: int | None, device: str, out: Path) -> Path:
     """A random JanusForConditionalGeneration with Janus-Pro-1B's shapes — the DeepSeek-LLM 1.5B
     decoder (24 layers of width 2048, 16 heads, FFN 5632, vocabulary 102400), the SigLIP-L vision
@@ -201,4 +221,4 @@ def janus_pro_1b_checkpoint(layers: int | None, device: str, out: Path) -> Path:
 
 
 BUILDERS = {"flux1": flux1_dev_pipeline, "qwen_image": qwen_image_pipeline, "sana": sana_1600m_pipeline,
-            "flux2": flux2_dev_pipeline, "wan": wan21_1_3b_pipeline}
+            "flux2": flux2_dev_pipeline, "wan": wan21_1_3b_pipeline, "wan_a14b": wan22_a14b_pipeline}
