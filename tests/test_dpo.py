@@ -48,6 +48,22 @@ def test_noised_sample_and_target_follow_the_flow_convention():
     assert 0 < sig.min() and sig.max() < 1 and abs(float(sig.median()) - 0.5) < 0.02
 
 
+@pytest.mark.parametrize("scheme,mean,std", [("logit_normal", 0.0, 1.0), ("logit_normal", 0.5, 1.3), ("uniform", 0, 1)])
+@pytest.mark.parametrize("within", [(0.6, 0.95), (0.0, 0.3)])
+def test_sigmas_within_a_range_are_the_distribution_conditioned_on_it(scheme, mean, std, within):
+    """A two-expert checkpoint's DPO draws σ on its expert's side: the same law conditioned on the
+    range — its quantiles equal those of rejection sampling from the unrestricted law."""
+    drawn = sample_sigmas(200_000, scheme, torch.Generator().manual_seed(1), mean, std, within=within)
+    lo, hi = max(within[0], 1e-3), min(within[1], 1 - 1e-3)
+    assert lo <= float(drawn.min()) and float(drawn.max()) <= hi
+    free = sample_sigmas(2_000_000, scheme, torch.Generator().manual_seed(2), mean, std)
+    kept = free[(free >= lo) & (free <= hi)]
+    q = torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95])
+    assert torch.allclose(torch.quantile(drawn, q), torch.quantile(kept[:200_000], q), atol=4e-3)
+    with pytest.raises(ValueError, match="no σ to draw"):
+        sample_sigmas(4, scheme, torch.Generator(), mean, std, within=(0.9995, 1.0))
+
+
 def _policy(ckpt, **extra):
     return TrainablePolicy(load_config("shapes_dpo", tiny_overrides(ckpt, "/tmp/unused", **extra)))
 

@@ -152,3 +152,38 @@ def test_an_update_with_every_step_on_the_frozen_expert_names_the_cause(tiny_a14
                                    *tiny_overrides(path, tmp_path, **extra), "sampling.window_range=[2,4]"])
     assert res.exit_code != 0
     assert "no loss term of this optimizer step depends on the trained weights" in res.output + repr(res.exception)
+
+
+def test_dpo_from_an_archive_trains_the_low_noise_expert_on_its_side(tiny_a14b, tmp_path, prefect_harness,
+                                                                      monkeypatch):
+    """Offline Diffusion-DPO of transformer_2: σ drawn below the boundary only (every loss term
+    reaches the trained weights), the published weights are transformer_2's, moved."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from conftest import tiny_overrides
+    from pixrl.algorithms import diffusion_dpo
+    from pixrl.cli import app
+
+    drawn = []
+    noised = diffusion_dpo.noised
+    monkeypatch.setattr(diffusion_dpo, "noised", lambda x0, noise, sigma: drawn.append(sigma) or noised(x0, noise, sigma))
+
+    path, overrides = tiny_a14b
+    low = {**{k: v for k, v in overrides.items() if k != "model.path"}, "model.expert": "low",
+           "sampling.window_range": "[2,4]"}
+    res = CliRunner().invoke(app, ["rollouts", "-n", "1", "--run", "src", "reward=jpeg_compressibility",
+                                   *tiny_overrides(path, tmp_path, **low)])
+    assert res.exit_code == 0, res.output
+    model = [f"{k}={v}" for k, v in low.items() if k.startswith("model.")]
+    res = CliRunner().invoke(app, ["dpo", "--from", "src", "-n", "2", "--run", "dpo-low", "--workdir", str(tmp_path),
+                                   f"model.path={path}", *model, "dpo.pairs_per_step=2", "sampling.eval_steps=2",
+                                   "dpo.eval_per_category=1"])
+    assert res.exit_code == 0, res.output
+    source = json.loads(res.stdout.strip().splitlines()[-1])["policy"]["source"].removeprefix("file://")
+    trained = load_file(f"{source}/trainable.safetensors")
+    base = load_file(str(path / "transformer_2" / "diffusion_pytorch_model.safetensors"))
+    assert set(trained) == set(base) and any(not torch.equal(trained[k], base[k]) for k in base)
+    sigmas = torch.cat(drawn)
+    assert len(sigmas) >= 4 and float(sigmas.max()) < 0.875  # the (shifted) σ the loss saw: the low expert's side

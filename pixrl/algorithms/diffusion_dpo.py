@@ -17,14 +17,17 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from .base import Algorithm, register_algorithm
-from .ode_solvers import shifted
+from .ode_solvers import shifted, unshifted
 
 TIMESTEP_SCHEMES = ("logit_normal", "uniform")
 
 
 def sample_sigmas(n: int, scheme: str, generator: torch.Generator, mean: float = 0.0, std: float = 1.0,
-                  eps: float = 1e-3) -> torch.Tensor:
-    """σ ∈ (0, 1) per pair: sigmoid(N(mean, std)) (SD3's logit-normal) or uniform."""
+                  eps: float = 1e-3, within: tuple[float, float] | None = None) -> torch.Tensor:
+    """σ ∈ (0, 1) per pair: sigmoid(N(mean, std)) (SD3's logit-normal) or uniform. `within`: the
+    same distribution truncated to [lo, hi] (inverse-CDF draws, one uniform per pair)."""
+    if within is not None:
+        return _truncated_sigmas(n, scheme, generator, mean, std, eps, within)
     if scheme == "logit_normal":
         s = torch.sigmoid(mean + std * torch.randn(n, generator=generator, device=generator.device))
     elif scheme == "uniform":
@@ -32,6 +35,22 @@ def sample_sigmas(n: int, scheme: str, generator: torch.Generator, mean: float =
     else:
         raise ValueError(f"unknown timestep scheme {scheme!r}; choose one of {', '.join(TIMESTEP_SCHEMES)}")
     return s.clamp(eps, 1 - eps)
+
+
+def _truncated_sigmas(n: int, scheme: str, generator: torch.Generator, mean: float, std: float, eps: float,
+                      within: tuple[float, float]) -> torch.Tensor:
+    lo, hi = max(within[0], eps), min(within[1], 1 - eps)
+    if not lo < hi:
+        raise ValueError(f"no σ to draw in [{within[0]}, {within[1]}] within ({eps}, {1 - eps})")
+    u = torch.rand(n, generator=generator, device=generator.device, dtype=torch.float64)
+    if scheme == "uniform":
+        return (lo + (hi - lo) * u).float()
+    if scheme != "logit_normal":
+        raise ValueError(f"unknown timestep scheme {scheme!r}; choose one of {', '.join(TIMESTEP_SCHEMES)}")
+    bounds = torch.tensor([lo, hi], dtype=torch.float64, device=u.device)
+    cdf = torch.special.ndtr((torch.logit(bounds) - mean) / std)  # the logit-normal's CDF at lo and hi
+    z = torch.special.ndtri(cdf[0] + (cdf[1] - cdf[0]) * u)
+    return torch.sigmoid(mean + std * z).clamp(lo, hi).float()
 
 
 def noised(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +89,8 @@ class DPOSettings(BaseModel):
     logit_std: float = Field(1.0, gt=0, description="std of the logit-normal σ")
     shift: float | None = Field(None, gt=0, description="SD3's time shift applied to the drawn σ, as the model's "
                                 "training schedule draws it (flow_grpo: shift 3 → σ at the 10/50/90th percentiles "
-                                "≈ 0.46/0.75/0.92); None: the model scheduler's shift; 1: unshifted")
+                                "≈ 0.46/0.75/0.92); None: the model scheduler's shift (`shift`, or `flow_shift` "
+                                "for Wan and SANA); 1: unshifted")
 
 
 @register_algorithm("diffusion_dpo")
@@ -91,8 +111,12 @@ class DiffusionDPO(Algorithm):
         x0 = policy.tensor(batch["final_latent"])
         b = len(x0) // 2
         x_w, x_l = x0[:b], x0[b:]
-        sigma = sample_sigmas(b, d.timesteps, policy.generator, d.logit_mean, d.logit_std)
-        shift = d.shift if d.shift is not None else float(policy.model.scheduler.config.get("shift", 1.0))
+        sched = policy.model.scheduler.config
+        shift = d.shift if d.shift is not None else float(sched.get("shift") or sched.get("flow_shift") or 1.0)
+        span = policy.model.trained_sigmas() if hasattr(policy.model, "trained_sigmas") else None
+        # a two-expert checkpoint: σ only where the trained expert denoises (its shifted range, drawn unshifted)
+        within = None if span is None else tuple(unshifted(v, shift) for v in span)
+        sigma = sample_sigmas(b, d.timesteps, policy.generator, d.logit_mean, d.logit_std, within=within)
         if shift != 1.0:
             sigma = shifted(sigma, shift)
         noise = torch.randn((b, *x_w.shape[1:]), generator=policy.generator, device=policy.device)

@@ -100,9 +100,9 @@ def run_update(pol: TrainablePolicy, prompts: PromptCache, algo, max_grad_norm: 
         mine, graded = _backward_terms(algo, batch, step_batches, replay_policy, coll, fam.device, seed, opt_step,
                                        n_terms)
         if not graded:
-            raise RuntimeError("no loss term of this optimizer step depends on the trained weights: every stored step "
-                               "was denoised by frozen weights (a two-expert checkpoint's other expert) — put the "
-                               "SDE window on model.expert's steps")
+            raise RuntimeError("no loss term of this optimizer step depends on the trained weights: frozen weights "
+                               "computed every one (a two-expert checkpoint's other expert, whose steps the SDE "
+                               "window or the algorithm's timesteps fell on) — put the window on model.expert's steps")
         step_acc: dict[str, list[float]] = {}
         for part in coll.gather(mine):  # every rank's values, in rank order
             for key, vals in part.items():

@@ -14,7 +14,9 @@ rest, with its own CFG scale `guidance_scale_2`): sampling uses both, as the pip
 `model.expert` names the one trained (high or low), the other samples frozen — the practice of
 the trainers that fine-tune A14B (one expert per run, each on its own timesteps). Its LoRA, its
 full weights, its FSDP shards and its checkpoints are that expert's; set the SDE window on its
-steps (steps of the frozen expert replay at ratio 1 and give no gradient).
+steps (steps of the frozen expert replay at ratio 1 and give no gradient; preflight checks the
+window). Diffusion-DPO draws its σ on the trained expert's side (`trained_sigmas`); DiffusionNFT
+draws over the whole grid, where the frozen expert's draws add no gradient.
 
 Sampling: rollouts step the σ grid of the checkpoint's scheduler with the shared Euler/SDE
 kernels (flow_grpo samples Wan with its SDE; a multistep solver step carries no log-prob).
@@ -138,6 +140,14 @@ class WanFamily(PipelineFamily):
         elif not any(k in ours for k in range(max(1, int(sampling.steps * sampling.timestep_fraction)))):
             raise ModelLoadError(f"no trained step of {sampling.steps} is model.expert={expert}'s (its steps: {ours}); "
                                  "raise sampling.timestep_fraction or train the other expert")
+
+    def trained_sigmas(self) -> tuple[float, float] | None:
+        """The σ range the trained weights denoise (a two-expert checkpoint: its expert's side of the
+        boundary); None: every σ. Algorithms that draw σ themselves (Diffusion-DPO) draw within it."""
+        if self.expert is None:
+            return None
+        b = self.boundary / self.scheduler.config.num_train_timesteps
+        return (b, 1.0) if self.expert == "high" else (0.0, b)
 
     @staticmethod
     def default_resolution(pipe) -> int:
