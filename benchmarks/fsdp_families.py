@@ -22,7 +22,10 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-FAMILIES = ["sd3", "flux1", "flux2", "qwen_image", "sana", "wan", "janus_pro"]
+FAMILIES = ["sd3", "flux1", "flux2", "qwen_image", "sana", "wan", "wan_a14b", "janus_pro"]
+# another layout of a family: (family, write_tiny options, the steps its trained weights denoise).
+# Wan2.2-A14B trains its low-noise expert here: `transformer_2`, the one a meta-built rank fills.
+VARIANTS = {"wan_a14b": ("wan", {"two_experts": True}, (2, 3))}
 PROMPTS = ["a red circle", "a blue square", "two green triangles", "a yellow circle"] * 5  # 5 micro-batches of 4
 
 
@@ -38,7 +41,10 @@ def _config(family: str, work: Path, dtype: str, extra: tuple[str, ...] = ()):
     if written.is_file():                     # rewrite it under each other's feet
         overrides = json.loads(written.read_text())
     else:
-        overrides = get_family(family).write_tiny(work / f"tiny-{family}", seed=0)
+        base, options, steps = VARIANTS.get(family, (family, {}, None))
+        overrides = get_family(base).write_tiny(work / f"tiny-{family}", seed=0, **options)
+        if steps is not None:
+            overrides.update({"model.expert": "low", "sampling.window_range": f"[{steps[0]},{steps[-1] + 1}]"})
         written.write_text(json.dumps(overrides))
     return load_config(None, [f"{k}={v}" for k, v in overrides.items()] + common + [
         "reward=jpeg_compressibility", "sampling.steps=4", "sampling.group_size=4", "algorithm.beta=0.01"])
@@ -51,8 +57,9 @@ def _batch(cfg):
     from pixrl.engines.local import LocalEngine
 
     s = cfg.sampling
+    steps = (2, 3) if cfg.model.expert == "low" else (0, 1)  # the trained expert's (VARIANTS)
     recipe = TokenRecipe(s.guidance_scale, s.temperature, s.top_k) if cfg.model.family == "janus_pro" else \
-        SamplerRecipe(steps=4, noise_level=0.7, sde_steps=(0, 1), train_steps=(0, 1))
+        SamplerRecipe(steps=4, noise_level=0.7, sde_steps=steps, train_steps=steps)
     engine = LocalEngine(cfg)
     batch, _ = engine.rollout(PolicySource(), PROMPTS, list(range(len(PROMPTS))), recipe)
     batch = batch.with_columns(prompt=PROMPTS, advantage=np.linspace(-1.5, 1.5, len(PROMPTS)).astype(np.float32))

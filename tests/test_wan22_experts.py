@@ -187,3 +187,19 @@ def test_dpo_from_an_archive_trains_the_low_noise_expert_on_its_side(tiny_a14b, 
     assert set(trained) == set(base) and any(not torch.equal(trained[k], base[k]) for k in base)
     sigmas = torch.cat(drawn)
     assert len(sigmas) >= 4 and float(sigmas.max()) < 0.875  # the (shifted) σ the loss saw: the low expert's side
+
+
+def test_fsdp_of_the_low_noise_expert_equals_one_process():
+    """Two gloo ranks (rank 1 builds transformer_2 on the meta device and receives rank 0's
+    weights) against one process: three optimizer steps of a full fine-tune with a KL reference."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from fsdp_families import check
+
+    threads = torch.get_num_threads()
+    try:
+        assert check("wan_a14b") < 1e-5
+    finally:  # the check's one-process update runs here at 1 thread
+        torch.set_num_threads(threads)
