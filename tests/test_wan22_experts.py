@@ -203,3 +203,21 @@ def test_fsdp_of_the_low_noise_expert_equals_one_process():
         assert check("wan_a14b") < 1e-5
     finally:  # the check's one-process update runs here at 1 thread
         torch.set_num_threads(threads)
+
+
+def test_pixrl_tiny_writes_the_two_expert_layout(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from pixrl.cli import app
+
+    res = CliRunner().invoke(app, ["tiny", "wan", "--two-experts", "--out", str(tmp_path / "a14b")])
+    assert res.exit_code == 0, res.output
+    overrides = json.loads(res.stdout.strip().splitlines()[-1])
+    index = json.loads((tmp_path / "a14b" / "model_index.json").read_text())
+    assert index["transformer_2"] == ["diffusers", "WanTransformer3DModel"] and index["boundary_ratio"] == 0.875
+    assert overrides["model.expert"] == "high" and overrides["sampling.window_range"] == "[0,2]"
+    res = CliRunner().invoke(app, ["tiny", "flux1", "--two-experts", "--out", str(tmp_path / "f")])
+    assert res.exit_code != 0 and "the flux1 family has no two-expert layout" in res.output
+    assert not (tmp_path / "f").exists()
