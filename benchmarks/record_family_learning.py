@@ -101,6 +101,8 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=40)
     ap.add_argument("--name", default=None, help="docs/runs/<name> (default: family_learning_<family>)")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--two-experts", action="store_true", help="wan: the Wan2.2-A14B layout (`pixrl tiny wan "
+                                                                "--two-experts`); model.expert picks the trained one")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     from pixrl.config.environment import apply_defaults
@@ -112,7 +114,8 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     out = ROOT / "docs" / "runs" / name
     out.mkdir(parents=True, exist_ok=True)
-    tiny = get_family(args.family).write_tiny(work / "model", seed=0)
+    tiny = get_family(args.family).write_tiny(work / "model", seed=0, **({"two_experts": True} if args.two_experts
+                                                                          else {}))
     model = [f"{k}={v}" for k, v in tiny.items()]
     common = ["reward=jpeg_compressibility", f"run.workdir={work}", "run.eval_every=0", *args.overrides]
     before = heldout_reward([*model, *common], None, work)
@@ -127,8 +130,8 @@ def main() -> None:
     after = heldout_reward([*model, *common], name, work)
     from safetensors.torch import load_file
 
-    base = load_file(str(next((work / "model" / "transformer").glob("*.safetensors")))) \
-        if (work / "model" / "transformer").is_dir() else {}
+    trained = work / "model" / ("transformer_2" if "model.expert=low" in args.overrides else "transformer")
+    base = load_file(str(next(trained.glob("*.safetensors")))) if trained.is_dir() else {}
     points = curve(work, summary_line["run_id"])
     with open(out / "reward_curve.csv", "w", newline="") as f:
         csv.writer(f).writerows([("iteration", "train_reward"), *points])
@@ -148,14 +151,15 @@ def main() -> None:
 
 def readme(name: str, args, s: dict) -> str:
     cmd = " ".join(["benchmarks/record_family_learning.py", "--family", args.family, "--iterations",
-                    str(args.iterations), *args.overrides])
+                    str(args.iterations), *(["--two-experts"] if args.two_experts else []),
+                    *(["--name", name] if args.name else []), *args.overrides])
     return f"""# {name}: does the {args.family} family's RL loop learn? (tiny random checkpoint, CPU)
 
 ```bash
 .venv/bin/python {cmd}
 ```
 
-`pixrl tiny {args.family}` (the real diffusers classes and layout, tiny widths, random weights, 32 px),
+`pixrl tiny {args.family}{' --two-experts' if args.two_experts else ''}` (the real diffusers classes and layout, tiny widths, random weights, 32 px),
 Flow-GRPO as the default recipe sets it but for the overrides above, the JPEG-compressibility
 reward, {s['iterations']} iterations through the real flow (Prefect, Lance, MLflow) in {s['minutes']} minutes on
 2 CPU cores, {time.strftime('%Y-%m-%d')}. Held-out: {len(HELDOUT)} prompts never trained on × {len(SEEDS)} seeds, the eval
