@@ -4,6 +4,8 @@ sampling equals diffusers' WanPipeline whichever expert is trained, a replay bat
 experts' steps equals its rows one by one, stored log-probs replay exactly across the switch, the
 errors that name model.expert, and two RL iterations that train only the chosen expert."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -221,3 +223,21 @@ def test_pixrl_tiny_writes_the_two_expert_layout(tmp_path):
     res = CliRunner().invoke(app, ["tiny", "flux1", "--two-experts", "--out", str(tmp_path / "f")])
     assert res.exit_code != 0 and "the flux1 family has no two-expert layout" in res.output
     assert not (tmp_path / "f").exists()
+
+
+def test_a_checkpoint_of_the_other_expert_is_refused(tiny_a14b, tmp_path):
+    """Both experts' tensors have the same names and shapes: the checkpoint's config says which
+    expert it trained, and a policy of the other refuses it instead of loading it unnoticed."""
+    from pixrl.artifacts.checkpoints import save_checkpoint
+    from pixrl.engines.policy import TrainablePolicy
+
+    path, overrides = tiny_a14b
+    cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()] + [f"run.workdir={tmp_path}"])
+    high = TrainablePolicy(cfg)
+    low_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"expert": "low"})})
+    low = TrainablePolicy(low_cfg)
+    ck = save_checkpoint(tmp_path / "ck-high", high.state(), {}, {"iteration": 0}, cfg.model_dump(mode="json"))
+    with pytest.raises(ValueError, match="trained as model.expert=high; this policy trains model.expert=low"):
+        low.load_version(Path(ck.uri))
+    high.load_version(Path(ck.uri))  # its own expert loads
+    assert high.weights_id == ck.checkpoint_id

@@ -112,6 +112,19 @@ def load_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(Path(ckpt_dir) / WEIGHTS))
 
 
+def check_trained_part(ckpt_dir: Path, expert: str | None) -> None:
+    """Refuse a checkpoint of the other expert of a two-expert model: both hold tensors of the same
+    names and shapes, so loading one into the other would go unnoticed (the config it was
+    trained with says which; checkpoints from before the setting have none and pass)."""
+    cfg = Path(ckpt_dir) / CONFIG
+    if not cfg.is_file():
+        return
+    theirs = (json.loads(cfg.read_text()).get("model") or {}).get("expert")
+    if theirs != expert:
+        raise ValueError(f"{ckpt_dir} holds weights trained as model.expert={theirs}; this policy trains "
+                         f"model.expert={expert} — use a checkpoint of that expert, or set model.expert={theirs}")
+
+
 def load_optimizer_state(ckpt_dir: Path) -> dict:
     require_full_checkpoint(ckpt_dir, "loading its optimizer state (continuing training from it)")
     return torch.load(Path(ckpt_dir) / OPTIMIZER, weights_only=False)

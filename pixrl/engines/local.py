@@ -18,7 +18,7 @@ from ..algorithms.base import build_algorithm
 from ..algorithms.sampling import SamplerRecipe, generators, sample
 from ..algorithms.token_sampling import TokenRecipe, sample_tokens, sample_with_cot
 from ..artifacts.batch import RolloutBatch
-from ..artifacts.checkpoints import load_weights
+from ..artifacts.checkpoints import check_trained_part, load_weights
 from ..config.schema import ExperimentConfig
 from ..datasets.prompts import split_items
 from ..datasets.registry import get_evaluator
@@ -194,6 +194,7 @@ class LocalEngine:
               prompt_sets: np.ndarray | None = None) -> TrainResult:
         self.use(policy)
         if reference is not None and reference.checkpoint_dir is not None:
+            check_trained_part(reference.checkpoint_dir, self.cfg.model.expert)
             self.policy.set_reference(load_weights(reference.checkpoint_dir))
         try:
             return self._train(policy, batch, plan, recipe, seed, prompt_sets)

@@ -11,7 +11,7 @@ from typing import Iterator
 
 import torch
 
-from ..artifacts.checkpoints import load_optimizer_state, load_weights, read_counters
+from ..artifacts.checkpoints import check_trained_part, load_optimizer_state, load_weights, read_counters
 from ..config.schema import ExperimentConfig
 from ..models.registry import get_family
 from ..stages.plan import seed_of
@@ -139,6 +139,8 @@ class TrainablePolicy:
             want = checkpoint_id or read_counters(checkpoint_dir)["checkpoint_id"]
         if self.weights_id == want:
             return
+        if checkpoint_dir is not None:
+            check_trained_part(checkpoint_dir, self.cfg.model.expert)
         self._assign(self._base_state if checkpoint_dir is None else load_weights(checkpoint_dir))
         self.weights_id = want
 
