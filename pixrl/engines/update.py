@@ -27,6 +27,7 @@ from .policy import ALGORITHM_STATE, TrainablePolicy
 from .prompt_cache import PromptCache
 
 log = logging.getLogger("pixrl.train")
+_COUNTS = "_graded_and_calls"  # rides along with a rank's metrics to the gather
 
 
 class ReplayFactory:
@@ -97,14 +98,16 @@ def run_update(pol: TrainablePolicy, prompts: PromptCache, algo, max_grad_norm: 
     for opt_step, step_batches in enumerate(plan):
         opt.zero_grad(set_to_none=True)
         n_terms = sum(algo.terms(batch.select(mb)) for mb in step_batches)
-        mine, graded = _backward_terms(algo, batch, step_batches, replay_policy, coll, fam.device, seed, opt_step,
-                                       n_terms)
-        if not graded:
+        mine, graded, calls = _backward_terms(algo, batch, step_batches, replay_policy, coll, fam.device, seed,
+                                              opt_step, n_terms)
+        parts = coll.gather({**mine, _COUNTS: [float(graded), float(calls)]})  # every rank's, in rank order
+        counts = np.sum([part.pop(_COUNTS) for part in parts], axis=0)  # decided alike on every rank
+        if counts[1] and not counts[0]:
             raise RuntimeError("no loss term of this optimizer step depends on the trained weights: frozen weights "
                                "computed every one (a two-expert checkpoint's other expert, whose steps the SDE "
                                "window or the algorithm's timesteps fell on) — put the window on model.expert's steps")
         step_acc: dict[str, list[float]] = {}
-        for part in coll.gather(mine):  # every rank's values, in rank order
+        for part in parts:
             for key, vals in part.items():
                 step_acc.setdefault(key, []).extend(vals)
                 acc.setdefault(key, []).extend(vals)
@@ -132,16 +135,16 @@ def run_update(pol: TrainablePolicy, prompts: PromptCache, algo, max_grad_norm: 
 
 
 def _backward_terms(algo, batch: RolloutBatch, step_batches, replay_policy, coll, device, seed: int, opt_step: int,
-                    n_terms: int) -> tuple[dict[str, list[float]], int]:
-    """One optimizer step's loss terms, backpropagated (this rank's share): their metrics, and how
-    many depend on the trained weights (a frozen expert's step does not: its gradient is zero, so
-    it is not backpropagated)."""
+                    n_terms: int) -> tuple[dict[str, list[float]], int, int]:
+    """One optimizer step's loss terms, backpropagated (this rank's share): their metrics, how many
+    depend on the trained weights (a frozen expert's step does not: its gradient is zero, so it is
+    not backpropagated), and how many there were."""
     mine: dict[str, list[float]] = {}
-    graded = 0
+    graded = calls = 0
     for j, mb, weight in coll.share(step_batches):
         gen = torch.Generator(device=device).manual_seed(seed_of(seed, opt_step, j))
         for loss, m in algo.losses(batch.select(mb), replay_policy(mb, gen)):
-            graded += int(loss.requires_grad)
+            graded, calls = graded + int(loss.requires_grad), calls + 1
             if weight != 1.0:  # a sharded rank's lockstep padding: the same calls, no contribution
                 if loss.requires_grad:
                     (loss * weight / n_terms).backward()
@@ -153,4 +156,4 @@ def _backward_terms(algo, batch: RolloutBatch, step_batches, replay_policy, coll
             m["loss"] = loss.detach()
             for key, val in m.items():
                 mine.setdefault(key, []).append(float(val))
-    return mine, graded
+    return mine, graded, calls
