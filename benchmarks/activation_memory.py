@@ -28,11 +28,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_smoke import FAMILY_OVERRIDES, GC, build_model  # noqa: E402
+from gpu_smoke import FAMILY_OVERRIDES, GC, VARIANTS, build_model  # noqa: E402
 
 PROMPT = "a photo of a red circle above two blue squares"
-REAL_DEPTH = {"sd3": 24, "flux1": 19, "flux2": 8, "qwen_image": 60, "sana": 20, "wan": 30, "janus_pro": 24}
-SMOKE_DEPTH = {"flux1": 8, "flux2": 2, "qwen_image": 12}  # gpu_checks.py's --layers
+REAL_DEPTH = {"sd3": 24, "flux1": 19, "flux2": 8, "qwen_image": 60, "sana": 20, "wan": 30, "wan_a14b": 40,
+              "janus_pro": 24}
+SMOKE_DEPTH = {"flux1": 8, "flux2": 2, "qwen_image": 12, "wan_a14b": 8}  # gpu_checks.py's --layers
 GIB = 2 ** 30
 
 
@@ -102,7 +103,8 @@ def measure(family: str, resolution: int, work: Path) -> dict:
         path = build_model(work / f"model-{layers}", False, resolution, family, layers, "cpu")
         overrides = [o for o in FAMILY_OVERRIDES[family](False) if o != GC]
         res = None if family == "janus_pro" else resolution
-        cfg = load_config(None, [f"model.family={family}", f"model.path={path}", "model.device=cpu",
+        cfg = load_config(None, [f"model.family={VARIANTS.get(family, (family,))[0]}", f"model.path={path}",
+                                 "model.device=cpu",
                                  "model.dtype=bfloat16", *overrides, f"model.resolution={'null' if res is None else res}"])
         policy = TrainablePolicy(cfg)
         plain = saved_bytes(policy)

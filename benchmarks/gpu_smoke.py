@@ -57,7 +57,8 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
     "flux2": lambda tiny: [GC, "model.offload_text_encoders=true", "model.max_sequence_length=96" if tiny else "model.max_sequence_length=512",
                            "sampling.guidance_scale=4.0", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
     # the window on the high-noise expert's steps: t ≥ 875 for the first 2 of 4 steps, 4 of 10
-    "wan_a14b": lambda tiny: [GC, "model.expert=high", "model.guidance_scale_2=3.0", "sampling.window_range=[0,2]",
+    "wan_a14b": lambda tiny: [GC, "model.expert=high", "model.guidance_scale_2=3.0", "sampling.window_size=2",
+                              "sampling.window_range=[0,2]",
                               "model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
                               "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=5.0",
                               *([] if tiny else ["algorithm=flow_grpo_wan"])],
