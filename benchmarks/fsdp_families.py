@@ -22,10 +22,13 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_smoke import VARIANTS  # noqa: E402  (stdlib imports only at its module level)
+
 FAMILIES = ["sd3", "flux1", "flux2", "qwen_image", "sana", "wan", "wan_a14b", "janus_pro"]
-# another layout of a family: (family, write_tiny options, the steps its trained weights denoise).
-# Wan2.2-A14B trains its low-noise expert here: `transformer_2`, the one a meta-built rank fills.
-VARIANTS = {"wan_a14b": ("wan", {"two_experts": True}, (2, 3))}
+# another layout of a family (gpu_smoke.VARIANTS) → the steps its trained weights denoise here:
+# Wan2.2-A14B trains its low-noise expert, `transformer_2`, the one a meta-built rank fills.
+TRAINED_STEPS = {"wan_a14b": (2, 3)}
 PROMPTS = ["a red circle", "a blue square", "two green triangles", "a yellow circle"] * 5  # 5 micro-batches of 4
 
 
@@ -41,9 +44,9 @@ def _config(family: str, work: Path, dtype: str, extra: tuple[str, ...] = ()):
     if written.is_file():                     # rewrite it under each other's feet
         overrides = json.loads(written.read_text())
     else:
-        base, options, steps = VARIANTS.get(family, (family, {}, None))
+        base, options = VARIANTS.get(family, (family, {}))
         overrides = get_family(base).write_tiny(work / f"tiny-{family}", seed=0, **options)
-        if steps is not None:
+        if (steps := TRAINED_STEPS.get(family)) is not None:
             overrides.update({"model.expert": "low", "sampling.window_range": f"[{steps[0]},{steps[-1] + 1}]"})
         written.write_text(json.dumps(overrides))
     return load_config(None, [f"{k}={v}" for k, v in overrides.items()] + common + [
@@ -57,7 +60,7 @@ def _batch(cfg):
     from pixrl.engines.local import LocalEngine
 
     s = cfg.sampling
-    steps = (2, 3) if cfg.model.expert == "low" else (0, 1)  # the trained expert's (VARIANTS)
+    steps = tuple(range(*cfg.sampling.window_range)) if cfg.model.expert else (0, 1)  # the trained expert's
     recipe = TokenRecipe(s.guidance_scale, s.temperature, s.top_k) if cfg.model.family == "janus_pro" else \
         SamplerRecipe(steps=4, noise_level=0.7, sde_steps=steps, train_steps=steps)
     engine = LocalEngine(cfg)

@@ -23,16 +23,27 @@ def token_recipe(s: SamplingConfig) -> TokenRecipe:
     return TokenRecipe(s.guidance_scale, s.temperature, s.top_k, *cot)
 
 
+def window_bounds(s: SamplingConfig) -> tuple[int, int]:
+    """[lo, hi) that an SDE window is drawn within (that it fits is checked with the config)."""
+    lo, hi = s.window_range or (0, s.steps // 2)
+    return lo, hi
+
+
+def trained_step_count(s: SamplingConfig) -> int:
+    """Without a window: the first int(T · timestep_fraction) transitions are trained."""
+    return max(1, int(s.steps * s.timestep_fraction))
+
+
 def rollout_recipe(s: SamplingConfig, rng: np.random.Generator, step: str = "denoise") -> SamplerRecipe | TokenRecipe:
     if step == "token":
         return token_recipe(s)
     if s.window_size:
-        lo, hi = s.window_range or (0, s.steps // 2)  # that it fits is checked with the config (SamplingConfig)
+        lo, hi = window_bounds(s)
         start = int(rng.integers(lo, hi - s.window_size + 1))
         window = tuple(range(start, start + s.window_size))
         return SamplerRecipe(s.steps, s.noise_level, s.sde_type, s.guidance_scale, window, window)
-    n_train = max(1, int(s.steps * s.timestep_fraction))
-    return SamplerRecipe(s.steps, s.noise_level, s.sde_type, s.guidance_scale, None, tuple(range(n_train)))
+    return SamplerRecipe(s.steps, s.noise_level, s.sde_type, s.guidance_scale, None,
+                         tuple(range(trained_step_count(s))))
 
 
 def eval_recipe(s: SamplingConfig, step: str = "denoise") -> SamplerRecipe | TokenRecipe:

@@ -27,7 +27,6 @@ from .policy import ALGORITHM_STATE, TrainablePolicy
 from .prompt_cache import PromptCache
 
 log = logging.getLogger("pixrl.train")
-_COUNTS = "_graded_and_calls"  # rides along with a rank's metrics to the gather
 
 
 class ReplayFactory:
@@ -100,14 +99,13 @@ def run_update(pol: TrainablePolicy, prompts: PromptCache, algo, max_grad_norm: 
         n_terms = sum(algo.terms(batch.select(mb)) for mb in step_batches)
         mine, graded, calls = _backward_terms(algo, batch, step_batches, replay_policy, coll, fam.device, seed,
                                               opt_step, n_terms)
-        parts = coll.gather({**mine, _COUNTS: [float(graded), float(calls)]})  # every rank's, in rank order
-        counts = np.sum([part.pop(_COUNTS) for part in parts], axis=0)  # decided alike on every rank
-        if counts[1] and not counts[0]:
+        parts = coll.gather((mine, graded, calls))  # every rank's, in rank order: decided alike on every rank
+        if sum(p[2] for p in parts) and not sum(p[1] for p in parts):
             raise RuntimeError("no loss term of this optimizer step depends on the trained weights: frozen weights "
                                "computed every one (a two-expert checkpoint's other expert, whose steps the SDE "
                                "window or the algorithm's timesteps fell on) — put the window on model.expert's steps")
         step_acc: dict[str, list[float]] = {}
-        for part in parts:
+        for part, _, _ in parts:
             for key, vals in part.items():
                 step_acc.setdefault(key, []).extend(vals)
                 acc.setdefault(key, []).extend(vals)

@@ -115,29 +115,32 @@ class WanFamily(PipelineFamily):
                                  f"(sampling.guidance_scale={sampling.guidance_scale}), as in the pipeline, which "
                                  "then ignores it — set sampling.guidance_scale > 1 or unset model.guidance_scale_2")
         if two:
-            cls._check_expert_steps(Path(path), index["boundary_ratio"], options["expert"], sampling)
+            cls._check_expert_steps(Path(path), index["scheduler"][1], index["boundary_ratio"], options["expert"],
+                                    sampling)
 
-    @staticmethod
-    def _check_expert_steps(path: Path, boundary_ratio: float, expert: str, sampling) -> None:
+    @classmethod
+    def _check_expert_steps(cls, path: Path, scheduler_class: str, boundary_ratio: float, expert: str,
+                            sampling) -> None:
         """An SDE window must lie on the trained expert's steps (the other's give no gradient: a
         window wholly there would leave an update with nothing to train); every-step SDE must
-        reach at least one of them."""
+        reach at least one of them. The steps are those of the grid rollouts step."""
         import diffusers
 
-        _, cls_name = json_component(path, "scheduler")
-        sched = getattr(diffusers, cls_name).from_pretrained(str(path), subfolder="scheduler")
-        sched.set_timesteps(sampling.steps)
-        high = [float(t) >= boundary_ratio * sched.config.num_train_timesteps for t in sched.timesteps]
+        from ..algorithms.recipe import trained_step_count, window_bounds
+
+        sched = getattr(diffusers, scheduler_class).from_pretrained(str(path), subfolder="scheduler")
+        _, timesteps = scheduler_grid(sched, sampling.steps, "cpu", cls.name, str(path))
+        high = [float(t) >= boundary_ratio * sched.config.num_train_timesteps for t in timesteps]
         ours = [k for k, h in enumerate(high) if h == (expert == "high")]
         if sampling.window_size:
-            lo, hi = sampling.window_range or (0, sampling.steps // 2)
+            lo, hi = window_bounds(sampling)
             outside = [k for k in range(lo, hi) if k not in ours]
             if outside:
                 raise ModelLoadError(
                     f"sampling.window_range=[{lo},{hi}] reaches step(s) {outside} of {sampling.steps}, which the frozen "
                     f"{'low' if expert == 'high' else 'high'}-noise expert denoises; model.expert={expert} denoises "
                     f"steps {ours}: set the window range within them")
-        elif not any(k in ours for k in range(max(1, int(sampling.steps * sampling.timestep_fraction)))):
+        elif not any(k in ours for k in range(trained_step_count(sampling))):
             raise ModelLoadError(f"no trained step of {sampling.steps} is model.expert={expert}'s (its steps: {ours}); "
                                  "raise sampling.timestep_fraction or train the other expert")
 
@@ -285,13 +288,6 @@ class WanFamily(PipelineFamily):
                 # the high-noise expert trains; the SDE window on its steps (t ≥ 875: the first 2 of 4, 4 of 10)
                 **({"model.expert": "high", "sampling.window_size": 2, "sampling.window_range": "[0,2]"}
                    if two_experts else {})}
-
-
-def json_component(path: Path, name: str) -> tuple[str, str]:
-    """A component's (library, class) from the checkpoint's model_index.json."""
-    import json
-
-    return tuple(json.loads((path / "model_index.json").read_text())[name])
 
 
 def _rows(cond: WanConditioning | None, rows: torch.Tensor) -> WanConditioning | None:
