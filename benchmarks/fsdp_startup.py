@@ -2,11 +2,13 @@
 loaded and sharded (`ray.trainer_sharding=fsdp`, engines/fsdp.py), for a random model of a
 family's real shapes (benchmarks/gpu_smoke.py's builders; default SD3.5-Medium, bf16).
 
-Two ways, measured one after the other on the same checkpoint:
+Three ways, measured one after the other on the same checkpoint:
 - `every-rank-loads`: each rank loads the whole checkpoint, then shards (what start-up did
   before rank 0 alone read the trained module);
-- `rank-0-loads` (what `LocalEngine.shard` does): rank 0 loads the trained module into host
-  memory, rank 1 builds it with no storage and receives its shards.
+- `rank-0-loads+text`: rank 0 loads the trained module into host memory, rank 1 builds it with
+  no storage and receives its shards; both load the text encoders (what start-up did before
+  trainer ranks took the rollout's encodings);
+- `rank-0-loads` (what a Ray trainer rank does): the same, with no text encoders read.
 
 Per rank: peak resident memory (the process's high-water mark), resident memory once sharded,
 the trained module's bytes the rank holds, and the seconds from engine start to sharded.
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-MODES = ("every-rank-loads", "rank-0-loads")
+MODES = ("every-rank-loads", "rank-0-loads+text", "rank-0-loads")
 
 
 def _rss_gib() -> float:
@@ -52,6 +54,7 @@ def _rank(rank: int, master: str, mode: str, overrides: list[str], out) -> None:
         torch.set_num_threads(1)
         t0 = time.perf_counter()
         engine = LocalEngine(load_config(None, overrides))
+        engine.text_towers = mode != "rank-0-loads"  # as TrainerWorker sets it for a diffusers family
         engine.collective = TorchDistributed.join(rank, 2, master, "gloo", sharded=True)
         if mode == "every-rank-loads":
             engine.policy  # the whole checkpoint, on this rank too, before sharding
@@ -59,10 +62,11 @@ def _rank(rank: int, master: str, mode: str, overrides: list[str], out) -> None:
         pol = engine.policy
         held = local_bytes(list(pol.module.parameters()))
         copies = sum(local_bytes(list(m.parameters())) for m in (pol._reference, pol._frozen) if m is not None)
+        text = local_bytes([q for m in pol.family.text_towers().values() for q in m.parameters()])
         out.put({"rank": rank, "mode": mode, "seconds": round(time.perf_counter() - t0, 1),
                  "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
                  "rss_sharded_gib": round(_rss_gib(), 2), "module_gib": round(held / 2**30, 2),
-                 "frozen_copies_gib": round(copies / 2**30, 2)})
+                 "frozen_copies_gib": round(copies / 2**30, 2), "text_towers_gib": round(text / 2**30, 2)})
     except Exception:
         traceback.print_exc()
         out.put({"rank": rank, "mode": mode, "error": True})
@@ -124,13 +128,13 @@ def main() -> None:
     if args.family == "sd3":
         overrides.append("model.max_sequence_length=0")
     rows = [row for mode in MODES for row in measure(mode, overrides)]
-    print(f"{'mode':18s} {'rank':>4s} {'peak RSS':>9s} {'RSS sharded':>12s} {'module':>7s} {'copies':>7s} {'s':>6s}")
+    print(f"{'mode':18s} {'rank':>4s} {'peak RSS':>9s} {'RSS sharded':>12s} {'module':>7s} {'copies':>7s} {'text':>6s} {'s':>6s}")
     for r in rows:
         if r.get("error"):
             print(f"{r['mode']:18s} {r['rank']:4d}  failed (traceback above)")
             continue
         print(f"{r['mode']:18s} {r['rank']:4d} {r['peak_rss_gib']:8.2f}G {r['rss_sharded_gib']:11.2f}G "
-              f"{r['module_gib']:6.2f}G {r['frozen_copies_gib']:6.2f}G {r['seconds']:6.1f}")
+              f"{r['module_gib']:6.2f}G {r['frozen_copies_gib']:6.2f}G {r['text_towers_gib']:5.2f}G {r['seconds']:6.1f}")
     print(json.dumps({"family": args.family, "dtype": args.dtype, "lora": args.lora, "rows": rows}))
 
 

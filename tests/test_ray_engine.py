@@ -189,6 +189,7 @@ def test_two_rank_update_equals_the_single_process_update(ray_cluster, tiny_chec
         share = 0.5 if sharding == "fsdp" else 1.0  # FSDP: each rank holds about half (shards round up)
         for h in held:
             assert h["weights"] <= share * whole * 1.05 + 4096 and h["moments"] <= 2 * share * whole * 1.05 + 8192, h
+            assert h["text_towers"] == 0, "a trainer rank loaded text encoders: it replays with the rollout's encodings"
         ckpt = tmp_path / "it_0"
         ref = save_checkpoint(ckpt, got.weights, got.optimizer, {"iteration": 0}, {})
         source = PolicySource(ckpt, ref.checkpoint_id)

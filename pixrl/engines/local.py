@@ -48,6 +48,7 @@ class LocalEngine:
         self._prompts: PromptCache | None = None
         self._cot_server = None  # sampling.cot_backend=vllm (engines/vllm_text.py)
         self.collective = None  # a trainer rank's process group (engines/collective.py); None: one process
+        self.text_towers = True  # False: a trainer rank, replaying with encodings it is given (`train`)
 
     @property
     def policy(self) -> TrainablePolicy:
@@ -57,7 +58,7 @@ class LocalEngine:
         return self._policy
 
     def _load_policy(self, trainable_device: str | None = None) -> None:
-        self._policy = TrainablePolicy(self.cfg, trainable_device)
+        self._policy = TrainablePolicy(self.cfg, trainable_device, self.text_towers)
         self._prompts = PromptCache(self._policy.family)
 
     def describe(self) -> dict:
@@ -188,22 +189,34 @@ class LocalEngine:
               sample_ids: list[str]) -> dict[str, np.ndarray]:
         return self.rewards.score(images, prompts, metadata, sample_ids)
 
+    def encodings(self, prompt_sets: list[list[str]], guidance_scale: float | None) -> list:
+        """These prompt sets' conditioning as this process encodes them (cached: the rollout's own),
+        with the negative prompt's when sampling at `guidance_scale` batches it — in host memory,
+        for a trainer rank that holds no text towers (`train(encodings=...)`)."""
+        fam = self.policy.family
+        negative = guidance_scale is not None and uses_negative_prompt(fam, guidance_scale)
+        return self._prompts.encodings(prompt_sets, negative)
+
     # --- train --------------------------------------------------------------------------------
     def train(self, policy: PolicySource, batch: RolloutBatch, plan: list[list[list[int]]],
               recipe: SamplerRecipe | None, seed: int = 0, reference: PolicySource | None = None,
-              prompt_sets: np.ndarray | None = None) -> TrainResult:
+              prompt_sets: np.ndarray | None = None, encodings: list | None = None) -> TrainResult:
+        """`encodings` (from another process's `encodings`): the replay's prompt conditioning,
+        given instead of encoded here."""
         self.use(policy)
         if reference is not None and reference.checkpoint_dir is not None:
             check_trained_part(reference.checkpoint_dir, self.cfg.model.expert)
             self.policy.set_reference(load_weights(reference.checkpoint_dir))
         try:
-            return self._train(policy, batch, plan, recipe, seed, prompt_sets)
+            return self._train(policy, batch, plan, recipe, seed, prompt_sets, encodings)
         except BaseException:
             self.invalidate()  # weights may be half-stepped: reload from a checkpoint next time
             raise
 
-    def _train(self, policy: PolicySource, batch: RolloutBatch, plan, recipe, seed: int, prompt_sets) -> TrainResult:
-        return run_update(self.policy, self._prompts, self.algorithm, self.cfg.algorithm.max_grad_norm,
+    def _train(self, policy: PolicySource, batch: RolloutBatch, plan, recipe, seed: int, prompt_sets,
+               encodings=None) -> TrainResult:
+        prompts = self._prompts if encodings is None else PromptCache.holding(self.policy.family, encodings)
+        return run_update(self.policy, prompts, self.algorithm, self.cfg.algorithm.max_grad_norm,
                           policy.checkpoint_dir if policy.with_optimizer else None, batch, plan, recipe, seed,
                           prompt_sets, self.collective)
 

@@ -36,9 +36,11 @@ def seeded(run_seed: int, device) -> Iterator[None]:
 
 
 class TrainablePolicy:
-    def __init__(self, cfg: ExperimentConfig, trainable_device: str | None = None):
+    def __init__(self, cfg: ExperimentConfig, trainable_device: str | None = None, text_towers: bool = True):
         """`trainable_device`: where the trained module is built when it is not `model.device` —
-        "cpu" (host memory) or "meta" (no storage): a rank of a sharded group (`shard`)."""
+        "cpu" (host memory) or "meta" (no storage): a rank of a sharded group (`shard`).
+        `text_towers=False`: a family with separate text encoders is loaded without them (a
+        trainer rank, given the rollout's encodings)."""
         self.cfg = cfg
         fam_cls = get_family(cfg.model.family)
         self.family = fam_cls.load(resolve_model_path(cfg.model.path), dtype=cfg.model.dtype,
@@ -46,6 +48,7 @@ class TrainablePolicy:
                                    resolution=cfg.model.resolution,
                                    **({"frames": cfg.model.frames} if cfg.model.frames else {}),
                                    **({"trainable_device": trainable_device} if trainable_device else {}),
+                                   **({} if text_towers else {"text_towers": False}),
                                    **cfg.model.family_options())
         if cfg.model.offload_text_encoders:
             self.family.offload_text_towers()

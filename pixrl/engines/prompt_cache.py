@@ -6,6 +6,10 @@ encoder's output for a row can differ in the last bits with the batch it ran in,
 rollout's and the replay's conditioning must be bit-identical for the ratio to be exactly 1
 (and resumed runs bit-identical to uninterrupted ones). Entries live on the model's device;
 the cache keeps the most recent few sets, so memory stays bounded over a long run.
+
+A process without text towers (a Ray trainer rank) replays with the encodings the rollout made:
+`encodings` exports a cache's sets to host memory, `holding` builds a cache of exactly those
+(on a miss its family refuses to encode, naming why).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import hashlib
 from collections import OrderedDict
 
 import torch
+
+from ..models.base import conditioning_to
 
 
 class PromptCache:
@@ -48,3 +54,23 @@ class PromptCache:
         """The empty prompt's conditioning (classifier-free guidance), encoded once."""
         cond, _ = self.encode([""])
         return cond
+
+    @torch.no_grad()
+    def encodings(self, prompt_sets: list[list[str]], negative: bool) -> list[tuple[list[str], object]]:
+        """The conditioning of each prompt set (and of the empty prompt when `negative`), as this
+        cache encodes them, in host memory: [(the set's distinct prompts in sorted order, conditioning)]."""
+        sets = [list(p) for p in prompt_sets] + ([[""]] if negative else [])
+        out = []
+        for prompts in sets:
+            cond, pos = self.encode(prompts)
+            out.append((sorted(pos, key=pos.get), conditioning_to(cond, "cpu")))
+        return out
+
+    @classmethod
+    def holding(cls, family, encodings: list[tuple[list[str], object]]) -> "PromptCache":
+        """A cache holding exactly `encodings` (from `encodings` of another process), moved to the
+        family's device: the sets it serves are bit for bit the ones the rollout encoded."""
+        cache = cls(family, capacity=max(1, len(encodings)))
+        for uniq, cond in encodings:
+            cache._entries[cache._key(uniq)] = (conditioning_to(cond, family.device), {t: i for i, t in enumerate(uniq)})
+        return cache

@@ -14,7 +14,9 @@ runs changes.
   each reading its rows' images from the table (`score_from_store`; artifacts/column_writes.py);
 - evaluate: the evaluation's images in shards of whole generation batches, judged here;
 - train: every rank replays its share of each optimizer step's micro-batches, gradients summed
-  over the group (engines/collective.py); rank 0 returns the new state, which the stage layer
+  over the group (engines/collective.py), with the prompt conditioning rollout worker 0 encoded
+  (its rollout's own, from its cache; a rank holds no text towers of a family whose encoders are
+  apart from the trained module); rank 0 returns the new state, which the stage layer
   checkpoints and publishes; rollout workers load exactly the version a stage names, from the
   checkpoint store — weights move by version, never actor to actor.
 
@@ -42,7 +44,8 @@ from ..rewards.base import ScoringError
 from ..stages.faults import TransientError
 from .base import PolicySource, TrainResult
 from .ray_cluster import actor_options, connect, import_ray, worker_threads
-from .ray_workers import RewardWorker, RolloutWorker, TrainerWorker
+from .ray_workers import RewardWorker, RolloutWorker, TrainerWorker, trainer_takes_encodings
+from .update import replay_prompt_sets
 
 
 class WorkerLost(TransientError):
@@ -223,13 +226,25 @@ class RayEngine:
               reference: PolicySource | None = None, prompt_sets=None) -> TrainResult:
         ranks = self._trainer_group()
         batch_ref = self.ray.put(batch)
+        encodings = self._replay_encodings(batch, recipe, prompt_sets)
         try:
-            results = self._get([t.train.remote(policy, batch_ref, plan, recipe, seed, reference, prompt_sets)
-                                 for t in ranks], "trainer", ranks)
+            results = self._get([t.train.remote(policy, batch_ref, plan, recipe, seed, reference, prompt_sets,
+                                                 encodings) for t in ranks], "trainer", ranks)
         except BaseException:
             self._drop_trainers()  # a rank may be dead or hold half-stepped weights
             raise
         return results[0]
+
+    def _replay_encodings(self, batch: RolloutBatch, recipe, prompt_sets):
+        """The replay's prompt sets (and negative prompt) encoded by rollout worker 0 — a cache hit
+        for the sets its rollout encoded — put once in the object store for every rank; None for a
+        family whose trainer ranks encode themselves (a token family's prompts are its own ids)."""
+        if not trainer_takes_encodings(self.cfg.model.family):
+            return None
+        sets = list(replay_prompt_sets(batch["prompt"], prompt_sets).values())
+        scale = getattr(recipe, "guidance_scale", None)
+        ref = self.rollout_workers[0].encodings.remote(sets, scale)
+        return self.ray.put(self._get([ref], "rollout", self.rollout_workers)[0])
 
     def mark(self, checkpoint_id: str) -> None:
         if self.trainers is not None:

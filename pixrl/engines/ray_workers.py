@@ -3,7 +3,10 @@ the local engine holds for its kind of work, loaded once and kept across stages 
 
 - RolloutWorker: the family and the policy version it last loaded (rollout, decode, evaluation images);
 - RewardWorker: the reward set, its model-based scorers set up once on the worker's device;
-- TrainerWorker: one rank of the update's torch.distributed group (weights, optimizer moments).
+- TrainerWorker: one rank of the update's torch.distributed group (weights, optimizer moments);
+  a family with separate text encoders is loaded without them — the replay's prompt conditioning
+  comes from a rollout worker, the encodings its rollout used (T5-XXL, Qwen2.5-VL or FLUX.2's
+  Mistral are never read on a trainer rank).
 
 Every computation is the local engine's own code (a LocalEngine inside the actor), so a shard
 of a call gives exactly the rows the local engine gives for them.
@@ -32,6 +35,14 @@ def worker_fault_point(kind: str, index: int) -> None:
         except FileExistsError:
             continue
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def trainer_takes_encodings(family: str) -> bool:
+    """Whether trainer ranks load `family` without its text towers and replay with encodings
+    a rollout worker gives them (every family whose text encoders are apart from the trained module)."""
+    from ..models.registry import get_family
+
+    return bool(getattr(get_family(family), "separate_text_towers", False))
 
 
 def _engine(cfg_json: dict, threads: int):
@@ -106,6 +117,11 @@ class RolloutWorker(_Worker):
     def evaluate(self, policy, dataset: str, split: str, per_category: int) -> dict:
         return self.engine.evaluate(policy, dataset, split, per_category)
 
+    def encodings(self, prompt_sets: list[list[str]], guidance_scale: float | None) -> list:
+        """The prompt sets' conditioning as this worker's rollout encoded them (cached), in host memory."""
+        worker_fault_point(self.kind, self.index)
+        return self.engine.encodings(prompt_sets, guidance_scale)
+
     def eval_images(self, policy, dataset: str, pairs: list) -> object:
         """The images of a shard of an evaluation's (prompt, seed) pairs, under `policy`."""
         from ..datasets.registry import get_evaluator
@@ -137,6 +153,10 @@ class RewardWorker(_Worker):
 class TrainerWorker(_Worker):
     kind = "trainer"
 
+    def __init__(self, cfg_json: dict, index: int, threads: int):
+        super().__init__(cfg_json, index, threads)
+        self.engine.text_towers = not trainer_takes_encodings(self.engine.cfg.model.family)
+
     def rendezvous(self) -> str:
         """host:port for the group's TCP store: this node's address and a port free on it."""
         import socket
@@ -157,11 +177,12 @@ class TrainerWorker(_Worker):
             self.engine.shard()
         return self.index
 
-    def train(self, policy, batch, plan, recipe, seed, reference, prompt_sets):
-        """Every rank trains; rank 0 returns the new state (the others: None, nothing to move)."""
+    def train(self, policy, batch, plan, recipe, seed, reference, prompt_sets, encodings=None):
+        """Every rank trains; rank 0 returns the new state (the others: None, nothing to move).
+        `encodings`: the replay's prompt conditioning (a rank without text towers needs it)."""
         worker_fault_point(self.kind, self.index)
         result = self.engine.train(policy, batch, plan, recipe, seed=seed, reference=reference,
-                                   prompt_sets=prompt_sets)
+                                   prompt_sets=prompt_sets, encodings=encodings)
         return result if self.index == 0 else None
 
     def mark(self, checkpoint_id: str) -> None:
@@ -171,13 +192,16 @@ class TrainerWorker(_Worker):
         self.engine.invalidate()
 
     def held_bytes(self) -> dict:
-        """Bytes of trainable weights and optimizer moments this rank holds (FSDP: its shards)."""
+        """Bytes of trainable weights and optimizer moments this rank holds (FSDP: its shards), and
+        of text towers (none where the rollout's encodings are given)."""
         from .fsdp import local_bytes
 
         pol = self.engine.policy
         moments = [v for s in (pol.optimizer.state.values() if pol.optimizer else []) for v in s.values()
                    if v.dim() > 0]
-        return {"weights": local_bytes(pol.trainable_parameters().values()), "moments": local_bytes(moments)}
+        towers = getattr(pol.family, "text_towers", dict)()
+        return {"weights": local_bytes(pol.trainable_parameters().values()), "moments": local_bytes(moments),
+                "text_towers": local_bytes(p for m in towers.values() for p in m.parameters())}
 
     def trainable_digest(self) -> str:
         """sha256 over the trainable tensors: ranks of one group must agree."""

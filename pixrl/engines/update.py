@@ -29,6 +29,17 @@ from .prompt_cache import PromptCache
 log = logging.getLogger("pixrl.train")
 
 
+def set_of_rows(n: int, prompt_sets) -> np.ndarray:
+    """Per row, the prompt set the rollout encoded it in (None: one set, the whole batch)."""
+    return np.zeros(n, np.int64) if prompt_sets is None else np.asarray(prompt_sets)
+
+
+def replay_prompt_sets(prompts, prompt_sets) -> dict[int, list[str]]:
+    """The prompt sets a replay of these rows encodes ({set: its rows' prompts}), as the rollout did."""
+    sets = set_of_rows(len(prompts), prompt_sets)
+    return {int(s): [p for p, k in zip(prompts, sets) if k == s] for s in np.unique(sets)}
+
+
 class ReplayFactory:
     """The replay view of a micro-batch's rows: their conditioning as the rollout encoded it
     (one prompt set per dynamic-sampling round), the rollout's schedule and guidance."""
@@ -37,9 +48,8 @@ class ReplayFactory:
         fam = pol.family
         self.pol, self.fam, self.batch, self.recipe = pol, fam, batch, recipe
         self.prompts = batch["prompt"]
-        self.sets = np.zeros(len(self.prompts), np.int64) if prompt_sets is None else np.asarray(prompt_sets)
-        self.encoded = {s: prompts.encode([p for p, k in zip(self.prompts, self.sets) if k == s])
-                        for s in np.unique(self.sets)}
+        self.sets = set_of_rows(len(self.prompts), prompt_sets)
+        self.encoded = {s: prompts.encode(texts) for s, texts in replay_prompt_sets(self.prompts, prompt_sets).items()}
         self.cots = {s: fam.encode_cot_prompts(list(pos), recipe.cot_template, recipe.cot_tokens)  # CoT: per set
                      for s, (_, pos) in self.encoded.items()} \
             if isinstance(recipe, TokenRecipe) and recipe.cot_tokens else {}

@@ -9,8 +9,8 @@ whatever the compute dtype (`model.dtype`): the step kernels upcast.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -109,6 +109,21 @@ class Conditioning(Protocol):
     def expand(self, n: int) -> "Conditioning": ...
 
 
+def conditioning_to(cond, device):
+    """A conditioning (a family's dataclass of tensors, possibly nested) with every tensor on
+    `device`: how encodings travel between processes (host memory) and arrive (the model's device).
+    A copy, bit for bit."""
+    if isinstance(cond, torch.Tensor):
+        return cond.to(device)
+    if dataclasses.is_dataclass(cond) and not isinstance(cond, type):
+        return dataclasses.replace(cond, **{f.name: conditioning_to(getattr(cond, f.name), device)
+                                            for f in dataclasses.fields(cond) if f.init})
+    if cond is None or isinstance(cond, (str, int, float, bool)):
+        return cond
+    raise TypeError(f"cannot move a {type(cond).__name__} between devices: a family's conditioning is a "
+                    "dataclass of tensors")
+
+
 def uses_negative_prompt(family, guidance_scale: float) -> bool:
     """Whether sampling at this scale batches a negative (empty) prompt: classifier-free guidance
     ("cfg") does above 1; a guidance-distilled model ("embedded", FLUX.1-dev) takes the scale as
@@ -125,6 +140,9 @@ class Family(Protocol):
     lora_targets: list[str]
     dtype: torch.dtype
     guidance: str  # "cfg" (negative-prompt batch) or "embedded" (the scale is a model input)
+    # True when prompts are encoded by frozen text towers apart from the trained module: `load`
+    # then takes text_towers=False (a trainer rank given the rollout's encodings)
+    separate_text_towers: bool
     # Optional `fsdp_units(module) -> [parts]`: what FSDP shards when the family calls parts of
     # its trainable module directly (default: each block, then the module; engines/fsdp.py).
 

@@ -26,6 +26,10 @@ class PipelineFamily:
     video: bool = False  # decode gives clips [B, F, H, W, 3] (model.frames applies)
     #: model.* settings only some families read (name → what it sets); `load` takes them as keywords
     options: dict[str, str] = {}
+    #: prompt conditioning comes from frozen text encoders apart from the trained module: a process
+    #: that only trains (a Ray trainer rank) loads the family without them (`text_towers=False`) and
+    #: replays with the rollout's own encodings
+    separate_text_towers: bool = True
 
     def __init__(self, pipe, path: str, dtype: torch.dtype, max_sequence_length: int = 0,
                  resolution: int | None = None, frames: int | None = None):
@@ -34,11 +38,14 @@ class PipelineFamily:
         self.transformer, self.vae, self.scheduler = pipe.transformer, pipe.vae, pipe.scheduler
         self.resolution = resolution or self.default_resolution(pipe)
         self._encode_device: torch.device | None = None  # set while the text towers rest in host memory
+        self.without_text = False  # loaded with text_towers=False: prompt sets are encoded elsewhere
 
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", max_sequence_length: int = 512,
              resolution: int | None = None, frames: int | None = None, trainable_device: str | None = None,
-             **options):
+             text_towers: bool = True, **options):
+        """`text_towers=False`: the text encoders are not read (tokenizers are); `encode_prompts`
+        then refuses — for a process given its prompt conditioning (engines/prompt_cache.py)."""
         unknown = sorted(set(options) - set(cls.options))
         if unknown:
             raise ModelLoadError(f"model.{unknown[0]}: the {cls.name} family has no such setting "
@@ -50,7 +57,7 @@ class PipelineFamily:
         if frames is not None and not cls.video:
             raise ModelLoadError(f"model.frames={frames}: the {cls.name} family makes images; unset model.frames")
         return cls.from_directory(path, dtype, device, max_sequence_length, resolution, frames, trainable_device,
-                                  **options)
+                                  text_towers, **options)
 
     @classmethod
     def trained_component(cls, options: dict) -> str:
@@ -60,7 +67,7 @@ class PipelineFamily:
     @classmethod
     def from_directory(cls, path: str | Path, dtype: str, device: str, max_sequence_length: int,
                        resolution: int | None, frames: int | None = None, trainable_device: str | None = None,
-                       **options):
+                       text_towers: bool = True, **options):
         """Load `path` with the family's diffusers pipeline class: every component except the
         trained transformer frozen, progress bars off; the resolution checked against the checkpoint.
         `trainable_device` keeps the trained transformer off `device`: "cpu", or "meta" (built from its
@@ -71,8 +78,10 @@ class PipelineFamily:
         diffusers_logging.disable_progress_bar()  # the loader's bars would garble the CLI's own progress
         p = check_layout(path, cls.pipeline_class, cls.name)
         # components saved as [null, null] (e.g. SD3 without T5) must be passed as None explicitly
-        absent = {k: None for k, v in json.loads((p / "model_index.json").read_text()).items()
-                  if isinstance(v, list) and v[0] is None}
+        index = json.loads((p / "model_index.json").read_text())
+        absent = {k: None for k, v in index.items() if isinstance(v, list) and v[0] is None}
+        if not text_towers:  # not read at all: a trainer rank replays with the rollout's encodings
+            absent.update({k: None for k, v in index.items() if k.startswith("text_encoder") and isinstance(v, list)})
         swapped = cls.swap_components(p)
         trained = cls.trained_component(options)
         try:
@@ -91,6 +100,7 @@ class PipelineFamily:
             if isinstance(module, torch.nn.Module) and key != trained:
                 module.requires_grad_(False)
         fam = cls(pipe, str(p), torch_dtype(dtype), max_sequence_length, resolution, frames, **options)
+        fam.without_text = not text_towers
         step = cls.resolution_multiple(pipe)
         if fam.resolution % step:
             raise ModelLoadError(f"model.resolution={fam.resolution}: this {cls.name} checkpoint needs a multiple of "
@@ -180,6 +190,10 @@ def encodes_text(encode):
     towers come to their device and go back)."""
     @functools.wraps(encode)
     def wrapper(self, prompts):
+        if self.without_text:
+            raise RuntimeError(f"this {self.name} model was loaded without its text encoders (text_towers=False, "
+                               "as a Ray trainer rank loads it): its prompt conditioning must be given "
+                               "(PromptCache.holding), not encoded here")
         with self.text_towers_resident():
             return encode(self, prompts)
     return wrapper

@@ -54,8 +54,9 @@ class SD3Family(PipelineFamily):
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu",
              max_sequence_length: int = 256, resolution: int | None = None, frames: int | None = None,
-             trainable_device: str | None = None) -> "SD3Family":
-        return super().load(path, dtype, device, max_sequence_length, resolution, frames, trainable_device)
+             trainable_device: str | None = None, text_towers: bool = True) -> "SD3Family":
+        return super().load(path, dtype, device, max_sequence_length, resolution, frames, trainable_device,
+                            text_towers)
 
     @staticmethod
     def resolution_multiple(pipe) -> int:

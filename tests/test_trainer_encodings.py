@@ -1,0 +1,108 @@
+"""A process that only trains (a Ray trainer rank) holds no text towers: each diffusers family
+loads without its text encoders and refuses to encode, naming why; the encodings another process
+exports arrive bit for bit (the negative prompt's too) and give the same velocities; an update
+given them equals the update that encodes for itself, bit for bit, across dynamic-sampling
+prompt sets. (The Ray engine's 2-rank update, whose ranks hold no towers, is in test_ray_engine.)"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_overrides
+from pixrl.algorithms.sampling import SamplerRecipe
+from pixrl.config.loader import load_config
+from pixrl.engines.base import PolicySource
+from pixrl.engines.local import LocalEngine
+from pixrl.engines.policy import TrainablePolicy
+from pixrl.engines.prompt_cache import PromptCache
+from pixrl.engines.update import replay_prompt_sets
+from pixrl.models.base import uses_negative_prompt
+from pixrl.models.registry import get_family
+
+PIPELINE_FAMILIES = ["sd3", "flux1", "flux2", "qwen_image", "sana", "wan"]
+PROMPTS = ["a red circle", "two blue squares in the sky", "a red circle"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    def get(family: str):
+        out = tmp_path_factory.mktemp("ckpt") / f"tiny-{family}"
+        return get_family(family).write_tiny(out, seed=0)
+    cache = {}
+    return lambda family: cache.setdefault(family, get(family))
+
+
+def _tensors(cond) -> dict[str, torch.Tensor]:
+    return {f.name: getattr(cond, f.name) for f in dataclasses.fields(cond)}
+
+
+def _equal(a, b) -> bool:
+    ta, tb = _tensors(a), _tensors(b)
+    return ta.keys() == tb.keys() and all((ta[k] is None and tb[k] is None) or torch.equal(ta[k], tb[k]) for k in ta)
+
+
+@pytest.mark.parametrize("family", PIPELINE_FAMILIES)
+def test_a_family_loaded_without_text_towers_replays_with_given_encodings(family, tiny_dirs):
+    cfg = load_config(None, [f"{k}={v}" for k, v in tiny_dirs(family).items()])
+    full = TrainablePolicy(cfg).family
+    bare = TrainablePolicy(cfg, text_towers=False).family
+    assert full.text_towers() and not bare.text_towers()
+    assert not any(k.startswith("text_encoder") and v is not None for k, v in bare.pipe.components.items())
+    with pytest.raises(RuntimeError, match=f"this {family} model was loaded without its text encoders"):
+        bare.encode_prompts(PROMPTS[:1])
+    scale = 4.0
+    negative = uses_negative_prompt(full, scale)
+    exported = PromptCache(full).encodings([PROMPTS], negative)
+    assert [u for u, _ in exported] == [sorted(set(PROMPTS))] + ([[""]] if negative else [])
+    assert all(t.device.type == "cpu" for _, c in exported for t in _tensors(c).values() if t is not None)
+    held, own = PromptCache.holding(bare, exported), PromptCache(full)
+    (got, got_pos), (want, want_pos) = held.encode(PROMPTS[::-1]), own.encode(PROMPTS)  # a set, in any order
+    assert got_pos == want_pos and _equal(got, want)
+    neg = held.negative() if negative else None
+    if negative:
+        assert _equal(neg, own.negative())
+    with pytest.raises(RuntimeError, match="loaded without its text encoders"):
+        held.encode(["a prompt the rollout never encoded"])
+    _, timesteps = full.schedule(4)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn((2, *full.latent_shape()), generator=g)
+    t = timesteps[1].repeat(2)
+    rows = [want_pos[p] for p in PROMPTS[:2]]
+    v_full = full.velocity(x, t, want.select(rows), scale, own.negative().expand(2) if negative else None)
+    v_bare = bare.velocity(x, t, got.select(rows), scale, neg.expand(2) if negative else None)
+    assert torch.equal(v_full, v_bare)
+
+
+def test_an_update_given_the_rollouts_encodings_equals_one_that_encodes(tiny_checkpoint, tmp_path):
+    """CFG 4.5 (the negative prompt travels too); two prompt sets, as two dynamic-sampling rounds
+    encode them; full fine-tune with a KL reference."""
+    cfg = load_config(None, tiny_overrides(tiny_checkpoint, tmp_path) + ["reward=jpeg_compressibility",
+                                                                        "algorithm.beta=0.01"])
+    recipe = SamplerRecipe(steps=4, noise_level=0.7, guidance_scale=4.5, sde_steps=(0, 1), train_steps=(0, 1))
+    prompts = ["a red circle", "a blue square"] * 2 + ["two green triangles", "a yellow circle"] * 2
+    sets = np.array([0] * 4 + [1] * 4)
+    local = LocalEngine(cfg)
+    parts = [local.rollout(PolicySource(), [p for p, s in zip(prompts, sets) if s == k], list(range(4)), recipe)[0]
+             for k in (0, 1)]  # each round's rollout encodes its own set
+    from pixrl.artifacts.batch import RolloutBatch
+
+    batch = RolloutBatch.concat(parts).with_columns(prompt=prompts,
+                                                    advantage=np.linspace(-1, 1, 8).astype(np.float32))
+    plan = [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
+    exported = local.encodings(list(replay_prompt_sets(prompts, sets).values()), recipe.guidance_scale)
+    assert len(exported) == 3  # two sets and the negative prompt
+    want = local.train(PolicySource(), batch, plan, recipe, seed=3, prompt_sets=sets)
+    trainer = LocalEngine(cfg)
+    trainer.text_towers = False
+    with pytest.raises(RuntimeError, match="loaded without its text encoders"):
+        trainer.train(PolicySource(), batch, plan, recipe, seed=3, prompt_sets=sets)
+    got = trainer.train(PolicySource(), batch, plan, recipe, seed=3, prompt_sets=sets, encodings=exported)
+    assert not trainer.policy.family.text_towers()
+    assert got.weights.keys() == want.weights.keys()
+    assert all(torch.equal(got.weights[k], want.weights[k]) for k in want.weights)
+    timing = {"update_compute_s"}
+    assert {k: v for k, v in got.metrics.items() if k not in timing} == \
+        {k: v for k, v in want.metrics.items() if k not in timing}
+    assert got.metrics["onpolicy_ratio_dev"] == 0.0 and got.metrics["optimizer_steps"] == 2.0
