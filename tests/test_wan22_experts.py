@@ -241,3 +241,46 @@ def test_a_checkpoint_of_the_other_expert_is_refused(tiny_a14b, tmp_path):
         low.load_version(Path(ck.uri))
     high.load_version(Path(ck.uri))  # its own expert loads
     assert high.weights_id == ck.checkpoint_id
+
+
+@pytest.mark.parametrize("algorithm", ["flow_grpo", "dance_grpo", "diffusion_nft"])
+def test_algorithms_train_and_count_only_the_trained_experts_steps(tiny_a14b, tmp_path, algorithm):
+    """Every-step SDE over both experts' steps (t = 999, 900 | 750, 500 for 4 steps): the low-noise
+    expert's update replays and counts only its steps — Flow-GRPO its stored transitions there,
+    DanceGRPO and DiffusionNFT draw among them — so every term has a gradient and the averaging
+    divisor counts only trained terms; a one-transformer model trains every step as before."""
+    import numpy as np
+
+    from pixrl.algorithms.replay import trained_grid_steps
+    from pixrl.engines.base import PolicySource
+    from pixrl.engines.local import LocalEngine
+    from pixrl.engines.update import ReplayFactory
+
+    path, overrides = tiny_a14b
+    cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()]
+                      + [f"run.workdir={tmp_path}", "model.expert=low", f"algorithm={algorithm}",
+                         "sampling.window_size=null", "algorithm.lora.enabled=false"])
+    engine = LocalEngine(cfg)
+    recipe = SamplerRecipe(steps=4, noise_level=0.7, guidance_scale=1.0, train_steps=(0, 1, 2))
+    prompts = PROMPTS * 2
+    batch, _ = engine.rollout(PolicySource(), prompts, [0, 1, 2, 3], recipe)
+    batch = batch.with_columns(prompt=prompts, advantage=np.array([1.0, -1.0, 0.5, -0.5], np.float32))
+    fam, algo = engine.policy.family, engine.algorithm
+    timesteps = torch.from_numpy(batch["timesteps"][0].copy())
+    low = frozenset(k for k in range(4) if float(timesteps[k]) < 875)
+    assert trained_grid_steps(fam, timesteps) == low and 0 < len(low) < 4
+    assert fam.trains_timesteps(timesteps).tolist() == [k in low for k in range(4)]
+    replay = ReplayFactory(engine.policy, engine._prompts, algo, batch, recipe, None)
+    assert replay.trained_steps == low
+    seen = []
+    velocity = fam.velocity
+    fam.velocity = lambda x, t, *a, **k: seen.append(t.detach().reshape(-1).clone()) or velocity(x, t, *a, **k)
+    terms = list(algo.losses(batch, replay(list(range(4)), torch.Generator().manual_seed(0))))
+    count = getattr(algo, "_count", None)
+    want = {"flow_grpo": lambda: len(low & {0, 1, 2}), "dance_grpo": lambda: count(len(low & {0, 1, 2})),
+            "diffusion_nft": lambda: count(len(low))}[algorithm]()
+    assert len(terms) == algo.terms(batch, replay.trained_steps) == want
+    assert all(loss.requires_grad for loss, _ in terms)
+    assert seen and all(float(t.max()) < 875 for t in seen)  # the trained model ran only the low expert's steps
+    every = {"flow_grpo": lambda: 3, "dance_grpo": lambda: count(3), "diffusion_nft": lambda: count(4)}[algorithm]()
+    assert algo.terms(batch) == every  # no trained-step set: every stored step, every grid step

@@ -98,8 +98,9 @@ class Algorithm(ABC):
         """Loss terms of one micro-batch (a RolloutBatch with the `needs` fields and `advantage`),
         each with its metrics; the trainer averages them over the optimizer step's terms."""
 
-    def terms(self, batch) -> int:
-        """How many loss terms `losses` yields for `batch` (the trainer's averaging divisor)."""
+    def terms(self, batch, trained_steps: frozenset[int] | None = None) -> int:
+        """How many loss terms `losses` yields for `batch` (the trainer's averaging divisor);
+        `trained_steps`: the replay's (ReplayPolicy.trained_steps)."""
         return 1
 
     # --- training state of the algorithm itself (e.g. an adaptive coefficient) -----------------

@@ -65,14 +65,18 @@ class DanceGRPO(FlowGRPO):
     def _count(self, stored: int) -> int:
         return max(1, int(stored * self.settings.train_fraction))
 
-    def terms(self, batch) -> int:
-        return self._count(len(batch["stored_steps"][0]))
+    def terms(self, batch, trained_steps: frozenset[int] | None = None) -> int:
+        n = len(self.trainable(batch, trained_steps))
+        return self._count(n) if n else 0
 
     def trained_positions(self, batch, policy) -> list[int]:
-        """A random permutation of the stored steps (the update's generator), its first n."""
-        stored = len(batch["stored_steps"][0])
-        perm = torch.randperm(stored, generator=policy.generator, device=policy.generator.device)
-        return [int(j) for j in perm[:self._count(stored)].tolist()]
+        """A random permutation of the stored steps the trained weights denoise (the update's
+        generator; all of them but for a two-expert checkpoint), its first n."""
+        candidates = self.trainable(batch, policy.trained_steps)
+        if not candidates:
+            return []
+        perm = torch.randperm(len(candidates), generator=policy.generator, device=policy.generator.device)
+        return [candidates[int(i)] for i in perm[:self._count(len(candidates))].tolist()]
 
     def step_loss(self, tr, batch, adv, policy):
         c = self.settings

@@ -5,8 +5,9 @@ Rollouts: a deterministic ODE (DPM-Solver++ 2M, "dpm2") from the *sampling* poli
 CFG-free; only the final latent x0 is stored. Rewards become optimality probabilities
 r = clip((clip(A, ±5)/5)/2 + ½, 0, 1) from Flow-GRPO's per-prompt advantages.
 
-Update, per sample on int(T·train_fraction) timesteps of a shuffled copy of the rollout grid,
-with fresh noise ε and x_t = (1 − t)·x0 + t·ε:
+Update, per sample on int(T·train_fraction) timesteps of a shuffled copy of the rollout grid
+(a two-expert checkpoint: of the T grid steps its trained expert denoises), with fresh noise ε
+and x_t = (1 − t)·x0 + t·ε:
 
     v⁺ = β·v_θ + (1 − β)·v_old          v⁻ = (1 + β)·v_old − β·v_θ
     x̂0± = x_t − t·v±                    w± = stopgrad(mean_CHW |x̂0± − x0|) ∨ 1e-5   (fp64)
@@ -114,8 +115,9 @@ class DiffusionNFT(Algorithm):
     def _count(self, grid: int) -> int:
         return max(1, int(grid * self.settings.train_fraction))
 
-    def terms(self, batch) -> int:
-        return self._count(len(batch["timesteps"][0]))
+    def terms(self, batch, trained_steps: frozenset[int] | None = None) -> int:
+        n = len(batch["timesteps"][0]) if trained_steps is None else len(trained_steps)
+        return self._count(n) if n else 0
 
     def losses(self, batch, policy):
         c = self.settings
@@ -124,9 +126,15 @@ class DiffusionNFT(Algorithm):
         x0 = policy.tensor(batch["final_latent"]).float()
         r = optimality(policy.tensor(batch["advantage"]), c.adv_clip_max)
         b, grid, gen = x0.shape[0], len(policy.timesteps), policy.generator
-        order = torch.stack([torch.randperm(grid, generator=gen, device=gen.device) for _ in range(b)]).to(x0.device)
-        for j in range(self._count(grid)):
-            idx = order[:, j]
+        # the grid steps the trained weights denoise (all but for a two-expert checkpoint)
+        steps = range(grid) if policy.trained_steps is None else sorted(policy.trained_steps)
+        if not steps:
+            return
+        candidates = torch.tensor(list(steps), device=x0.device)
+        order = torch.stack([torch.randperm(len(steps), generator=gen, device=gen.device)
+                             for _ in range(b)]).to(x0.device)
+        for j in range(self._count(len(steps))):
+            idx = candidates[order[:, j]]
             t, timestep = policy.sigmas[idx].float(), policy.timesteps[idx]
             noise = torch.randn(x0.shape, generator=gen, device=gen.device, dtype=torch.float32).to(x0.device)
             tb = t.reshape(-1, *([1] * (x0.ndim - 1)))

@@ -56,13 +56,19 @@ class FlowGRPO(Algorithm):
         """Zero-advantage samples carry no gradient (filter_zero_advantage drops them)."""
         return (advantages != 0) | (not self.settings.filter_zero_advantage)
 
-    def terms(self, batch) -> int:
-        return int(np.sum(np.asarray(batch["stored_steps"][0]) >= 0))
+    @staticmethod
+    def trainable(batch, trained_steps: frozenset[int] | None) -> list[int]:
+        """The stored transitions (positions in `stored_steps`; −1 pads a short window) whose step
+        the trained weights denoise, in order."""
+        return [j for j, k in enumerate(batch["stored_steps"][0])
+                if k >= 0 and (trained_steps is None or int(k) in trained_steps)]
+
+    def terms(self, batch, trained_steps: frozenset[int] | None = None) -> int:
+        return len(self.trainable(batch, trained_steps))
 
     def trained_positions(self, batch, policy) -> list[int]:
-        """Which stored transitions (positions in `stored_steps`; −1 pads a short window) the
-        micro-batch trains, in order."""
-        return [j for j, k in enumerate(batch["stored_steps"][0]) if k >= 0]
+        """Which stored transitions the micro-batch trains, in order."""
+        return self.trainable(batch, policy.trained_steps)
 
     def losses(self, batch, policy):
         """One loss term per trained SDE transition of the micro-batch."""

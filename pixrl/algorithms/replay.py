@@ -29,6 +29,7 @@ class ReplayPolicy:
     generator: torch.Generator | None = None  # the update's own randomness (e.g. DPO's σ and ε)
     timestep_scale: float = 1000.0  # model timestep = σ · scale (diffusers' num_train_timesteps)
     sampler: object | None = None  # the algorithm's separate sampling policy (DiffusionNFT's "old")
+    trained_steps: frozenset[int] | None = None  # grid steps the trained weights denoise; None: every one
 
     def tensor(self, values: np.ndarray) -> torch.Tensor:
         """A stored array (host) as a tensor on the model's device."""
@@ -40,6 +41,15 @@ class ReplayPolicy:
         if model is None:
             raise ValueError("the reference step was asked for, but the algorithm declared no reference")
         return replay_step(model, x, x_next, k, self.sigmas, self.timesteps, self.cond, self.neg, self.recipe)
+
+
+def trained_grid_steps(model, timesteps: torch.Tensor | None) -> frozenset[int] | None:
+    """The steps of a rollout grid whose velocity the trained weights compute — a two-expert
+    checkpoint's trained expert's side (`trains_timesteps`); None: every step (one model). An
+    algorithm trains, and counts, only these: a step of frozen weights has no gradient."""
+    judge = getattr(model, "trains_timesteps", None)
+    mask = None if judge is None or timesteps is None else judge(timesteps)
+    return None if mask is None else frozenset(i for i, m in enumerate(mask.reshape(-1).tolist()) if m)
 
 
 @dataclass

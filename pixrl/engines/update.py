@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from ..algorithms.replay import ReplayPolicy, TokenReplayPolicy
+from ..algorithms.replay import ReplayPolicy, TokenReplayPolicy, trained_grid_steps
 from ..algorithms.token_sampling import TokenRecipe
 from ..artifacts.batch import RolloutBatch
 from ..models.base import uses_negative_prompt
@@ -27,6 +27,11 @@ from .policy import ALGORITHM_STATE, TrainablePolicy
 from .prompt_cache import PromptCache
 
 log = logging.getLogger("pixrl.train")
+
+
+FROZEN_ONLY = ("no loss term of this optimizer step depends on the trained weights: frozen weights compute every "
+               "step it could train (a two-expert checkpoint's other expert, whose steps the SDE window or the "
+               "algorithm's timesteps fell on) — put the window on model.expert's steps")
 
 
 def set_of_rows(n: int, prompt_sets) -> np.ndarray:
@@ -62,6 +67,7 @@ class ReplayFactory:
             self.sampler = pol.frozen_view(algo.sampling_weights())
         on_device = lambda name: torch.from_numpy(batch[name][0].copy()).to(fam.device) if name in batch else None  # noqa: E731
         self.sigmas, self.timesteps = on_device("sigmas"), on_device("timesteps")
+        self.trained_steps = trained_grid_steps(fam, self.timesteps)
 
     def __call__(self, rows: list[int], gen: torch.Generator) -> ReplayPolicy | TokenReplayPolicy:
         fam, recipe = self.fam, self.recipe
@@ -80,7 +86,7 @@ class ReplayFactory:
             return TokenReplayPolicy(fam, self.reference, cond, recipe, fam.device)
         return ReplayPolicy(fam, self.reference, cond, self.neg.expand(len(rows)) if self.neg else None, self.sigmas,
                             self.timesteps, recipe, fam.device, gen, float(fam.scheduler.config.num_train_timesteps),
-                            self.sampler)
+                            self.sampler, self.trained_steps)
 
 
 def _aggregate(key: str, vals: list[float]) -> float:
@@ -106,14 +112,14 @@ def run_update(pol: TrainablePolicy, prompts: PromptCache, algo, max_grad_norm: 
     t0 = time.perf_counter()
     for opt_step, step_batches in enumerate(plan):
         opt.zero_grad(set_to_none=True)
-        n_terms = sum(algo.terms(batch.select(mb)) for mb in step_batches)
+        n_terms = sum(algo.terms(batch.select(mb), replay_policy.trained_steps) for mb in step_batches)
+        if not n_terms and replay_policy.trained_steps is not None:  # every rank counts the whole step: alike
+            raise RuntimeError(FROZEN_ONLY)
         mine, graded, calls = _backward_terms(algo, batch, step_batches, replay_policy, coll, fam.device, seed,
                                               opt_step, n_terms)
         parts = coll.gather((mine, graded, calls))  # every rank's, in rank order: decided alike on every rank
         if sum(p[2] for p in parts) and not sum(p[1] for p in parts):
-            raise RuntimeError("no loss term of this optimizer step depends on the trained weights: frozen weights "
-                               "computed every one (a two-expert checkpoint's other expert, whose steps the SDE "
-                               "window or the algorithm's timesteps fell on) — put the window on model.expert's steps")
+            raise RuntimeError(FROZEN_ONLY)
         step_acc: dict[str, list[float]] = {}
         for part, _, _ in parts:
             for key, vals in part.items():

@@ -15,8 +15,9 @@ rest, with its own CFG scale `guidance_scale_2`): sampling uses both, as the pip
 the trainers that fine-tune A14B (one expert per run, each on its own timesteps). Its LoRA, its
 full weights, its FSDP shards and its checkpoints are that expert's; set the SDE window on its
 steps (steps of the frozen expert replay at ratio 1 and give no gradient; preflight checks the
-window). Diffusion-DPO draws its σ on the trained expert's side (`trained_sigmas`); DiffusionNFT
-draws over the whole grid, where the frozen expert's draws add no gradient.
+window). Algorithms train only the trained expert's steps (`trains_timesteps`): Flow-GRPO and its
+kin replay and count only its stored transitions, DanceGRPO and DiffusionNFT draw their steps
+among its grid steps, and Diffusion-DPO draws its σ on its side (`trained_sigmas`).
 
 Sampling: rollouts step the σ grid of the checkpoint's scheduler with the shared Euler/SDE
 kernels (flow_grpo samples Wan with its SDE; a multistep solver step carries no log-prob).
@@ -151,6 +152,14 @@ class WanFamily(PipelineFamily):
             return None
         b = self.boundary / self.scheduler.config.num_train_timesteps
         return (b, 1.0) if self.expert == "high" else (0.0, b)
+
+    def trains_timesteps(self, timesteps: torch.Tensor) -> torch.Tensor | None:
+        """Per grid timestep, whether the trained weights compute its velocity (the comparison
+        `velocity` dispatches on); None: one transformer, every step is trained."""
+        if self.expert is None:
+            return None
+        high = timesteps.reshape(-1) >= self.boundary
+        return high if self.expert == "high" else ~high
 
     @staticmethod
     def default_resolution(pipe) -> int:
