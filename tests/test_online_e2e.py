@@ -119,6 +119,13 @@ def test_lora_with_kl_trains_only_the_adapter(tiny_checkpoint, tmp_path, prefect
     client = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
     kl = client.get_metric_history(out["run_id"], "kl")
     assert len(kl) == 1 and np.isfinite(kl[0].value) and kl[0].value >= 0
+    # the run's published version, exported as a diffusers LoRA file (tests/test_model_export.py loads them)
+    res = CliRunner().invoke(app, ["export-model", "--run", "lora", "--workdir", str(wd), "--out", str(wd / "lora-v1")])
+    assert res.exit_code == 0, res.output
+    manifest = json.loads(res.stdout.strip().splitlines()[-1])
+    assert manifest["format"] == "diffusers-lora" and manifest["source"]["version"] == 1
+    exported = load_file(str(wd / "lora-v1" / "pytorch_lora_weights.safetensors"))
+    assert len(exported) == len(keys) and all(k.startswith("transformer.") for k in exported)
 
 
 def test_prefect_recorded_six_tasks_per_iteration_in_the_train_flow_run(trained):
@@ -169,6 +176,12 @@ def test_periodic_heldout_evaluation_and_champion_alias(tiny_checkpoint, tmp_pat
     assert champion == best
     for v in (1, 2):  # each evaluated version carries its accuracy, the basis of the comparison
         assert float(client.get_model_version("pixrl-policy", str(v)).tags["heldout_accuracy"]) == acc[v]
+    res = CliRunner().invoke(app, ["export-model", "--run", "ev", "--best", "--workdir", str(tmp_path),
+                                   "--out", str(tmp_path / "champion")])
+    assert res.exit_code == 0, res.output
+    manifest = json.loads(res.stdout.strip().splitlines()[-1])
+    assert manifest["source"]["version"] == champion and manifest["source"]["alias"] == "champion"
+    assert manifest["format"] == "diffusers-pipeline" and (tmp_path / "champion" / "model_index.json").is_file()
 
 
 def test_prefect_artifacts_per_iteration(trained):

@@ -290,3 +290,38 @@ def runs(
     Console().print(table)
     if as_json:
         print(json.dumps([asdict(r) for r in rows]))
+
+
+@app.command("export-model")
+def export_model(
+    out: str = typer.Option(..., "--out", help="directory to create (refused if it exists)"),
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="a pixrl checkpoint directory"),
+    run: Optional[str] = typer.Option(None, "--run", help="a run's version from --workdir's registry"),
+    best: bool = typer.Option(False, "--best", help="with --run: its champion (best held-out) version, not its newest"),
+    merge: bool = typer.Option(False, "--merge", help="fold a LoRA policy into whole weights (a full model "
+                                                       "directory) instead of writing the adapter"),
+    link: bool = typer.Option(False, "--link", help="hard-link the base model's untouched files instead of copying "
+                                                     "them (same filesystem; they are never written)"),
+    device: str = typer.Option("cpu", "--device", help="where the version is loaded (and merged)"),
+    workdir: str = typer.Option("work", "--workdir"),
+) -> None:
+    """Write a trained version in its base model's own format: a diffusers LoRA file
+    (`pipe.load_lora_weights`), a whole diffusers pipeline directory (full fine-tune or --merge),
+    or for Janus-Pro a PEFT adapter / transformers checkpoint; pixrl_export.json says how to load it."""
+    from ..artifacts.model_export import export_policy
+    from ..artifacts.tracking import CHAMPION_ALIAS, ROLLOUT_ALIAS
+    from ..errors import ExpectedError
+    from ..stages.inference import load_version_to_export
+
+    if best and not run:
+        _fail("--best picks a run's champion version: pass --run NAME with it")
+    if Path(out).exists():
+        _fail(f"{out} already exists; refusing to overwrite it — choose a new --out")
+    try:
+        policy, cfg, source = load_version_to_export(checkpoint, run, CHAMPION_ALIAS if best else ROLLOUT_ALIAS,
+                                                     workdir, device)
+        manifest = export_policy(policy, cfg, Path(out), merge=merge, link=link, source=source)
+    except (ExpectedError, FileNotFoundError) as exc:  # a bad path, run, config or base model: named
+        _fail(str(exc), exc=exc)
+    console.print(f"exported {cfg.model.family} ({manifest['format']}) to {out}\n  load: {manifest['load']}")
+    print(json.dumps({"out": str(out), **manifest}))

@@ -74,8 +74,35 @@ def load_policy_version(tracker: Tracker, run: str, alias: str, workdir: str):
     return policy, cfg, ref
 
 
-def _from_pixrl_checkpoint(ckpt: Path) -> tuple[TrainablePolicy, ExperimentConfig]:
+def load_version_to_export(checkpoint: str | None, run: str | None, alias: str, workdir: str,
+                           device: str = "cpu") -> tuple[TrainablePolicy, ExperimentConfig, dict]:
+    """A trained version (a pixrl checkpoint directory, or a run's version by alias) loaded over
+    its base model on `device`, as saved (no activation checkpointing, no tower offload):
+    (policy, config, where it came from)."""
+    if bool(checkpoint) == bool(run):
+        raise PolicyNotFound("pass one of --checkpoint DIR (a pixrl checkpoint) or --run NAME")
+    if run:
+        tracker = Tracker(default_tracking_uri(Path(workdir)))
+        ref = run_policy_ref(tracker, run, alias, workdir)
+        ckpt = tracker.download(ref, Path(workdir) / "cache" / "policies" / f"{ref.model_name}-v{ref.version}.eval")
+        source = {"run": run, "alias": alias, "model": ref.model_name, "version": ref.version,
+                  "checkpoint_id": ref.checkpoint_id}
+    else:
+        ckpt = Path(checkpoint)
+        if not (ckpt / WEIGHTS).is_file():
+            raise PolicyNotFound(f"{checkpoint!r} is not a pixrl checkpoint (no {WEIGHTS}): export a trained version — "
+                                 "a checkpoint directory under <workdir>/checkpoints, or --run NAME")
+        source = {"checkpoint": str(ckpt.resolve())}
+    model = {"device": device, "gradient_checkpointing": False, "offload_text_encoders": False}
+    policy, cfg = _from_pixrl_checkpoint(ckpt, model)
+    return policy, cfg, {**source, "checkpoint_id": policy.weights_id}
+
+
+def _from_pixrl_checkpoint(ckpt: Path, model: dict | None = None) -> tuple[TrainablePolicy, ExperimentConfig]:
+    """`model`: settings of the model section replaced (how it is loaded, not what it is)."""
     cfg = ExperimentConfig.model_validate(json.loads((ckpt / CONFIG).read_text()))
+    if model:
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update=model)})
     policy = TrainablePolicy(cfg)
     policy.load_version(ckpt, None)
     return policy, cfg
