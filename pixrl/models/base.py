@@ -141,7 +141,8 @@ class Family(Protocol):
     dtype: torch.dtype
     guidance: str  # "cfg" (negative-prompt batch) or "embedded" (the scale is a model input)
     # True when prompts are encoded by frozen text towers apart from the trained module: `load`
-    # then takes text_towers=False (a trainer rank given the rollout's encodings)
+    # then takes text_towers=False (a trainer rank given the rollout's encodings). Absent: False
+    # (Janus-Pro: prompts are token ids its trained language model reads)
     separate_text_towers: bool
     # Optional `fsdp_units(module) -> [parts]`: what FSDP shards when the family calls parts of
     # its trainable module directly (default: each block, then the module; engines/fsdp.py).

@@ -76,7 +76,6 @@ def _weight_names(path: Path) -> set[str]:
 class JanusProFamily:
     name = "janus_pro"
     pipeline_class = "JanusForConditionalGeneration"
-    separate_text_towers = False  # prompts are token ids read by the trained language model itself
     semantics = PolicySemantics(regime=Regime.token_autoregressive, step=PolicyStep.token, action=Action.categorical)
     guidance = "logits"  # CFG combines conditional and unconditional logits; no negative-prompt batch
     video = False
