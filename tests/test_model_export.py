@@ -180,3 +180,28 @@ def test_bad_requests_fail_before_anything_is_written(tiny_dirs, tmp_path):
         assert res.exit_code == 2 and message in res.output, (args, res.output)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "work") == ["ckpt", "taken"]
     assert not any((tmp_path / "taken").iterdir())
+
+
+@pytest.mark.parametrize("family", ["flux1", "wan"])
+def test_pixrl_generates_from_an_exported_directory_of_any_family(family, tiny_dirs, tmp_path):
+    """The family is read from the directory's own layout (model_index.json's pipeline class)."""
+    overrides = tiny_dirs(family)
+    ckpt = _trained(overrides, tmp_path, FULL)
+    _export(ckpt, tmp_path / "model")
+    res = CliRunner().invoke(app, ["generate", "--checkpoint", str(tmp_path / "model"), "--prompt", "a red circle",
+                                   "--out", str(tmp_path / "samples"), "--steps", "2"])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    assert sorted(p.suffix for p in (tmp_path / "samples").iterdir()) == [".json", ".png"]
+    res = CliRunner().invoke(app, ["generate", "--checkpoint", str(tmp_path), "--prompt", "x",
+                                   "--out", str(tmp_path / "none")])
+    assert res.exit_code == 2 and "nor a model directory of a registered family" in res.output
+
+
+def test_pixrl_generates_from_a_base_directory_of_another_family(tiny_dirs, tmp_path):
+    """No export manifest: the family from model_index.json, its full prompt length (the default
+    recipe's model reads no T5)."""
+    overrides = tiny_dirs("flux1")
+    res = CliRunner().invoke(app, ["generate", "--checkpoint", overrides["model.path"], "--prompt", "a red circle",
+                                   "--out", str(tmp_path / "samples"), "--steps", "2"])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    assert json.loads((tmp_path / "samples" / "0000_00.json").read_text())["prompt"] == "a red circle"

@@ -11,7 +11,8 @@ pixrl trained is used without pixrl (`pixrl export-model`):
 - Janus-Pro under LoRA: a PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`):
   `model.load_adapter(OUT)`; fully fine-tuned or merged: a transformers checkpoint directory.
 
-`pixrl_export.json` beside them says what was exported from where and how to load it. The
+`pixrl_export.json` beside them says what was exported from where, with which model settings
+(pixrl's `--checkpoint DIR` reads them back), and how to load it. The
 directory is written under a temporary name and renamed into place: complete or absent, and an
 existing one is never overwritten."""
 
@@ -146,9 +147,10 @@ def export_policy(policy, cfg, out: Path, merge: bool = False, link: bool = Fals
             info = _export_pipeline(policy, cfg, stage, merge, link)
         else:
             info = _export_transformers(policy, stage, merge, link)
-        manifest = {"family": cfg.model.family, "base": str(base), "dtype": cfg.model.dtype,
-                    **({"expert": cfg.model.expert} if getattr(cfg.model, "expert", None) else {}),
-                    "source": source or {}, **info}
+        settings = cfg.model.model_dump(include={"family", "dtype", "max_sequence_length", "resolution", "frames",
+                                                 "expert", "guidance_scale_2"})
+        manifest = {"family": cfg.model.family, "base": str(base), "source": source or {},
+                    "model": {k: v for k, v in settings.items() if v is not None}, **info}
         (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         stage.rename(out)
     except BaseException:

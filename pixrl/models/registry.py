@@ -14,3 +14,23 @@ register_family = FAMILIES.register
 get_family = FAMILIES.get
 registered_families = FAMILIES.names
 UnknownFamilyError = UnknownNameError
+
+
+def family_of_directory(path) -> str | None:
+    """The registered family whose on-disk layout `path` holds — the pipeline class a diffusers
+    directory's model_index.json names, or the model class a transformers config.json lists — or
+    None when no family's matches."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    if (p / "model_index.json").is_file():
+        names = [json.loads((p / "model_index.json").read_text()).get("_class_name")]
+    elif (p / "config.json").is_file():
+        names = json.loads((p / "config.json").read_text()).get("architectures") or []
+    else:
+        return None
+    for family in registered_families():
+        if get_family(family).pipeline_class in names:
+            return family
+    return None

@@ -11,6 +11,7 @@ from ..artifacts.tracking import CHAMPION_ALIAS, ROLLOUT_ALIAS, PolicyRef, Track
 from ..config.loader import load_config
 from ..config.schema import ExperimentConfig
 from ..engines.policy import TrainablePolicy
+from ..models.registry import family_of_directory, get_family, registered_families
 from ..errors import ExpectedError
 
 
@@ -33,16 +34,30 @@ def load_policy(checkpoint: str | None, run: str | None, workdir: str,
         p = Path(checkpoint)
         if (p / WEIGHTS).is_file():
             return _from_pixrl_checkpoint(p)
-        if (p / "model_index.json").is_file():
-            cfg = load_config(config, [f"model.path={p}"])
+        family = family_of_directory(p)  # a base model, or one `pixrl export-model` wrote
+        if family is not None:
+            cfg = load_config(config, _directory_model(p, family, config))
             return TrainablePolicy(cfg), cfg
-        if (p / "config.json").is_file() and json.loads((p / "config.json").read_text()).get("model_type") == "janus":
-            cfg = load_config(config, ["model.family=janus_pro", f"model.path={p}"])
-            return TrainablePolicy(cfg), cfg
-        raise PolicyNotFound(f"{checkpoint!r} is neither a pixrl checkpoint ({WEIGHTS}), a diffusers directory "
-                             f"(model_index.json) nor a Janus-Pro checkpoint (config.json of a 'janus' model)")
+        raise PolicyNotFound(f"{checkpoint!r} is neither a pixrl checkpoint ({WEIGHTS}) nor a model directory of a "
+                             f"registered family (a diffusers pipeline's model_index.json or a Janus-Pro config.json "
+                             f"naming one of: {', '.join(get_family(f).pipeline_class for f in registered_families())})")
     cfg = load_config(config, [])
     return TrainablePolicy(cfg), cfg
+
+
+def _directory_model(path: Path, family: str, config: str | None) -> list[str]:
+    """The model overrides for a model directory of `family`: the settings an export recorded
+    (pixrl_export.json), or else the family with its full prompt length when the experiment's
+    model is another family's (the default recipe's is the miniature's, which reads no T5)."""
+    from ..artifacts.model_export import MANIFEST
+
+    if (path / MANIFEST).is_file():
+        settings = json.loads((path / MANIFEST).read_text()).get("model", {})
+        return [f"model.{k}={v}" for k, v in settings.items()] + [f"model.path={path}"]
+    out = [f"model.family={family}", f"model.path={path}"]
+    if load_config(config, []).model.family != family:
+        out.append(f"model.max_sequence_length={getattr(get_family(family), 'text_tokens', (0, 0))[1]}")
+    return out
 
 
 def run_policy_ref(tracker: Tracker, run: str, alias: str, workdir: str) -> PolicyRef:
