@@ -270,3 +270,66 @@ def test_rollouts_archive_a_fixed_policy_that_dpo_then_trains_on(tiny_checkpoint
     assert res.exit_code == 0, res.output
     dpo_run = client.get_run(json.loads(res.stdout.strip().splitlines()[-1])["run_id"])
     assert dpo_run.data.tags["pixrl.dpo.source_run_ids"] == out["run_id"] and dpo_run.data.metrics["pairs"] > 0
+
+
+# --- SFT on the winners (Diffusion-DPO's --sft baseline) --------------------------------------
+def test_sft_loss_is_the_flow_matching_error_of_the_winners_alone(tiny_checkpoint):
+    """L = mean ‖(ε − x0_w) − v_θ(x_σ, σ, c)‖² with σ drawn as DPO draws it (logit-normal, then the
+    scheduler's shift 3) and ε drawn after it, from the update's generator; the losers do not enter."""
+    from pixrl.algorithms.base import build_algorithm
+    from pixrl.algorithms.diffusion_dpo import NoiseLevelSettings, draw_noise_levels
+    from pixrl.algorithms.ode_solvers import shifted
+    from pixrl.algorithms.replay import ReplayPolicy
+    from pixrl.artifacts.batch import RolloutBatch
+
+    cfg = load_config("shapes_sft", tiny_overrides(tiny_checkpoint, "/tmp/unused"))
+    assert cfg.algorithm.name == "diffusion_sft"
+    pol = TrainablePolicy(cfg)
+    fam, algo = pol.family, build_algorithm(cfg.algorithm)
+    assert not algo.needs_reference and algo.offline
+    shape = fam.latent_shape()
+    g = torch.Generator().manual_seed(1)
+    x_w, x_l = torch.randn(3, *shape, generator=g), torch.randn(3, *shape, generator=g)
+    prompts = ["a red circle", "a blue square", "two green triangles"]
+    cond = fam.encode_prompts(prompts * 2)
+
+    def loss_of(losers):
+        batch = RolloutBatch({"final_latent": torch.cat([x_w, losers]).numpy()})
+        policy = ReplayPolicy(fam, None, cond, None, None, None, None, fam.device, torch.Generator().manual_seed(7))
+        (loss, m), = list(algo.losses(batch, policy))
+        return loss, m
+
+    loss, m = loss_of(x_l)
+    gen = torch.Generator().manual_seed(7)
+    sigma = shifted(sample_sigmas(3, "logit_normal", gen), 3.0)
+    eps = torch.randn(x_w.shape, generator=gen)
+    with torch.no_grad():
+        v = fam.velocity((1 - sigma.view(-1, 1, 1, 1)) * x_w + sigma.view(-1, 1, 1, 1) * eps, sigma * 1000,
+                         cond.select([0, 1, 2]))
+    want = ((v - (eps - x_w)) ** 2).mean()
+    assert torch.allclose(loss.detach(), want, rtol=1e-6) and loss.requires_grad
+    assert float(m["err_w"]) == pytest.approx(float(want), rel=1e-6)
+    assert torch.equal(loss_of(torch.randn(3, *shape, generator=g))[0].detach(), loss.detach())  # losers ignored
+    policy = ReplayPolicy(fam, None, cond, None, None, None, None, fam.device, torch.Generator().manual_seed(7))
+    assert torch.equal(draw_noise_levels(3, NoiseLevelSettings(), policy), sigma)  # DPO's law, shared
+
+
+def test_sft_flow_trains_on_the_best_rollouts_and_publishes(archive):
+    wd, src_run, _ = archive
+    res = CliRunner().invoke(app, ["dpo", "--config", "shapes_sft", "--from", "src", "-n", "3", "--run", "sft1",
+                                   "--workdir", str(wd), f"model.path={archive_ckpt(wd)}", "dpo.eval_per_category=2",
+                                   "dpo.pairs_per_step=4", "sampling.eval_steps=2", "algorithm.lr=1e-3"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    client = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
+    run = client.get_run(out["run_id"])
+    assert run.data.tags["pixrl.algorithm"] == "diffusion_sft" and run.info.status == "FINISHED"
+    loss = client.get_metric_history(out["run_id"], "dpo/loss")
+    assert sorted(m.step for m in loss) == [0, 1, 2] and all(m.value > 0 for m in loss)
+    assert "heldout/accuracy" in run.data.metrics
+    from safetensors.torch import load_file
+
+    source = out["policy"]["source"].removeprefix("file://")
+    trained = load_file(f"{source}/trainable.safetensors")
+    base = load_file(f"{archive_ckpt(wd)}/transformer/diffusion_pytorch_model.safetensors")
+    assert any(not torch.equal(trained[k], base[k]) for k in base)

@@ -138,8 +138,8 @@ def _own_settings(model: type[BaseModel], name: str, values: dict) -> BaseModel:
 
 
 def _builtin() -> None:
-    from . import (dance_grpo, diffusion_dpo, diffusion_nft, flow_dppo, flow_grpo, grpo_guard,  # noqa: F401
-                   mix_grpo, token_dpo, token_grpo)  # (importing registers the built-in algorithms)
+    from . import (dance_grpo, diffusion_dpo, diffusion_nft, diffusion_sft, flow_dppo, flow_grpo,  # noqa: F401
+                   grpo_guard, mix_grpo, token_dpo, token_grpo)  # (importing registers the built-in algorithms)
 
 
 ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm", "algorithms", _builtin)

@@ -79,11 +79,10 @@ def dpo_loss(err_w: torch.Tensor, err_l: torch.Tensor, ref_err_w: torch.Tensor, 
     return loss, metrics
 
 
-class DPOSettings(BaseModel):
-    """Diffusion-DPO's own keys of the `algorithm` section (where the pairs come from is `dpo`)."""
+class NoiseLevelSettings(BaseModel):
+    """How the offline flow-matching losses draw σ per sample (Diffusion-DPO and SFT on winners)."""
 
     model_config = ConfigDict(extra="forbid")
-    beta: float = Field(100.0, gt=0, description="β of the DPO loss (flow_grpo's Flow-DPO uses 100)")
     timesteps: Literal["logit_normal", "uniform"] = Field("logit_normal", description="how σ is drawn per pair")
     logit_mean: float = Field(0.0, description="mean of the logit-normal σ")
     logit_std: float = Field(1.0, gt=0, description="std of the logit-normal σ")
@@ -91,6 +90,26 @@ class DPOSettings(BaseModel):
                                 "training schedule draws it (flow_grpo: shift 3 → σ at the 10/50/90th percentiles "
                                 "≈ 0.46/0.75/0.92); None: the model scheduler's shift (`shift`, or `flow_shift` "
                                 "for Wan and SANA); 1: unshifted")
+
+
+class DPOSettings(NoiseLevelSettings):
+    """Diffusion-DPO's own keys of the `algorithm` section (where the pairs come from is `dpo`)."""
+
+    beta: float = Field(100.0, gt=0, description="β of the DPO loss (flow_grpo's Flow-DPO uses 100)")
+
+
+def draw_noise_levels(n: int, settings: NoiseLevelSettings, policy) -> torch.Tensor:
+    """σ per sample as the model's training schedule draws it: logit-normal (or uniform), then the
+    time shift; on a two-expert checkpoint only where the trained expert denoises (its shifted
+    range, drawn unshifted)."""
+    sched = policy.model.scheduler.config
+    shift = settings.shift if settings.shift is not None else \
+        float(sched.get("shift") or sched.get("flow_shift") or 1.0)
+    span = policy.model.trained_sigmas() if hasattr(policy.model, "trained_sigmas") else None
+    within = None if span is None else tuple(unshifted(v, shift) for v in span)
+    sigma = sample_sigmas(n, settings.timesteps, policy.generator, settings.logit_mean, settings.logit_std,
+                          within=within)
+    return shifted(sigma, shift) if shift != 1.0 else sigma
 
 
 @register_algorithm("diffusion_dpo")
@@ -111,14 +130,7 @@ class DiffusionDPO(Algorithm):
         x0 = policy.tensor(batch["final_latent"])
         b = len(x0) // 2
         x_w, x_l = x0[:b], x0[b:]
-        sched = policy.model.scheduler.config
-        shift = d.shift if d.shift is not None else float(sched.get("shift") or sched.get("flow_shift") or 1.0)
-        span = policy.model.trained_sigmas() if hasattr(policy.model, "trained_sigmas") else None
-        # a two-expert checkpoint: σ only where the trained expert denoises (its shifted range, drawn unshifted)
-        within = None if span is None else tuple(unshifted(v, shift) for v in span)
-        sigma = sample_sigmas(b, d.timesteps, policy.generator, d.logit_mean, d.logit_std, within=within)
-        if shift != 1.0:
-            sigma = shifted(sigma, shift)
+        sigma = draw_noise_levels(b, d, policy)
         noise = torch.randn((b, *x_w.shape[1:]), generator=policy.generator, device=policy.device)
         xt_w, v_w = noised(x_w, noise, sigma)
         xt_l, v_l = noised(x_l, noise, sigma)
