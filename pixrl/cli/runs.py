@@ -213,7 +213,8 @@ def dpo(
     export: Optional[str] = typer.Option(None, "--export", help="write ref.json, metrics.json, dpo_curve.csv here"),
 ) -> None:
     """Offline Diffusion-DPO on preference pairs mined from archived rollouts (Lance), pinned to
-    the source versions read. Extra key=value arguments override the config (e.g. algorithm.beta=50)."""
+    the source versions read (--config shapes_sft: SFT on each pair's winner instead). Extra
+    key=value arguments override the config (e.g. algorithm.beta=50)."""
     overrides = [*ctx.args, f"run.workdir={workdir}"]
     for key, val in (("dpo.steps", iterations), ("run.name", run), ("run.seed", seed), ("dpo.pairing", pairing),
                      ("dpo.margin", margin), ("dpo.pair_on", pair_on), ("dpo.balance", balance)):
