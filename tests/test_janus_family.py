@@ -190,6 +190,52 @@ def test_token_dpo_from_the_archive(tiny_janus, tmp_path, prefect_harness):
     assert len(loss) == 3 and loss[0].value == pytest.approx(math.log(2), abs=1e-6)
     assert "heldout/accuracy_before" in run.data.metrics and "heldout/accuracy" in run.data.metrics
     assert client.get_model_version_by_alias("pixrl-policy", "rollout").run_id == out["run_id"]
+    # SFT on the winners of the same pairs: the mean token NLL, no reference, the weights move
+    res = CliRunner().invoke(app, ["dpo", "--from", "jsrc", "-n", "3", "--run", "jsft", "--workdir", str(tmp_path),
+                                   "model.family=janus_pro", f"model.path={tiny_janus[0]}", "algorithm=token_sft",
+                                   "algorithm.lr=1e-3", "sampling.guidance_scale=5", "dpo.eval_per_category=1",
+                                   "dpo.pairs_per_step=2"])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert client.get_run(out["run_id"]).data.tags["pixrl.algorithm"] == "token_sft"
+    loss = sorted(client.get_metric_history(out["run_id"], "dpo/loss"), key=lambda m: m.step)
+    vocab = 64  # the tiny model's image codebook: a uniform policy's NLL per token is ln 64
+    assert len(loss) == 3 and all(0 < m.value < 2 * math.log(vocab) for m in loss)
+
+
+def test_token_sft_loss_is_the_winners_token_nll(tiny_janus):
+    """−mean log π(token) over the winners' tokens under the scored policy; the losers do not enter,
+    and one step on it raises the winners' likelihood."""
+    from pixrl.algorithms.base import build_algorithm
+    from pixrl.algorithms.replay import TokenReplayPolicy
+    from pixrl.algorithms.token_sampling import sequence_log_probs
+    from pixrl.artifacts.batch import RolloutBatch
+    from pixrl.config.loader import load_config
+    from pixrl.engines.policy import TrainablePolicy
+
+    path, overrides = tiny_janus
+    cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()] + ["algorithm=token_sft", "algorithm.lr=1e-2"])
+    pol, algo = TrainablePolicy(cfg), build_algorithm(cfg.algorithm)
+    fam, recipe = pol.family, algo.token_recipe
+    g = torch.Generator().manual_seed(0)
+    n = fam.image_token_count()
+    winners, losers = torch.randint(0, 64, (2, n), generator=g), torch.randint(0, 64, (2, n), generator=g)
+    cond = fam.encode_prompts(["a red circle", "a blue square"] * 2)
+
+    def loss_of(lose):
+        batch = RolloutBatch({"tokens": torch.cat([winners, lose]).numpy().astype(np.int32)})
+        (loss, _), = list(algo.losses(batch, TokenReplayPolicy(fam, None, cond, recipe, fam.device)))
+        return loss
+
+    loss = loss_of(losers)
+    with torch.no_grad():
+        want = -sequence_log_probs(fam, cond.select([0, 1]), winners, recipe)[0].mean()
+    assert torch.allclose(loss.detach(), want, atol=1e-6) and not algo.needs_reference
+    assert torch.equal(loss_of(torch.randint(0, 64, (2, n), generator=g)).detach(), loss.detach())
+    opt = pol.ensure_optimizer(None)
+    loss.backward()
+    opt.step()
+    assert float(loss_of(losers)) < float(loss)
 
 
 def test_resume_after_a_fault_in_update_is_bit_identical(tiny_janus, tmp_path, monkeypatch, prefect_harness):
