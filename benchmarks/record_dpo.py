@@ -1,5 +1,5 @@
-"""Records an offline DPO run under docs/runs/<name>/: the resolved config, the loss / implicit
-accuracy curve (CSV + PNG), and summary.json with heldout_before / heldout_after, pair counts and
+"""Records an offline DPO (or SFT) run under docs/runs/<name>/: the resolved config, the loss /
+implicit accuracy curve (CSV + PNG; SFT has the loss only), and summary.json with heldout_before / heldout_after, pair counts and
 the lineage (sources pinned to Lance versions), all read back from MLflow.
 
     .venv/bin/python benchmarks/record_dpo.py --workdir /tmp/dpo1 --run shapes_dpo_from_grpo --name shapes_dpo_from_grpo
@@ -22,7 +22,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--run", required=True)
-    ap.add_argument("--name", required=True, help="docs/runs/<name> (must contain 'dpo')")
+    ap.add_argument("--name", required=True, help="docs/runs/<name>")
     a = ap.parse_args()
     from pixrl.artifacts.export import export_run
     from pixrl.artifacts.tracking import Tracker, default_tracking_uri
@@ -52,10 +52,13 @@ def main() -> None:
     rows = list(csv.DictReader((out / "dpo_curve.csv").open()))
     steps = np.array([int(r["step"]) for r in rows])
     loss = np.array([float(r["dpo_loss"]) for r in rows])
-    acc = np.array([float(r["dpo_implicit_acc"]) for r in rows])
+    dpo = all(r["dpo_implicit_acc"] != "" for r in rows)  # SFT logs no implicit accuracy
+    acc = np.array([float(r["dpo_implicit_acc"]) for r in rows]) if dpo else None
+    summary["algorithm"] = tags.get("pixrl.algorithm")
     summary["optimizer_steps"] = int(len(steps))
     summary["loss_first"], summary["loss_last_10pct"] = float(loss[0]), float(loss[-max(1, len(loss) // 10):].mean())
-    summary["implicit_acc_last_10pct"] = float(acc[-max(1, len(acc) // 10):].mean())
+    if dpo:
+        summary["implicit_acc_last_10pct"] = float(acc[-max(1, len(acc) // 10):].mean())
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
     import matplotlib
@@ -64,16 +67,19 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     k = np.ones(20) / 20
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+    fig, ax = plt.subplots(1, 2 if dpo else 1, figsize=(10 if dpo else 5.5, 3.5), squeeze=False)
+    ax = ax[0]
     ax[0].plot(steps, loss, lw=0.6, color="lightgray")
     if len(loss) >= 20:
         ax[0].plot(steps[19:], np.convolve(loss, k, mode="valid"), lw=2, label="20-step mean")
-    ax[0].axhline(np.log(2), ls="--", color="k", lw=0.8, label="ln 2")
-    ax[0].set_xlabel("step"); ax[0].set_ylabel("DPO loss"); ax[0].legend()
-    ax[1].plot(steps, acc, lw=0.6, color="lightgray")
-    if len(acc) >= 20:
-        ax[1].plot(steps[19:], np.convolve(acc, k, mode="valid"), lw=2)
-    ax[1].set_xlabel("step"); ax[1].set_ylabel("implicit accuracy")
+    if dpo:
+        ax[0].axhline(np.log(2), ls="--", color="k", lw=0.8, label="ln 2")
+    ax[0].set_xlabel("step"); ax[0].set_ylabel("DPO loss" if dpo else "loss"); ax[0].legend()
+    if dpo:
+        ax[1].plot(steps, acc, lw=0.6, color="lightgray")
+        if len(acc) >= 20:
+            ax[1].plot(steps[19:], np.convolve(acc, k, mode="valid"), lw=2)
+        ax[1].set_xlabel("step"); ax[1].set_ylabel("implicit accuracy")
     fig.suptitle(f"{a.name}: held-out {ev['heldout_before']:.3f} → {ev['heldout_after']:.3f} "
                  f"({int(m.get('pairs', 0))} pairs)")
     fig.tight_layout()
