@@ -81,7 +81,7 @@ def main() -> None:
             ax[1].plot(steps[19:], np.convolve(acc, k, mode="valid"), lw=2)
         ax[1].set_xlabel("step"); ax[1].set_ylabel("implicit accuracy")
     fig.suptitle(f"{a.name}: held-out {ev['heldout_before']:.3f} → {ev['heldout_after']:.3f} "
-                 f"({int(m.get('pairs', 0))} pairs)")
+                 f"({int(m.get('pairs', 0))} pairs)", fontsize=11 if dpo else 8)
     fig.tight_layout()
     fig.savefig(out / "dpo_curve.png", dpi=110)
     print(json.dumps({k: v for k, v in summary.items() if not k.endswith("_detail")}, indent=2))
