@@ -1,4 +1,4 @@
-"""`dvc repro` runs the whole pipeline (prompts → pretrain → train → dpo → evaluate) on a tiny
+"""`dvc repro` runs the whole pipeline (prompts → pretrain → train → dpo → evaluate, export) on a tiny
 parameter set, on CPU; `dvc metrics show` and `dvc plots show` read what the stages wrote; the
 stages track pointer files, not the Lance tables."""
 
@@ -46,7 +46,7 @@ def test_dvc_repro_runs_the_pipeline_end_to_end(tmp_path):
     _dvc(["repro"], tmp_path, env)
 
     lock = yaml.safe_load((tmp_path / "dvc.lock").read_text())["stages"]
-    assert set(lock) == {"prompts", "pretrain", "train", "dpo", "evaluate"}
+    assert set(lock) == {"prompts", "pretrain", "train", "dpo", "evaluate", "export"}
     tracked = [o["path"] for st in lock.values() for o in st.get("outs", [])]
     assert not any("lance" in p or p.startswith("work") for p in tracked)  # pointer files, not the stores
     train_ref = json.loads((tmp_path / "dvc/train/ref.json").read_text())
@@ -56,6 +56,9 @@ def test_dvc_repro_runs_the_pipeline_end_to_end(tmp_path):
     # one registered model for the experiment: train published versions 1, 2; the DPO run version 3
     assert dpo_ref["model"] == train_ref["model"] and (train_ref["model_version"], dpo_ref["model_version"]) == (2, 3)
     assert dpo_ref["best_model_version"] == 3 and train_ref["best_model_version"] in (1, 2)
+    exported = json.loads((tmp_path / "models/dvc_dpo/pixrl_export.json").read_text())  # the DPO policy, for diffusers
+    assert exported["format"] == "diffusers-pipeline" and exported["source"]["version"] == 3
+    assert (tmp_path / "models/dvc_dpo/transformer/diffusion_pytorch_model.safetensors").is_file()
 
     metrics = json.loads(_dvc(["metrics", "show", "--json"], tmp_path, env))
     flat = json.dumps(metrics)
