@@ -165,9 +165,10 @@ def test_two_token_grpo_iterations_through_the_flow(tiny_janus, tmp_path, prefec
     assert all(np.isfinite(np.stack(t["log_probs"].to_numpy(zero_copy_only=False))).ravel())
 
 
-def test_token_dpo_from_the_archive(tiny_janus, tmp_path, prefect_harness):
+def test_token_dpo_and_sft_from_the_archive(tiny_janus, tmp_path, prefect_harness):
     """`pixrl dpo` over a token run's archived groups: sequence-log-prob DPO (ln 2 at the
-    reference), a registered version tagged with its algorithm, held-out before/after."""
+    reference), a registered version tagged with its algorithm, held-out before/after; then SFT on
+    the winners of the same pairs (the mean token NLL, no reference)."""
     import math
 
     from mlflow.tracking import MlflowClient
@@ -177,28 +178,25 @@ def test_token_dpo_from_the_archive(tiny_janus, tmp_path, prefect_harness):
 
     two_iterations(tiny_janus, tmp_path, "jsrc", "full", "algorithm.lr=1e-3", algorithm="token_grpo",
                    base_weights="model.safetensors")
-    res = CliRunner().invoke(app, ["dpo", "--from", "jsrc", "-n", "3", "--run", "jdpo", "--workdir", str(tmp_path),
-                                   "model.family=janus_pro", f"model.path={tiny_janus[0]}", "algorithm=token_dpo",
-                                   "algorithm.lr=1e-3", "sampling.guidance_scale=5", "dpo.eval_per_category=1",
-                                   "dpo.pairs_per_step=2"])
-    assert res.exit_code == 0, res.output + repr(res.exception)
-    out = json.loads(res.stdout.strip().splitlines()[-1])
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    run = client.get_run(out["run_id"])
-    assert run.data.tags["pixrl.algorithm"] == "token_dpo"
-    loss = sorted(client.get_metric_history(out["run_id"], "dpo/loss"), key=lambda m: m.step)
+
+    def offline(run: str, algorithm: str):
+        res = CliRunner().invoke(app, ["dpo", "--from", "jsrc", "-n", "3", "--run", run, "--workdir", str(tmp_path),
+                                       "model.family=janus_pro", f"model.path={tiny_janus[0]}",
+                                       f"algorithm={algorithm}", "algorithm.lr=1e-3", "sampling.guidance_scale=5",
+                                       "dpo.eval_per_category=1", "dpo.pairs_per_step=2"])
+        assert res.exit_code == 0, res.output + repr(res.exception)
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+        run_info = client.get_run(out["run_id"])
+        assert run_info.data.tags["pixrl.algorithm"] == algorithm
+        loss = sorted(client.get_metric_history(out["run_id"], "dpo/loss"), key=lambda m: m.step)
+        return out, run_info, loss
+
+    out, run, loss = offline("jdpo", "token_dpo")
     assert len(loss) == 3 and loss[0].value == pytest.approx(math.log(2), abs=1e-6)
     assert "heldout/accuracy_before" in run.data.metrics and "heldout/accuracy" in run.data.metrics
     assert client.get_model_version_by_alias("pixrl-policy", "rollout").run_id == out["run_id"]
-    # SFT on the winners of the same pairs: the mean token NLL, no reference, the weights move
-    res = CliRunner().invoke(app, ["dpo", "--from", "jsrc", "-n", "3", "--run", "jsft", "--workdir", str(tmp_path),
-                                   "model.family=janus_pro", f"model.path={tiny_janus[0]}", "algorithm=token_sft",
-                                   "algorithm.lr=1e-3", "sampling.guidance_scale=5", "dpo.eval_per_category=1",
-                                   "dpo.pairs_per_step=2"])
-    assert res.exit_code == 0, res.output + repr(res.exception)
-    out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert client.get_run(out["run_id"]).data.tags["pixrl.algorithm"] == "token_sft"
-    loss = sorted(client.get_metric_history(out["run_id"], "dpo/loss"), key=lambda m: m.step)
+    _, _, loss = offline("jsft", "token_sft")
     vocab = 64  # the tiny model's image codebook: a uniform policy's NLL per token is ln 64
     assert len(loss) == 3 and all(0 < m.value < 2 * math.log(vocab) for m in loss)
 

@@ -17,11 +17,16 @@ from .base import Algorithm, register_algorithm
 from .token_sampling import TokenRecipe
 
 
-class TokenDPOSettings(BaseModel):
+class ScoredPolicySettings(BaseModel):
+    """The logit transform an offline token algorithm scores stored sequences under."""
+
     model_config = ConfigDict(extra="forbid")
-    beta: float = Field(0.1, gt=0, description="β of the DPO loss on sequence log-likelihood ratios")
     guidance_scale: float = Field(1.0, ge=1.0, description="CFG weight of the scored policy (1: conditional only)")
     temperature: float = Field(1.0, gt=0, description="temperature of the scored policy")
+
+
+class TokenDPOSettings(ScoredPolicySettings):
+    beta: float = Field(0.1, gt=0, description="β of the DPO loss on sequence log-likelihood ratios")
 
 
 def sequence_dpo_loss(lp_w: torch.Tensor, lp_l: torch.Tensor, ref_w: torch.Tensor, ref_l: torch.Tensor,
@@ -35,22 +40,26 @@ def sequence_dpo_loss(lp_w: torch.Tensor, lp_l: torch.Tensor, ref_w: torch.Tenso
     return loss, metrics
 
 
-@register_algorithm("token_dpo")
-class TokenDPO(Algorithm):
-    """A micro-batch is b winners then their b losers (stored image tokens and prompts)."""
+class OfflineTokenAlgorithm(Algorithm):
+    """An offline algorithm over stored image-token sequences: a micro-batch is b winners then
+    their b losers (tokens and prompts), scored under the settings' logit transform."""
 
-    Settings = TokenDPOSettings
     needs = frozenset({"tokens"})
     offline = True
 
     @property
-    def needs_reference(self) -> bool:
-        return True
+    def token_recipe(self) -> TokenRecipe:
+        """The logit transform whose sequence likelihood the algorithm trains."""
+        return TokenRecipe(self.settings.guidance_scale, self.settings.temperature, 0)
+
+
+@register_algorithm("token_dpo")
+class TokenDPO(OfflineTokenAlgorithm):
+    Settings = TokenDPOSettings
 
     @property
-    def token_recipe(self) -> TokenRecipe:
-        """The logit transform whose sequence likelihood DPO trains."""
-        return TokenRecipe(self.settings.guidance_scale, self.settings.temperature, 0)
+    def needs_reference(self) -> bool:
+        return True
 
     def losses(self, batch, policy):
         tokens = policy.tensor(batch["tokens"]).long()

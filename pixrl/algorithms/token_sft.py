@@ -13,34 +13,18 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-from .base import Algorithm, register_algorithm
-from .token_sampling import TokenRecipe
-
-
-class TokenSFTSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    guidance_scale: float = Field(1.0, ge=1.0, description="CFG weight of the scored policy (1: conditional only)")
-    temperature: float = Field(1.0, gt=0, description="temperature of the scored policy")
+from .base import register_algorithm
+from .token_dpo import OfflineTokenAlgorithm, ScoredPolicySettings
 
 
 @register_algorithm("token_sft")
-class TokenSFT(Algorithm):
-    """A micro-batch is b winners then their b losers (stored image tokens and prompts)."""
-
-    Settings = TokenSFTSettings
-    needs = frozenset({"tokens"})
-    offline = True
+class TokenSFT(OfflineTokenAlgorithm):
+    Settings = ScoredPolicySettings
 
     @property
     def needs_reference(self) -> bool:
         return False
-
-    @property
-    def token_recipe(self) -> TokenRecipe:
-        """The logit transform whose likelihood SFT maximises."""
-        return TokenRecipe(self.settings.guidance_scale, self.settings.temperature, 0)
 
     def losses(self, batch, policy):
         tokens = policy.tensor(batch["tokens"]).long()
