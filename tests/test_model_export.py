@@ -98,6 +98,9 @@ def test_a_lora_version_loads_into_the_diffusers_pipeline(family, tiny_dirs, tmp
     assert manifest["format"] == "diffusers-lora" and manifest["component"] == component
     assert manifest["lora"]["r"] == 4 and manifest["lora"]["lora_alpha"] == 8
     assert sorted(p.name for p in (tmp_path / "lora").iterdir()) == ["pixrl_export.json", "pytorch_lora_weights.safetensors"]
+    res = CliRunner().invoke(app, ["generate", "--checkpoint", str(tmp_path / "lora"), "--prompt", "x",
+                                   "--out", str(tmp_path / "none")])
+    assert res.exit_code == 2 and "holds an exported diffusers-lora adapter" in res.output and "--merge" in res.output
     policy, _ = _from_pixrl_checkpoint(ckpt)
     pipe = _pipeline(getattr(diffusers, type(policy.family.pipe).__name__), overrides["model.path"], policy.family)
     pipe.load_lora_weights(str(tmp_path / "lora"), **({"load_into_transformer_2": True} if component != "transformer"

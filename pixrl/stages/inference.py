@@ -35,6 +35,12 @@ def load_policy(checkpoint: str | None, run: str | None, workdir: str,
         if (p / WEIGHTS).is_file():
             return _from_pixrl_checkpoint(p)
         family = family_of_directory(p)  # a base model, or one `pixrl export-model` wrote
+        adapter = _exported_adapter(p)
+        if family is None and adapter:
+            raise PolicyNotFound(f"{checkpoint!r} holds an exported {adapter} (its base: "
+                                 f"{json.loads((p / 'pixrl_export.json').read_text()).get('base')!r}), not a whole model; "
+                                 "pass the version it came from (--run NAME, or its pixrl checkpoint), or export it "
+                                 "with --merge")
         if family is not None:
             cfg = load_config(config, _directory_model(p, family, config))
             return TrainablePolicy(cfg), cfg
@@ -43,6 +49,15 @@ def load_policy(checkpoint: str | None, run: str | None, workdir: str,
                              f"naming one of: {', '.join(get_family(f).pipeline_class for f in registered_families())})")
     cfg = load_config(config, [])
     return TrainablePolicy(cfg), cfg
+
+
+def _exported_adapter(path: Path) -> str | None:
+    """The adapter format of a `pixrl export-model` LoRA export at `path` (None: not one)."""
+    manifest = path / "pixrl_export.json"
+    if not manifest.is_file():
+        return None
+    fmt = json.loads(manifest.read_text()).get("format", "")
+    return f"{fmt} adapter" if fmt in ("diffusers-lora", "peft-adapter") else None
 
 
 def _directory_model(path: Path, family: str, config: str | None) -> list[str]:
