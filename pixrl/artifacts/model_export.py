@@ -30,6 +30,7 @@ from ..errors import ExpectedError
 
 MANIFEST = "pixrl_export.json"
 LORA_FILE = "pytorch_lora_weights.safetensors"
+ADAPTER_FORMATS = ("diffusers-lora", "peft-adapter")  # exports that need their base model to load
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
 
 
@@ -48,13 +49,16 @@ def merge_lora_(module: torch.nn.Module) -> int:
     for m in layers:
         m.merge(safe_merge=True)  # raises on NaN/inf instead of writing them
     recurse_remove_peft_layers(module)
-    for attr in ("peft_config", "_hf_peft_config_loaded"):  # transformers/diffusers' "adapters loaded" marks
-        if hasattr(module, attr):
-            if attr == "peft_config":
-                delattr(module, attr)
-            else:
-                setattr(module, attr, False)
+    if hasattr(module, "peft_config"):  # transformers/diffusers' "adapters loaded" marks: saved whole now
+        del module.peft_config
+    module._hf_peft_config_loaded = False
     return len(layers)
+
+
+def export_manifest(path: Path) -> dict | None:
+    """The manifest of a directory `export_policy` wrote (None: not one)."""
+    manifest = Path(path) / MANIFEST
+    return json.loads(manifest.read_text()) if manifest.is_file() else None
 
 
 def _copy_tree(src: Path, dst: Path, link: bool, skip=lambda p: False) -> None:
@@ -90,13 +94,11 @@ def _export_pipeline(policy, cfg, stage: Path, merge: bool, link: bool) -> dict:
     component = type(fam).trained_component(cfg.model.family_options())
     pipeline = type(fam.pipe).__name__
     if policy.lora and not merge:
-        layers = get_peft_model_state_dict(module)
+        layers, lora = get_peft_model_state_dict(module), _lora_config(module)
         type(fam.pipe).save_lora_weights(str(stage), transformer_lora_layers=layers,
-                                         transformer_lora_adapter_metadata=_lora_config(module),
-                                         safe_serialization=True)
+                                         transformer_lora_adapter_metadata=lora, safe_serialization=True)
         into = ", load_into_transformer_2=True" if component == "transformer_2" else ""
-        return {"format": "diffusers-lora", "files": [LORA_FILE], "component": component,
-                "lora": _lora_config(module),
+        return {"format": "diffusers-lora", "files": [LORA_FILE], "component": component, "lora": lora,
                 "load": f"pipe = diffusers.{pipeline}.from_pretrained(BASE); pipe.load_lora_weights(OUT{into})"}
     merged = merge_lora_(module) if policy.lora else 0
     _copy_tree(base, stage, link, skip=lambda rel: rel.parts[0] == component)

@@ -11,6 +11,7 @@ from ..artifacts.tracking import CHAMPION_ALIAS, ROLLOUT_ALIAS, PolicyRef, Track
 from ..config.loader import load_config
 from ..config.schema import ExperimentConfig
 from ..engines.policy import TrainablePolicy
+from ..artifacts.model_export import ADAPTER_FORMATS, export_manifest
 from ..models.registry import family_of_directory, get_family, registered_families
 from ..errors import ExpectedError
 
@@ -26,23 +27,20 @@ def load_policy(checkpoint: str | None, run: str | None, workdir: str,
     if checkpoint and run:
         raise PolicyNotFound("pass either --checkpoint or --run, not both")
     if run:
-        tracker = Tracker(default_tracking_uri(Path(workdir)))
-        ref = run_policy_ref(tracker, run, ROLLOUT_ALIAS, workdir)
-        ckpt = tracker.download(ref, Path(workdir) / "cache" / "policies" / f"{ref.model_name}-v{ref.version}.eval")
+        ckpt, _ = _run_checkpoint(Tracker(default_tracking_uri(Path(workdir))), run, ROLLOUT_ALIAS, workdir)
         return _from_pixrl_checkpoint(ckpt)
     if checkpoint:
         p = Path(checkpoint)
         if (p / WEIGHTS).is_file():
             return _from_pixrl_checkpoint(p)
-        family = family_of_directory(p)  # a base model, or one `pixrl export-model` wrote
-        adapter = _exported_adapter(p)
-        if family is None and adapter:
-            raise PolicyNotFound(f"{checkpoint!r} holds an exported {adapter} (its base: "
-                                 f"{json.loads((p / 'pixrl_export.json').read_text()).get('base')!r}), not a whole model; "
-                                 "pass the version it came from (--run NAME, or its pixrl checkpoint), or export it "
-                                 "with --merge")
+        exported = export_manifest(p)  # a directory `pixrl export-model` wrote
+        if exported and exported.get("format") in ADAPTER_FORMATS:
+            raise PolicyNotFound(f"{checkpoint!r} holds an exported {exported['format']} adapter (its base: "
+                                 f"{exported.get('base')!r}), not a whole model; pass the version it came from "
+                                 "(--run NAME, or its pixrl checkpoint), or export it with --merge")
+        family = family_of_directory(p)  # a base model, or an exported whole one
         if family is not None:
-            cfg = load_config(config, _directory_model(p, family, config))
+            cfg = load_config(config, _directory_model(p, family, config, exported))
             return TrainablePolicy(cfg), cfg
         raise PolicyNotFound(f"{checkpoint!r} is neither a pixrl checkpoint ({WEIGHTS}) nor a model directory of a "
                              f"registered family (a diffusers pipeline's model_index.json or a Janus-Pro config.json "
@@ -51,28 +49,22 @@ def load_policy(checkpoint: str | None, run: str | None, workdir: str,
     return TrainablePolicy(cfg), cfg
 
 
-def _exported_adapter(path: Path) -> str | None:
-    """The adapter format of a `pixrl export-model` LoRA export at `path` (None: not one)."""
-    manifest = path / "pixrl_export.json"
-    if not manifest.is_file():
-        return None
-    fmt = json.loads(manifest.read_text()).get("format", "")
-    return f"{fmt} adapter" if fmt in ("diffusers-lora", "peft-adapter") else None
-
-
-def _directory_model(path: Path, family: str, config: str | None) -> list[str]:
-    """The model overrides for a model directory of `family`: the settings an export recorded
-    (pixrl_export.json), or else the family with its full prompt length when the experiment's
-    model is another family's (the default recipe's is the miniature's, which reads no T5)."""
-    from ..artifacts.model_export import MANIFEST
-
-    if (path / MANIFEST).is_file():
-        settings = json.loads((path / MANIFEST).read_text()).get("model", {})
-        return [f"model.{k}={v}" for k, v in settings.items()] + [f"model.path={path}"]
+def _directory_model(path: Path, family: str, config: str | None, exported: dict | None) -> list[str]:
+    """The model overrides for a model directory of `family`: the settings an export recorded,
+    or else the family with its full prompt length when the experiment's model is another
+    family's (the default recipe's is the miniature's, which reads no T5)."""
+    if exported is not None:
+        return [f"model.{k}={v}" for k, v in exported.get("model", {}).items()] + [f"model.path={path}"]
     out = [f"model.family={family}", f"model.path={path}"]
     if load_config(config, []).model.family != family:
         out.append(f"model.max_sequence_length={getattr(get_family(family), 'text_tokens', (0, 0))[1]}")
     return out
+
+
+def _run_checkpoint(tracker: Tracker, run: str, alias: str, workdir: str) -> tuple[Path, PolicyRef]:
+    """A run's version by alias, its checkpoint materialised in the work directory's policy cache."""
+    ref = run_policy_ref(tracker, run, alias, workdir)
+    return tracker.download(ref, Path(workdir) / "cache" / "policies" / f"{ref.model_name}-v{ref.version}.eval"), ref
 
 
 def run_policy_ref(tracker: Tracker, run: str, alias: str, workdir: str) -> PolicyRef:
@@ -98,8 +90,7 @@ def run_policy_ref(tracker: Tracker, run: str, alias: str, workdir: str) -> Poli
 
 def load_policy_version(tracker: Tracker, run: str, alias: str, workdir: str):
     """A run's registered policy by alias (rollout, champion) → (policy, config, ref)."""
-    ref = run_policy_ref(tracker, run, alias, workdir)
-    ckpt = tracker.download(ref, Path(workdir) / "cache" / "policies" / f"{ref.model_name}-v{ref.version}.eval")
+    ckpt, ref = _run_checkpoint(tracker, run, alias, workdir)
     policy, cfg = _from_pixrl_checkpoint(ckpt)
     return policy, cfg, ref
 
@@ -112,11 +103,8 @@ def load_version_to_export(checkpoint: str | None, run: str | None, alias: str, 
     if bool(checkpoint) == bool(run):
         raise PolicyNotFound("pass one of --checkpoint DIR (a pixrl checkpoint) or --run NAME")
     if run:
-        tracker = Tracker(default_tracking_uri(Path(workdir)))
-        ref = run_policy_ref(tracker, run, alias, workdir)
-        ckpt = tracker.download(ref, Path(workdir) / "cache" / "policies" / f"{ref.model_name}-v{ref.version}.eval")
-        source = {"run": run, "alias": alias, "model": ref.model_name, "version": ref.version,
-                  "checkpoint_id": ref.checkpoint_id}
+        ckpt, ref = _run_checkpoint(Tracker(default_tracking_uri(Path(workdir))), run, alias, workdir)
+        source = {"run": run, "alias": alias, "model": ref.model_name, "version": ref.version}
     else:
         ckpt = Path(checkpoint)
         if not (ckpt / WEIGHTS).is_file():
