@@ -23,11 +23,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..errors import ExpectedError
 
 WEIGHTS = "trainable.safetensors"
+EMA = "ema.safetensors"  # algorithm.ema: the moving average of the trainable weights, its step count in the metadata
+EMA_STEPS = "pixrl.ema_optimizer_steps"
 OPTIMIZER = "optimizer.pt"
 RNG = "rng.pt"
 COUNTERS = "counters.json"
@@ -40,6 +43,10 @@ TRAINING_STATE = (OPTIMIZER, RNG)
 
 class CorruptCheckpoint(ExpectedError, RuntimeError):
     """A checkpoint whose files are missing or do not match their manifest."""
+
+
+class MissingEma(ExpectedError, FileNotFoundError):
+    """Evaluation or export asked for the weight average of a checkpoint written without one."""
 
 
 class CheckpointPruned(ExpectedError, RuntimeError):
@@ -81,13 +88,17 @@ class CheckpointRef:
 
 
 def save_checkpoint(out_dir: Path, weights: dict[str, torch.Tensor], optimizer_state: dict,
-                    counters: dict, config: dict) -> CheckpointRef:
+                    counters: dict, config: dict, ema: tuple[dict[str, torch.Tensor], int] | None = None) -> CheckpointRef:
+    """`ema`: (the weight average, the optimizer steps it has seen), written beside the weights."""
     if out_dir.exists():
         raise FileExistsError(f"checkpoint {out_dir} already exists; refusing to overwrite it")
     staging = out_dir.with_name(out_dir.name + f".staging-{uuid.uuid4().hex[:8]}")
     staging.mkdir(parents=True)
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(staging / WEIGHTS))
+        if ema is not None:
+            save_file({k: v.detach().contiguous().cpu() for k, v in ema[0].items()}, str(staging / EMA),
+                      metadata={EMA_STEPS: str(int(ema[1]))})
         torch.save(optimizer_state, staging / OPTIMIZER)
         torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
                    staging / RNG)
@@ -110,6 +121,23 @@ def read_counters(ckpt_dir: Path) -> dict:
 def load_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     verify_checkpoint(ckpt_dir)
     return load_file(str(Path(ckpt_dir) / WEIGHTS))
+
+
+def has_ema(ckpt_dir: Path) -> bool:
+    return (Path(ckpt_dir) / EMA).is_file()
+
+
+def load_ema(ckpt_dir: Path) -> tuple[dict[str, torch.Tensor], int]:
+    """(the weight average, the optimizer steps it has seen) of a checkpoint written with algorithm.ema."""
+    verify_checkpoint(ckpt_dir)
+    f = Path(ckpt_dir) / EMA
+    if not f.is_file():
+        raise MissingEma(f"checkpoint {Path(ckpt_dir).name} ({ckpt_dir}) holds no weight average ({EMA}): it was "
+                         f"written with algorithm.ema.enabled=false. Use its trained weights (--weights trained, "
+                         f"or algorithm.ema.enabled=false), or train with algorithm.ema.enabled=true")
+    with safe_open(str(f), "pt") as fh:
+        steps = int((fh.metadata() or {}).get(EMA_STEPS, 0))
+    return load_file(str(f)), steps
 
 
 def check_trained_part(ckpt_dir: Path, expert: str | None) -> None:

@@ -103,15 +103,19 @@ def tiny(
     print(json.dumps(overrides))
 
 
+WEIGHTS_HELP = ("a pixrl checkpoint's 'average' (algorithm.ema) or 'trained' weights; default: its average "
+                "where it has one, as the run evaluated it")
+
+
 def _policy(checkpoint: Optional[str], run: Optional[str], workdir: str, steps: Optional[int],
-            config: Optional[str] = None):
+            config: Optional[str] = None, weights: Optional[str] = None):
     from ..algorithms.recipe import eval_recipe
     from ..config.loader import ConfigError
     from ..stages.inference import PolicyNotFound, load_policy
     from ..models.sd3 import ModelLoadError
 
     try:
-        policy, cfg = load_policy(checkpoint, run, workdir, config)
+        policy, cfg = load_policy(checkpoint, run, workdir, config, weights)
     except (PolicyNotFound, ModelLoadError, ConfigError, FileNotFoundError) as exc:
         _fail(str(exc), exc=exc)
     s = cfg.sampling.model_copy(update={"eval_steps": steps} if steps else {})
@@ -130,6 +134,7 @@ def eval_cmd(
     out: Optional[str] = typer.Option(None, "--out", help="also write the JSON result to this file"),
     config: Optional[str] = typer.Option(None, "--config", "-c", help="experiment preset or YAML whose model (without "
                                                                       "--checkpoint/--run) and sampling are evaluated"),
+    weights: Optional[str] = typer.Option(None, "--weights", help=WEIGHTS_HELP),
 ) -> None:
     """Judge accuracy of a policy on the shapes world, overall and per category."""
     if split not in ("heldout", "train"):
@@ -140,7 +145,7 @@ def eval_cmd(
 
     from ..datasets.prompts import PromptSetError, split_items
 
-    policy, recipe, cfg = _policy(checkpoint, run, workdir, steps, config)
+    policy, recipe, cfg = _policy(checkpoint, run, workdir, steps, config, weights)
     try:
         items = split_items(cfg.dataset, split)
     except (PromptSetError, FileNotFoundError) as exc:
@@ -186,6 +191,7 @@ def generate(
     seed: int = typer.Option(0, "--seed"),
     steps: Optional[int] = typer.Option(None, "--steps"),
     workdir: str = typer.Option("work", "--workdir"),
+    weights: Optional[str] = typer.Option(None, "--weights", help=WEIGHTS_HELP),
 ) -> None:
     """Write one PNG per prompt and sample — an animated PNG per clip for a video family — with
     the prompt in a sidecar JSON, using the eval sampler."""
@@ -200,7 +206,7 @@ def generate(
     from ..artifacts.media import media_bytes
     from ..datasets.shapes.evaluate import generate_images
 
-    policy, recipe, _ = _policy(checkpoint, run, workdir, steps)
+    policy, recipe, _ = _policy(checkpoint, run, workdir, steps, weights=weights)
     pairs = [(t, seed * 1000 + i * samples + k) for i, t in enumerate(texts) for k in range(samples)]
     imgs = generate_images(policy.family, [t for t, _ in pairs], [s for _, s in pairs], recipe)
     od = Path(out)
@@ -304,6 +310,7 @@ def export_model(
                                                      "them (same filesystem; they are never written)"),
     device: str = typer.Option("cpu", "--device", help="where the version is loaded (and merged)"),
     workdir: str = typer.Option("work", "--workdir"),
+    weights: Optional[str] = typer.Option(None, "--weights", help=WEIGHTS_HELP),
 ) -> None:
     """Write a trained version in its base model's own format: a diffusers LoRA file
     (`pipe.load_lora_weights`), a whole diffusers pipeline directory (full fine-tune or --merge),
@@ -319,7 +326,7 @@ def export_model(
         _fail(f"{out} already exists; refusing to overwrite it — choose a new --out")
     try:
         policy, cfg, source = load_version_to_export(checkpoint, run, CHAMPION_ALIAS if best else ROLLOUT_ALIAS,
-                                                     workdir, device)
+                                                     workdir, device, weights)
         manifest = export_policy(policy, cfg, Path(out), merge=merge, link=link, source=source)
     except (ExpectedError, FileNotFoundError) as exc:  # a bad path, run, config or base model: named
         _fail(str(exc), exc=exc)

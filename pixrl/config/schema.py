@@ -117,6 +117,17 @@ class LoraConfig(_Section):
     init: str = "gaussian"
 
 
+class EmaConfig(_Section):
+    """A moving average of the trainable weights, kept beside them in every checkpoint and used
+    where a version is evaluated or exported; rollouts and updates use the trained weights. After
+    the run's optimizer step n: when (n + 1) % every == 0, ema += (1 − d)(θ − ema), d =
+    min((1 + n)/(10 + n), decay) — flow_grpo's `train.ema` (decay 0.9, every 8; algorithms.md §2.6)."""
+
+    enabled: bool = False
+    decay: float = Field(0.9, gt=0, lt=1)
+    every: int = Field(8, ge=1, description="update the average after every this many optimizer steps")
+
+
 class AlgorithmConfig(BaseModel):
     """What every algorithm shares (which one, the optimizer, LoRA). The algorithm's own settings
     (Flow-GRPO's clip range, β, …) are further keys of this section, validated by that
@@ -133,6 +144,7 @@ class AlgorithmConfig(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0)
     optimizer_steps_per_iteration: int = Field(2, ge=1, description="the batch is split into this many accumulation groups")
     lora: LoraConfig = LoraConfig()
+    ema: EmaConfig = EmaConfig()
 
 
 class RewardConfig(_Section):

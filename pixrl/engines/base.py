@@ -40,6 +40,7 @@ class PolicySource:
     checkpoint_dir: Path | None = None
     checkpoint_id: str | None = None
     with_optimizer: bool = True  # False: start these weights with fresh optimizer moments (DPO's init)
+    ema: bool = False  # the checkpoint's weight average (algorithm.ema), where a version is evaluated
 
 
 @dataclass
@@ -50,6 +51,7 @@ class TrainResult:
     optimizer: dict
     metrics: dict[str, float]  # aggregated over the update
     history: list[dict[str, float]]  # per optimizer step: mean of its terms' metrics, grad_norm
+    ema: tuple[dict, int] | None = None  # algorithm.ema: (the weight average, the run's optimizer steps it saw)
 
 
 class Engine(Protocol):

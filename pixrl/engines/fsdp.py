@@ -223,12 +223,12 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if _sharded(t) else t
 
 
-def like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+def like(value: torch.Tensor, param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A full tensor laid out as `param` is: this rank's shard of it, for a sharded parameter
-    (every rank holds the whole value, so no data moves)."""
+    (every rank holds the whole value, so no data moves); in `param`'s dtype unless `dtype`."""
     if _sharded(value):  # already a shard of a parameter laid out as this one (the base weights)
         return value
-    value = value.to(device=param.device, dtype=param.dtype)
+    value = value.to(device=param.device, dtype=dtype or param.dtype)
     if _sharded(param):
         from torch.distributed.tensor import distribute_tensor
 

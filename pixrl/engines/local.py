@@ -68,7 +68,7 @@ class LocalEngine:
                 **fam.describe()}
 
     def use(self, policy: PolicySource) -> None:
-        self.policy.load_version(policy.checkpoint_dir, policy.checkpoint_id)
+        self.policy.load_version(policy.checkpoint_dir, policy.checkpoint_id, policy.ema)
 
     # --- rollout ------------------------------------------------------------------------------
     def rollout(self, policy: PolicySource, prompts: list[str], seeds: list[int],

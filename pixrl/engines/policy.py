@@ -5,22 +5,27 @@ the requested policy version differs from what is already in memory)."""
 from __future__ import annotations
 
 import copy
+import logging
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from ..artifacts.checkpoints import check_trained_part, load_optimizer_state, load_weights, read_counters
+from ..artifacts.checkpoints import (check_trained_part, has_ema, load_ema, load_optimizer_state, load_weights,
+                                     read_counters)
 from ..config.schema import ExperimentConfig
 from ..models.registry import get_family
 from ..stages.plan import seed_of
 from .activation_checkpointing import enable_activation_checkpointing
 from .assets import resolve_model_path
+from .ema import WeightAverage
 from .fsdp import (align, fill_like, full, full_optimizer_state, like, materialize, shard_module,
                    sharded_optimizer_state, skeleton)
 
 BASE = "base"
+EMA_SUFFIX = "+ema"  # the in-memory weights are a checkpoint's weight average (load_version(ema=True))
+log = logging.getLogger("pixrl.train")
 ALGORITHM_STATE = "pixrl_algorithm"  # key of the algorithm's own state in the saved optimizer state
 
 
@@ -74,6 +79,7 @@ class TrainablePolicy:
         self.optimizer: torch.optim.Optimizer | None = None
         self.optimizer_id: str | None = None
         self.algorithm_state: dict | None = None  # the algorithm's own training state, beside the moments
+        self.ema: WeightAverage | None = None  # algorithm.ema's average, loaded with the optimizer state
         self.sharded = False  # FSDP over a trainer group (shard)
 
     def shard(self, reference_copy: bool, sampler_copy: bool) -> None:
@@ -134,17 +140,21 @@ class TrainablePolicy:
             for k, p in params.items():
                 p.copy_(like(weights[k], p))
 
-    def load_version(self, checkpoint_dir: Path | None, checkpoint_id: str | None = None) -> None:
-        """Make the in-memory weights those of a checkpoint (None = base weights)."""
+    def load_version(self, checkpoint_dir: Path | None, checkpoint_id: str | None = None, ema: bool = False) -> None:
+        """Make the in-memory weights those of a checkpoint (None = base weights); `ema`: its
+        weight average (algorithm.ema) instead of its trained weights."""
         if checkpoint_dir is None:
-            want = BASE
+            want, ema = BASE, False
         else:
-            want = checkpoint_id or read_counters(checkpoint_dir)["checkpoint_id"]
+            want = (checkpoint_id or read_counters(checkpoint_dir)["checkpoint_id"]) + (EMA_SUFFIX if ema else "")
         if self.weights_id == want:
             return
         if checkpoint_dir is not None:
             check_trained_part(checkpoint_dir, self.cfg.model.expert)
-        self._assign(self._base_state if checkpoint_dir is None else load_weights(checkpoint_dir))
+        if checkpoint_dir is None:
+            self._assign(self._base_state)
+        else:
+            self._assign(load_ema(checkpoint_dir)[0] if ema else load_weights(checkpoint_dir))
         self.weights_id = want
 
     # --- optimizer ----------------------------------------------------------------------------
@@ -155,6 +165,7 @@ class TrainablePolicy:
             self.optimizer = torch.optim.AdamW(list(self.trainable_parameters().values()), lr=a.lr,
                                                betas=a.adam_betas, eps=a.adam_eps, weight_decay=a.weight_decay)
             self.optimizer_id = BASE
+            self.ema = self._weight_average(None) if self.weights_id == BASE else None  # else: set below
         if self.optimizer_id != self.weights_id:
             if checkpoint_dir is None:
                 self.optimizer.state.clear()
@@ -165,11 +176,27 @@ class TrainablePolicy:
                 if self.sharded:
                     state = sharded_optimizer_state(state, list(self.trainable_parameters().values()))
                 self.optimizer.load_state_dict(state)
+            self.ema = self._weight_average(checkpoint_dir)
             self.optimizer_id = self.weights_id
         for group in self.optimizer.param_groups:  # the moments come from the checkpoint, the settings
             group.update(lr=a.lr, betas=tuple(a.adam_betas), eps=a.adam_eps,  # from this run's config
                          weight_decay=a.weight_decay)  # (load_state_dict would restore the saved ones)
         return self.optimizer
+
+    def _weight_average(self, checkpoint_dir: Path | None) -> WeightAverage | None:
+        """algorithm.ema's average as of the weights the update starts from: the checkpoint's, or
+        one that begins at those weights (a run's start; a checkpoint written without one)."""
+        settings = self.cfg.algorithm.ema
+        if not settings.enabled:
+            return None
+        params = self.trainable_parameters()
+        if checkpoint_dir is not None and has_ema(checkpoint_dir):
+            weights, steps = load_ema(checkpoint_dir)
+            return WeightAverage.loaded(settings, weights, steps, params)
+        if checkpoint_dir is not None:
+            log.warning("checkpoint %s holds no weight average (written with algorithm.ema off): the average "
+                        "begins at its weights", Path(checkpoint_dir).name)
+        return WeightAverage.starting_at(settings, params)
 
     def optimizer_state(self) -> dict:
         """The optimizer's state_dict in the single-process format (under FSDP, gathered whole)."""

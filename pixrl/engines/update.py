@@ -106,7 +106,8 @@ def run_update(pol: TrainablePolicy, prompts: PromptCache, algo, max_grad_norm: 
         recipe = getattr(algo, "token_recipe", None) or TokenRecipe()
     replay_policy = ReplayFactory(pol, prompts, algo, batch, recipe, prompt_sets)
     pol.module.train()
-    params = list(pol.trainable_parameters().values())
+    named = pol.trainable_parameters()
+    params = list(named.values())
     acc: dict[str, list[float]] = {}
     history: list[dict[str, float]] = []
     t0 = time.perf_counter()
@@ -129,6 +130,8 @@ def run_update(pol: TrainablePolicy, prompts: PromptCache, algo, max_grad_norm: 
         gnorm = coll.clip_grad_norm(params, max_grad_norm)
         acc.setdefault("grad_norm", []).append(float(gnorm))
         opt.step()
+        if pol.ema is not None:
+            pol.ema.after_optimizer_step(named)
         step_means = {**{k: float(np.mean(v)) for k, v in step_acc.items()}, "grad_norm": float(gnorm)}
         for key, val in algo.after_optimizer_step(step_means).items():
             acc.setdefault(key, []).append(val)
@@ -145,7 +148,19 @@ def run_update(pol: TrainablePolicy, prompts: PromptCache, algo, max_grad_norm: 
     saved = pol.optimizer_state()
     if pol.algorithm_state is not None:
         saved = {**saved, ALGORITHM_STATE: pol.algorithm_state}
-    return TrainResult(pol.state(), saved, metrics, history)
+    weights = pol.state()
+    ema = None
+    if pol.ema is not None:
+        ema = (pol.ema.state(), pol.ema.steps)
+        metrics.update(ema_metrics(weights, ema[0], ema[1]))
+    return TrainResult(weights, saved, metrics, history, ema)
+
+
+def ema_metrics(weights: dict[str, torch.Tensor], average: dict[str, torch.Tensor], steps: int) -> dict[str, float]:
+    """How far the weight average trails the weights: ‖θ − ema‖ / ‖θ‖ over every trained tensor."""
+    gap = sum(float(torch.sum((w.double() - average[k].double()) ** 2)) for k, w in weights.items())
+    norm = sum(float(torch.sum(w.double() ** 2)) for w in weights.values())
+    return {"ema/relative_gap": (gap / norm) ** 0.5 if norm else 0.0, "ema/optimizer_steps": float(steps)}
 
 
 def _backward_terms(algo, batch: RolloutBatch, step_batches, replay_policy, coll, device, seed: int, opt_step: int,

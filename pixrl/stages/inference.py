@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..artifacts.checkpoints import CONFIG, WEIGHTS
+from ..artifacts.checkpoints import CONFIG, WEIGHTS, has_ema
 from ..artifacts.tracking import CHAMPION_ALIAS, ROLLOUT_ALIAS, PolicyRef, Tracker, default_tracking_uri
 from ..config.loader import load_config
 from ..config.schema import ExperimentConfig
-from ..engines.policy import TrainablePolicy
+from ..engines.policy import EMA_SUFFIX, TrainablePolicy
 from ..artifacts.model_export import ADAPTER_FORMATS, export_manifest
 from ..models.registry import family_of_directory, get_family, registered_families
 from ..errors import ExpectedError
@@ -20,19 +20,23 @@ class PolicyNotFound(ExpectedError, FileNotFoundError):
     pass
 
 
+WEIGHT_CHOICES = ("average", "trained")
+
+
 def load_policy(checkpoint: str | None, run: str | None, workdir: str,
-                config: str | None = None) -> tuple[TrainablePolicy, ExperimentConfig]:
+                config: str | None = None, weights: str | None = None) -> tuple[TrainablePolicy, ExperimentConfig]:
     """`config`: the experiment (preset or YAML) whose sampling settings — and, without a
-    checkpoint or run, whose model — are evaluated (default: the default recipe's)."""
+    checkpoint or run, whose model — are evaluated (default: the default recipe's). `weights`
+    (a pixrl checkpoint): "average" or "trained"; None: the average where it has one."""
     if checkpoint and run:
         raise PolicyNotFound("pass either --checkpoint or --run, not both")
     if run:
         ckpt, _ = _run_checkpoint(Tracker(default_tracking_uri(Path(workdir))), run, ROLLOUT_ALIAS, workdir)
-        return _from_pixrl_checkpoint(ckpt)
+        return _from_pixrl_checkpoint(ckpt, weights=weights)
     if checkpoint:
         p = Path(checkpoint)
         if (p / WEIGHTS).is_file():
-            return _from_pixrl_checkpoint(p)
+            return _from_pixrl_checkpoint(p, weights=weights)
         exported = export_manifest(p)  # a directory `pixrl export-model` wrote
         if exported and exported.get("format") in ADAPTER_FORMATS:
             raise PolicyNotFound(f"{checkpoint!r} holds an exported {exported['format']} adapter (its base: "
@@ -89,17 +93,18 @@ def run_policy_ref(tracker: Tracker, run: str, alias: str, workdir: str) -> Poli
 
 
 def load_policy_version(tracker: Tracker, run: str, alias: str, workdir: str):
-    """A run's registered policy by alias (rollout, champion) → (policy, config, ref)."""
+    """A run's registered policy by alias (rollout, champion) → (policy, config, ref), as it is
+    evaluated (its weight average where it has one)."""
     ckpt, ref = _run_checkpoint(tracker, run, alias, workdir)
     policy, cfg = _from_pixrl_checkpoint(ckpt)
     return policy, cfg, ref
 
 
 def load_version_to_export(checkpoint: str | None, run: str | None, alias: str, workdir: str,
-                           device: str = "cpu") -> tuple[TrainablePolicy, ExperimentConfig, dict]:
+                           device: str = "cpu", weights: str | None = None) -> tuple[TrainablePolicy, ExperimentConfig, dict]:
     """A trained version (a pixrl checkpoint directory, or a run's version by alias) loaded over
     its base model on `device`, as saved (no activation checkpointing, no tower offload):
-    (policy, config, where it came from)."""
+    (policy, config, where it came from). `weights` as in `load_policy`."""
     if bool(checkpoint) == bool(run):
         raise PolicyNotFound("pass one of --checkpoint DIR (a pixrl checkpoint) or --run NAME")
     if run:
@@ -112,15 +117,23 @@ def load_version_to_export(checkpoint: str | None, run: str | None, alias: str, 
                                  "a checkpoint directory under <workdir>/checkpoints, or --run NAME")
         source = {"checkpoint": str(ckpt.resolve())}
     model = {"device": device, "gradient_checkpointing": False, "offload_text_encoders": False}
-    policy, cfg = _from_pixrl_checkpoint(ckpt, model)
-    return policy, cfg, {**source, "checkpoint_id": policy.weights_id}
+    policy, cfg = _from_pixrl_checkpoint(ckpt, model, weights)
+    average = policy.weights_id.endswith(EMA_SUFFIX)
+    return policy, cfg, {**source, "checkpoint_id": policy.weights_id.removesuffix(EMA_SUFFIX),
+                         "weights": "average" if average else "trained"}
 
 
-def _from_pixrl_checkpoint(ckpt: Path, model: dict | None = None) -> tuple[TrainablePolicy, ExperimentConfig]:
-    """`model`: settings of the model section replaced (how it is loaded, not what it is)."""
+def _from_pixrl_checkpoint(ckpt: Path, model: dict | None = None,
+                           weights: str | None = None) -> tuple[TrainablePolicy, ExperimentConfig]:
+    """`model`: settings of the model section replaced (how it is loaded, not what it is);
+    `weights`: "average" (algorithm.ema's; refused where it has none), "trained", or None: the
+    average where the checkpoint has one — what the run evaluated it as."""
+    if weights not in (None, *WEIGHT_CHOICES):
+        raise PolicyNotFound(f"--weights must be one of {', '.join(WEIGHT_CHOICES)}, got {weights!r}")
     cfg = ExperimentConfig.model_validate(json.loads((ckpt / CONFIG).read_text()))
     if model:
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update=model)})
+    average = weights == "average" or (weights is None and has_ema(ckpt))
     policy = TrainablePolicy(cfg)
-    policy.load_version(ckpt, None)
+    policy.load_version(ckpt, None, ema=average)
     return policy, cfg

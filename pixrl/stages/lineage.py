@@ -13,7 +13,7 @@ import pyarrow as pa
 import torch
 from safetensors.torch import load_file
 
-from ..artifacts.checkpoints import WEIGHTS, CheckpointPruned, read_counters, require_full_checkpoint, verify_checkpoint
+from ..artifacts.checkpoints import EMA, WEIGHTS, CheckpointPruned, read_counters, require_full_checkpoint, verify_checkpoint
 from ..artifacts.retention import describe
 from ..artifacts.trajectories import TableRef, TrajectoryStore
 from ..artifacts.tracking import PolicyRef
@@ -45,7 +45,8 @@ class ReplayReport:
 
 def replay_update(spec: RunSpec, iteration: int, out_dir: Path | None = None) -> ReplayReport:
     """Re-run update for `iteration` from its stored trajectories and checkpoint iteration−1 (with
-    its optimizer state) and compare the weights with the recorded checkpoint `iteration`."""
+    its optimizer state) and compare the weights (and their average, algorithm.ema) with the
+    recorded checkpoint `iteration`."""
     stages = online_stages(spec)
     recorded = spec.layout.checkpoint(iteration)
     if not recorded.is_dir():
@@ -65,11 +66,19 @@ def replay_update(spec: RunSpec, iteration: int, out_dir: Path | None = None) ->
     with tempfile.TemporaryDirectory(dir=spec.workdir) as tmp:
         target = Path(out_dir) if out_dir else Path(tmp) / "replayed"
         stages.update_into(iteration, policy, target)
-        want, got = load_file(str(recorded / WEIGHTS)), load_file(str(target / WEIGHTS))
+        want, got = _weight_files(recorded), _weight_files(target)
     differing = sorted(k for k in want if k not in got or not torch.equal(want[k], got[k]))
     max_diff = max((float((want[k] - got[k]).abs().max()) for k in differing if k in got), default=0.0)
     return ReplayReport(iteration, str(recorded), not differing and set(want) == set(got), len(want),
                         differing, max_diff)
+
+
+def _weight_files(ckpt: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's trained tensors, and its weight average's (algorithm.ema) prefixed `ema:`."""
+    out = load_file(str(ckpt / WEIGHTS))
+    if (ckpt / EMA).is_file():
+        out.update({f"ema:{k}": v for k, v in load_file(str(ckpt / EMA)).items()})
+    return out
 
 
 def seed_fork_rows(parent: TrajectoryStore, parent_run_id: str, parent_version: int | None, iteration: int,

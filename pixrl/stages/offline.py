@@ -206,7 +206,7 @@ class OfflineStages:
         try:
             for step, rec in enumerate(result.history):
                 self._log({f"dpo/{k}": v for k, v in rec.items()}, step)
-            ck = save_checkpoint(self.final_dir, result.weights, result.optimizer, counters, self.spec.config)
+            ck = save_checkpoint(self.final_dir, result.weights, result.optimizer, counters, self.spec.config, result.ema)
         except BaseException:
             self.engine.invalidate()  # the engine holds trained weights that no checkpoint has
             raise

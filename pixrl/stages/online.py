@@ -281,7 +281,7 @@ class OnlineStages(DecodeScoreStages):
         try:
             if record:
                 self.records.before_commit("update", iteration, result.metrics)
-            ck = save_checkpoint(out_dir, result.weights, result.optimizer, counters, self.spec.config)
+            ck = save_checkpoint(out_dir, result.weights, result.optimizer, counters, self.spec.config, result.ema)
         except BaseException:
             self.engine.invalidate()  # the engine holds stepped weights that no checkpoint has
             raise

@@ -4,10 +4,11 @@ version with its held-out accuracy and may move the experiment's `champion` alia
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from ..artifacts.checkpoints import CheckpointRef, verify_checkpoint
+from ..artifacts.checkpoints import CheckpointRef, has_ema, verify_checkpoint
 from ..artifacts.tracking import PolicyRef
 from ..engines.base import Engine, PolicySource
 from .completion import RunStores
@@ -33,7 +34,15 @@ def evaluate_policy(engine: Engine, stores: RunStores, source: PolicySource, pol
     """(held-out result of the run's dataset evaluator, whether `policy` became the champion).
     `policy` None or version 0: the base weights, which compete for nothing."""
     cfg = stores.spec.cfg
-    res = engine.evaluate(source, cfg.dataset.name, "heldout", per_category)
+    res = engine.evaluate(evaluated_weights(source), cfg.dataset.name, "heldout", per_category)
     champion = bool(policy and policy.version > 0 and
                     stores.tracker.record_evaluation(policy, res["accuracy"], res["n"]))
     return res, champion
+
+
+def evaluated_weights(source: PolicySource) -> PolicySource:
+    """What a version is evaluated (and by default exported) as: its weight average when it was
+    trained with algorithm.ema — as flow_grpo evaluates and saves the EMA — else its weights."""
+    if source.checkpoint_dir is None or not has_ema(source.checkpoint_dir):
+        return source
+    return replace(source, ema=True)
