@@ -3,6 +3,7 @@ rules, selection filters, Lance version pinning, and the flow end to end (real L
 Prefect, a tiny real SD3 model)."""
 
 import json
+from pathlib import Path
 import math
 
 import lance
@@ -318,7 +319,8 @@ def test_sft_flow_trains_on_the_best_rollouts_and_publishes(archive):
     wd, src_run, _ = archive
     res = CliRunner().invoke(app, ["dpo", "--config", "shapes_sft", "--from", "src", "-n", "3", "--run", "sft1",
                                    "--workdir", str(wd), f"model.path={archive_ckpt(wd)}", "dpo.eval_per_category=2",
-                                   "dpo.pairs_per_step=4", "sampling.eval_steps=2", "algorithm.lr=1e-3"])
+                                   "dpo.pairs_per_step=4", "sampling.eval_steps=2", "algorithm.lr=1e-3",
+                                   "algorithm.ema.enabled=true", "algorithm.ema.every=1"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
     client = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
@@ -333,3 +335,7 @@ def test_sft_flow_trains_on_the_best_rollouts_and_publishes(archive):
     trained = load_file(f"{source}/trainable.safetensors")
     base = load_file(f"{archive_ckpt(wd)}/transformer/diffusion_pytorch_model.safetensors")
     assert any(not torch.equal(trained[k], base[k]) for k in base)
+    from pixrl.artifacts.checkpoints import load_ema  # offline training keeps the weight average too
+
+    average, steps = load_ema(Path(source))
+    assert steps == 3 and set(average) == set(trained) and any(not torch.equal(average[k], trained[k]) for k in base)

@@ -169,13 +169,15 @@ def test_two_rank_update_equals_the_single_process_update(ray_cluster, tiny_chec
     """Steps of 3, 1 and 1 micro-batches (the rollout's own): a rank replays two of a step, or
     none of it (under FSDP: a zero-weighted replay, to keep the ranks' collectives in step). The
     full fine-tune has a KL reference (β > 0), a frozen copy that FSDP shards too. Then a second
-    update resumes from the group's checkpoint: its optimizer state is in the one-process format."""
+    update resumes from the group's checkpoint: its optimizer state is in the one-process format.
+    The weight average (algorithm.ema, moved after every step) comes back whole and resumes too."""
     from pixrl.artifacts.checkpoints import save_checkpoint
     from pixrl.engines.ray_engine import RayEngine
 
     extra = ["algorithm.lora.enabled=true", "algorithm.lora.rank=4", "algorithm.lora.alpha=8"] if lora \
         else ["algorithm.beta=0.01"]
-    cfg = _cfg(tiny_checkpoint, tmp_path, "ray.rollout_workers=1", f"ray.trainer_sharding={sharding}", *extra)
+    cfg = _cfg(tiny_checkpoint, tmp_path, "ray.rollout_workers=1", f"ray.trainer_sharding={sharding}", *extra,
+               "algorithm.ema.enabled=true", "algorithm.ema.every=1")  # each rank averages its own (shards)
     local = LocalEngine(cfg)
     batch, plan = _update_batch(local)
     want = local.train(PolicySource(), batch, plan, RECIPE, seed=3)
@@ -191,7 +193,7 @@ def test_two_rank_update_equals_the_single_process_update(ray_cluster, tiny_chec
             assert h["weights"] <= share * whole * 1.05 + 4096 and h["moments"] <= 2 * share * whole * 1.05 + 8192, h
             assert h["text_towers"] == 0, "a trainer rank loaded text encoders: it replays with the rollout's encodings"
         ckpt = tmp_path / "it_0"
-        ref = save_checkpoint(ckpt, got.weights, got.optimizer, {"iteration": 0}, {})
+        ref = save_checkpoint(ckpt, got.weights, got.optimizer, {"iteration": 0}, {}, got.ema)
         source = PolicySource(ckpt, ref.checkpoint_id)
         engine.invalidate()  # the group reloads weights and moments from the checkpoint
         got2 = engine.train(source, batch, plan[:1], RECIPE, seed=4)
@@ -207,6 +209,9 @@ def test_two_rank_update_equals_the_single_process_update(ray_cluster, tiny_chec
         _close(got.optimizer["state"][i], st, rtol=1e-4)  # moments of gradients that nearly cancel: 5e-6 measured
     resumed = LocalEngine(cfg).train(source, batch, plan[:1], RECIPE, seed=4)  # one process, same checkpoint
     _close(got2.weights, resumed.weights, lr)
+    assert got.ema[1] == want.ema[1] == 3 and got2.ema[1] == resumed.ema[1] == 4
+    _close(got.ema[0], want.ema[0], lr)
+    _close(got2.ema[0], resumed.ema[0], lr)
     assert got.metrics["optimizer_steps"] == 3.0
     assert got.metrics["onpolicy_ratio_dev"] == 0.0
     np.testing.assert_allclose(got.metrics["grad_norm"], want.metrics["grad_norm"], rtol=1e-5)

@@ -17,7 +17,8 @@ and x_t = (1 − t)·x0 + t·ε:
 After each update the sampling policy follows: θ_old ← d·θ_old + (1 − d)·θ, with
 d = min(rate·(step − flat), cap) (0 before `flat`), step = the run's optimizer steps so far.
 θ_old is the algorithm's state, saved with the optimizer state of every checkpoint; the
-published (and evaluated) policy is θ. Upstream's separate eval EMA (decay 0.9) is not kept.
+published policy is θ. Upstream's separate eval EMA (decay 0.9, every step) is algorithm.ema
+(`every=1`), off in the presets.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Training checkpoints: trainable weights (adapter or full module) as safetensors, optimizer
+"""Training checkpoints: trainable weights (adapter or full module) as safetensors — and with
+algorithm.ema their moving average beside them, the version's evaluated weights — optimizer
 state, RNG states, counters and the resolved config — written to a staging directory and
 renamed into place, so a checkpoint is complete or absent. A manifest of SHA-256 checksums is
 written last; a checkpoint that does not match it is never loaded or published.
