@@ -40,7 +40,7 @@ import numpy as np
 from ..artifacts.batch import RolloutBatch
 from ..artifacts.column_writes import ColumnFile, RowsRead
 from ..errors import exception_chain
-from ..rewards.base import ScoringError
+from ..rewards.base import ScoringError, group_keys
 from ..stages.faults import TransientError
 from .base import PolicySource, TrainResult
 from .ray_cluster import actor_options, connect, import_ray, worker_threads
@@ -58,6 +58,16 @@ def _shards(n: int, unit: int, parts: int) -> list[tuple[int, int]]:
     units = math.ceil(n / unit)
     bounds = np.linspace(0, units, min(parts, units) + 1).round().astype(int)
     return [(int(a) * unit, min(int(b) * unit, n)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def _group_shards(keys: list[str], parts: int) -> list[tuple[int, int]]:
+    """Up to `parts` contiguous [lo, hi) ranges of whole groups (rows in generation order hold a
+    group's rows together), as even as whole groups allow: a group reward's shards."""
+    starts = [0] + [i for i in range(1, len(keys)) if keys[i] != keys[i - 1]]
+    if len(starts) != len(set(keys)):
+        raise RuntimeError("a group's rows are not together in the scored rows; a group reward needs whole groups")
+    cuts = sorted({min(starts, key=lambda s: abs(s - len(keys) * k / parts)) for k in range(parts)} | {len(keys)})
+    return [(a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
 
 
 def _balanced(reads: list[RowsRead], parts: int) -> list[list[RowsRead]]:
@@ -79,6 +89,7 @@ class RayEngine:
         r = cfg.ray
         self.rollout_workers = [self._actor(RolloutWorker, r.rollout, i) for i in range(r.rollout_workers)]
         self.reward_workers = [self._actor(RewardWorker, r.reward, i) for i in range(r.reward_workers)]
+        self._groupwise: bool | None = None  # whether a reward compares samples within groups (score shards)
         self.trainers: list | None = None
         self._described: dict | None = None
         self._decode_batch: int | None = None
@@ -189,15 +200,25 @@ class RayEngine:
         metadata from the table itself: (the rewards in `rows.sample_ids` order, the slowest
         worker's seconds)."""
         ids = rows.sample_ids
-        shards = _shards(len(ids), 1, len(self.reward_workers))
+        shards = self._score_shards(ids, [""] * len(ids))
         refs = [w.score_rows.remote(replace(rows, sample_ids=ids[lo:hi]), iteration)
                 for w, (lo, hi) in zip(self.reward_workers, shards)]
         parts = self._get(refs, "reward", self.reward_workers, [(ids[lo], ids[hi - 1]) for lo, hi in shards])
         return {k: np.concatenate([p[k] for p, _ in parts]) for k in parts[0][0]}, max(sec for _, sec in parts)
 
+    def _score_shards(self, sample_ids: list[str], prompts: list[str]) -> list[tuple[int, int]]:
+        """The reward workers' contiguous shares: any rows, or whole groups for a group reward."""
+        if self._groupwise is None:
+            from ..rewards.compose import RewardSet
+
+            self._groupwise = RewardSet(self.cfg.reward.weights, self.cfg.reward.options).groupwise
+        if self._groupwise:
+            return _group_shards(group_keys(prompts, sample_ids), len(self.reward_workers))
+        return _shards(len(sample_ids), 1, len(self.reward_workers))
+
     def score(self, images: np.ndarray, prompts: list[str], metadata: list[dict],
               sample_ids: list[str]) -> dict[str, np.ndarray]:
-        shards = _shards(len(images), 1, len(self.reward_workers))
+        shards = self._score_shards(sample_ids, prompts)
         refs = [w.score.remote(images[lo:hi], prompts[lo:hi], metadata[lo:hi], sample_ids[lo:hi])
                 for w, (lo, hi) in zip(self.reward_workers, shards)]
         names = [(sample_ids[lo], sample_ids[hi - 1]) for lo, hi in shards]

@@ -8,10 +8,15 @@ NaN, a missing key or a wrong length is a ScoringError naming the sample and the
 Video goes through the same contract: an image reward (`takes = "image"`) scores every frame of
 clips [B, F, H, W, 3] and the clip's score is the mean over its frames (RewardSet does this); a
 clip reward (`takes = "clip"`, e.g. temporal consistency) receives the clips whole.
+
+A group reward (`groupwise = True`, e.g. Pref-GRPO's pairwise win rate) scores each sample against
+the others of its group, and receives `groups=` (one key per sample, `group_keys`); the stages
+hand it whole groups.
 """
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -35,6 +40,7 @@ class Reward(ABC):
     device: str = "cpu"
     ready: bool = False
     takes: str = "image"  # "image": frame-wise on clips (mean over frames); "clip": whole clips only
+    groupwise: bool = False  # scores samples against their group's others: score(..., groups=keys)
     #: modules the scorer imports when it is set up, and the pip extra that installs them
     requires: tuple[str, ...] = ()
     extra: str = ""
@@ -67,9 +73,22 @@ class Reward(ABC):
         ...
 
 
+ROLLOUT_ID = re.compile(r"^(\d{5}-\d{3})-\d{2}$")  # <iteration>-<group slot>-<sample in group>
+
+
+def group_keys(prompts: list[str], sample_ids: list[str]) -> list[str]:
+    """Each scored sample's group: the rollout's (sample ids `<iteration>-<slot>-<g>` share the
+    iteration and slot), or, for ids of another form (`pixrl score`, a reward-service request
+    without groups), the samples with the same prompt."""
+    keys = [ROLLOUT_ID.match(s) for s in sample_ids]
+    if all(keys):
+        return [k.group(1) for k in keys]
+    return [f"prompt:{p}" for p in prompts]
+
+
 def _builtin() -> None:
     from . import (aesthetic, clip_score, hpsv2, imagereward, jpeg, nsfw, ocr, pickscore, remote, shapes,  # noqa: F401
-                   temporal, vlm_judge, brisque, people)
+                   temporal, vlm_judge, pairwise_judge, brisque, people)
 
 
 REWARDS: Registry[type[Reward]] = Registry("reward", "rewards", _builtin)

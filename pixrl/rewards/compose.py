@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import Reward, ScoringError, build_reward
+from .base import Reward, ScoringError, build_reward, group_keys
 
 
 class RewardSet:
@@ -22,16 +22,24 @@ class RewardSet:
         self.device = device
         self.rewards: dict[str, Reward] = {n: build_reward(n, **options.get(n, {})) for n in weights}
 
+    @property
+    def groupwise(self) -> bool:
+        """Whether some reward scores samples against their group (the batch must hold whole groups)."""
+        return any(r.groupwise for r in self.rewards.values())
+
     def score(self, images: np.ndarray, prompts: list[str], metadata: list[dict],
-              sample_ids: list[str]) -> dict[str, np.ndarray]:
-        """{'reward': total [B], '<name>': [B], '<name>.<diag>': [B], ...}; raises ScoringError."""
+              sample_ids: list[str], groups: list[str] | None = None) -> dict[str, np.ndarray]:
+        """{'reward': total [B], '<name>': [B], '<name>.<diag>': [B], ...}; raises ScoringError.
+        `groups`: each sample's group for group rewards (default: `group_keys`)."""
         n = len(images)
+        if self.groupwise and groups is None:
+            groups = group_keys(prompts, sample_ids)
         out: dict[str, np.ndarray] = {}
         total = np.zeros(n, dtype=np.float32)
         for name, reward in self.rewards.items():
             try:
                 reward.ensure_setup(self.device)
-                scores = self._score_one(reward, images, prompts, metadata)
+                scores = self._score_one(reward, images, prompts, metadata, groups)
             except ScoringError:
                 raise
             except Exception as exc:
@@ -73,11 +81,27 @@ class RewardSet:
         if clip_only and not video:
             raise ValueError(f"reward(s) {clip_only} score clips, and this model family makes images; remove them "
                              "from reward.weights or choose a video family")
+        paired = [n for n, r in self.rewards.items() if r.groupwise]
+        if paired and video:
+            raise ValueError(f"reward(s) {paired} compare the images of a group, and this model family makes clips; "
+                             "remove them from reward.weights or choose an image family")
 
     @staticmethod
-    def _score_one(reward: Reward, images: np.ndarray, prompts: list[str], metadata: list[dict]) -> dict:
+    def _score_one(reward: Reward, images: np.ndarray, prompts: list[str], metadata: list[dict],
+                   groups: list[str] | None = None) -> dict:
         """One reward's scores: clips go whole to a clip reward; an image reward scores every frame
-        and each key is averaged over the clip's frames."""
+        and each key is averaged over the clip's frames; a group reward gets the groups."""
+        if reward.groupwise:
+            if images.ndim != 4:
+                raise ScoringError(f"scorer {reward.name!r} compares images [B, H, W, 3]; got {images.shape}")
+            first: dict[str, int] = {}
+            for i, g in enumerate(groups):
+                first.setdefault(g, i)
+            order = np.array(sorted(range(len(groups)), key=lambda i: (first[groups[i]], i)))  # each group together
+            scores = reward.score(images[order], [prompts[i] for i in order], [metadata[i] for i in order],
+                                  groups=[groups[i] for i in order])
+            back = np.argsort(order)
+            return {k: np.asarray(v)[back] if np.ndim(v) == 1 and len(v) == len(order) else v for k, v in scores.items()}
         if images.ndim == 4 or reward.takes == "clip":
             if images.ndim == 4 and reward.takes == "clip":
                 raise ScoringError(f"scorer {reward.name!r} scores clips [B, F, H, W, 3]; got images {images.shape}")

@@ -3,6 +3,9 @@ served set's weighted total; each served component comes back as `remote.<name>`
 failures (connection refused or reset, timeouts, 502–504) are retried with exponential backoff up
 to `retries` times; then — or at once for any other refusal (401, 413, 422, a scorer's 500) — a
 ScoringError names the URL and the cause, and the score stage writes nothing.
+
+`groups=true`: the served set holds a group reward (`pairwise_judge`): requests carry whole groups
+and each sample's group key, and the stages hand this reward whole groups.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from .wire import encode_batch
 @register_reward("remote")
 class RemoteReward(Reward):
     def __init__(self, url: str = "", token: str = "", token_env: str = "PIXRL_REWARD_TOKEN", timeout: float = 300.0,
-                 retries: int = 4, backoff: float = 1.0, batch: int = 32, payload: str = "png"):
+                 retries: int = 4, backoff: float = 1.0, batch: int = 32, payload: str = "png", groups: bool = False):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"reward remote: url {url!r} is not an http(s) URL; set reward.options.remote.url to the "
                              f"service `pixrl reward-serve` prints, e.g. http://127.0.0.1:8765")
@@ -28,6 +31,7 @@ class RemoteReward(Reward):
             raise ValueError(f"reward remote: payload {payload!r}; choose png (compressed) or npz (raw arrays, no "
                              f"encode cost)")
         self.payload = payload
+        self.groupwise = bool(groups)
         self.token = token or os.environ.get(token_env, "")
         self.client = None
 
@@ -43,12 +47,13 @@ class RemoteReward(Reward):
                          f"reward service {self.url}",
                          "start it with `pixrl reward-serve`, or fix reward.options.remote.url")["scores"]
 
-    def score(self, images, prompts, metadata):
+    def score(self, images, prompts, metadata, groups=None):
         parts: dict[str, list] = {}
-        for s in range(0, len(images), self.batch):
-            got = self._post(encode_batch(images[s:s + self.batch], prompts[s:s + self.batch], metadata[s:s + self.batch],
-                                          self.payload))
-            for k, v in got.items():
+        for lo, hi in self._requests(len(images), groups):
+            body = encode_batch(images[lo:hi], prompts[lo:hi], metadata[lo:hi], self.payload)
+            if groups is not None:
+                body["groups"] = list(groups[lo:hi])
+            for k, v in self._post(body).items():
                 parts.setdefault(k, []).extend(v)
         if "reward" not in parts:
             raise ScoringError(f"reward service {self.url} returned no total 'reward' (got {sorted(parts)})")
@@ -56,3 +61,15 @@ class RemoteReward(Reward):
         out.update({f"{self.name}.{k}": np.asarray(v, np.float32) for k, v in parts.items()})
         return out
 
+
+    def _requests(self, n: int, groups) -> list[tuple[int, int]]:
+        """Row ranges of `batch` rows, or (with groups) of whole groups, at least `batch` rows unless
+        the rows run out (the stages give a group's rows together)."""
+        if groups is None:
+            return [(s, min(s + self.batch, n)) for s in range(0, n, self.batch)]
+        out, lo = [], 0
+        for i in range(1, n + 1):
+            if i == n or (groups[i] != groups[i - 1] and i - lo >= self.batch):
+                out.append((lo, i))
+                lo = i
+        return out

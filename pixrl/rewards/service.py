@@ -37,6 +37,7 @@ class ScoreRequest(BaseModel):
     prompts: list[str]
     metadata: list[dict] | None = None
     sample_ids: list[str] | None = None
+    groups: list[str] | None = None  # each sample's group, for a group reward (pairwise_judge)
 
 
 class ServiceMetrics:
@@ -80,7 +81,8 @@ class ScoringGate:
             raise HTTPException(413, f"{n} images in one request exceed the batch limit of {self.max_batch}; split "
                                      f"the request (reward.options.remote.batch) or raise --max-batch")
 
-    def score(self, images: np.ndarray, prompts: list[str], meta: list[dict], ids: list[str]) -> dict:
+    def score(self, images: np.ndarray, prompts: list[str], meta: list[dict], ids: list[str],
+              groups: list[str] | None = None) -> dict:
         from fastapi import HTTPException
 
         t0 = time.perf_counter()
@@ -90,7 +92,7 @@ class ScoringGate:
         try:
             t1 = time.perf_counter()
             self.stats.add("waits", seconds="queue_wait", value=t1 - t0)
-            out = self.rewards.score(images, prompts, meta, ids)
+            out = self.rewards.score(images, prompts, meta, ids, groups)
         except ScoringError as exc:
             self.stats.add("failed")
             raise HTTPException(500, str(exc)) from None
@@ -164,15 +166,16 @@ def build_app(rewards: RewardSet, token: str | None = None, max_bytes: int = 64 
         gate.check_batch(n)
         meta = req.metadata if req.metadata is not None else [{}] * n
         ids = req.sample_ids if req.sample_ids is not None else [f"request[{i}]" for i in range(n)]
-        if not len(req.prompts) == len(meta) == len(ids) == n:
+        if not len(req.prompts) == len(meta) == len(ids) == n or (req.groups is not None and len(req.groups) != n):
             raise HTTPException(422, f"{n} images, {len(req.prompts)} prompts, {len(meta)} metadata, {len(ids)} "
-                                     f"sample ids: one of each per image")
+                                     f"sample ids{'' if req.groups is None else f', {len(req.groups)} groups'}: "
+                                     f"one of each per image")
         try:
             images = decode_images(req.images)
         except ValueError as exc:
             stats.add("refused")
             raise HTTPException(422, str(exc)) from None
-        out = gate.score(images, req.prompts, meta, ids)
+        out = gate.score(images, req.prompts, meta, ids, req.groups)
         return {"scores": {k: np.asarray(v, np.float32).tolist() for k, v in out.items()}}
 
     if accept_pickle:

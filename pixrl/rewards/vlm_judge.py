@@ -28,30 +28,37 @@ DEFAULT_QUESTION = "Does this image show {prompt}? Answer yes or no."
 @register_reward("vlm_judge")
 class VlmJudge(Reward):
     value_range = (0.0, 1.0)
+    ANSWERS = "yes / .no"  # the options that list the answers' spellings
 
     def __init__(self, path: str = "", question: str = DEFAULT_QUESTION, yes: tuple[str, ...] = ("Yes", "yes"),
                  no: tuple[str, ...] = ("No", "no"), batch_size: int = 8, dtype: str = "float32",
                  backend: str = "transformers", url: str = "", served_model: str = "", top_logprobs: int = 20,
                  concurrency: int = 16):
-        if backend not in ("transformers", "vllm"):
-            raise ValueError(f"reward vlm_judge: backend {backend!r} is not one of transformers, vllm")
-        if "{prompt}" not in question:
-            raise ValueError("reward vlm_judge: the question must contain {prompt} (where the image's prompt goes)")
-        self.question, self.batch_size, self.dtype, self.backend = question, batch_size, dtype, backend
+        self.question, self.batch_size, self.dtype = question, batch_size, dtype
         self.yes_words, self.no_words = tuple(yes), tuple(no)
-        self.model = None
+        self.locate(path, backend, url, served_model, top_logprobs, concurrency)
+
+    def locate(self, path: str, backend: str, url: str, served_model: str, top_logprobs: int,
+               concurrency: int) -> None:
+        """Check the settings that say where the judge is: a local checkout, or a vLLM server."""
+        if backend not in ("transformers", "vllm"):
+            raise ValueError(f"reward {self.name}: backend {backend!r} is not one of transformers, vllm")
+        if "{prompt}" not in self.question:
+            raise ValueError(f"reward {self.name}: the question must contain {{prompt}} (where the image's prompt goes)")
+        self.backend, self.model = backend, None
         if backend == "vllm":  # the model lives in the server: vlm_judge_vllm.py
             from .vlm_judge_vllm import VllmJudgeClient
 
             self.path = path
-            self.vllm = VllmJudgeClient(url, served_model or path, question, self.yes_words, self.no_words,
-                                        top_logprobs, concurrency)
+            self.vllm = VllmJudgeClient(url, served_model or path, self.question, self.yes_words, self.no_words,
+                                        top_logprobs, concurrency, name=self.name)
             return
         p = Path(path) if path else None
         if p is None or not (p / "config.json").is_file() or not (p / "preprocessor_config.json").is_file():
-            raise ValueError(f"reward vlm_judge: {path!r} is not a Qwen-VL checkout in the transformers layout (config.json "
-                             f"and preprocessor_config.json); set reward.options.vlm_judge.path to a local copy of e.g. "
-                             f"Qwen/Qwen2.5-VL-7B-Instruct (or serve it with vLLM: backend=vllm, url=…)")
+            raise ValueError(f"reward {self.name}: {path!r} is not a Qwen-VL checkout in the transformers layout "
+                             f"(config.json and preprocessor_config.json); set reward.options.{self.name}.path to a "
+                             f"local copy of e.g. Qwen/Qwen2.5-VL-7B-Instruct (or serve it with vLLM: backend=vllm, "
+                             f"url=…)")
         self.path = str(p)
 
     def setup(self, device: str = "cpu") -> None:
@@ -67,7 +74,7 @@ class VlmJudge(Reward):
             self.tokenizer = AutoTokenizer.from_pretrained(self.path, padding_side="left")
             self.images = ImageProcessor.from_pretrained(self.path)
         except Exception as exc:  # transformers raises many types; name the path and the cause
-            raise ScoringError(f"reward vlm_judge: could not load the judge from {self.path!r}: {exc}") from exc
+            raise ScoringError(f"reward {self.name}: could not load the judge from {self.path!r}: {exc}") from exc
         self.model.to(device).eval().requires_grad_(False)
         self.image_token = self.tokenizer.convert_ids_to_tokens(self.model.config.image_token_id)
         self.yes, self.no = self._answer_ids(self.yes_words), self._answer_ids(self.no_words)
@@ -77,34 +84,55 @@ class VlmJudge(Reward):
         for w in words:
             enc = self.tokenizer.encode(w, add_special_tokens=False)
             if len(enc) != 1:
-                raise ScoringError(f"reward vlm_judge: the answer {w!r} is {len(enc)} tokens for this tokenizer; list "
-                                   f"spellings that are one token each (reward.options.vlm_judge.yes / .no)")
+                raise ScoringError(f"reward {self.name}: the answer {w!r} is {len(enc)} tokens for this tokenizer; "
+                                   f"list spellings that are one token each (reward.options.{self.name}.{self.ANSWERS})")
             ids.append(enc[0])
         return ids
 
     def inputs(self, images: np.ndarray, prompts: list[str]) -> dict[str, torch.Tensor]:
         """The model inputs of a batch: chat texts with each image's placeholder expanded."""
-        pix = self.images(images=list(images), return_tensors="pt")
+        return self.chat_inputs([[img] for img in images], [self.question.format(prompt=p) for p in prompts])
+
+    def chat_inputs(self, image_sets: list[list[np.ndarray]], texts: list[str],
+                    captions: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+        """One user turn per row: its images (each after its caption, when given), then its text —
+        as Qwen's processor builds them, each placeholder expanded to its image's patch count."""
+        flat = [img for images in image_sets for img in images]
+        pix = self.images(images=flat, return_tensors="pt")
         merge = self.images.merge_size ** 2
-        texts = []
-        for grid, prompt in zip(pix["image_grid_thw"], prompts):
-            msg = [{"role": "user", "content": [{"type": "image"},
-                                                {"type": "text", "text": self.question.format(prompt=prompt)}]}]
+        grids = iter(pix["image_grid_thw"])
+        rows = []
+        for images, question in zip(image_sets, texts):
+            content = []
+            for k in range(len(images)):
+                if captions:
+                    content.append({"type": "text", "text": captions[k]})
+                content.append({"type": "image"})
+            msg = [{"role": "user", "content": [*content, {"type": "text", "text": question}]}]
             text = self.tokenizer.apply_chat_template(msg, tokenize=False, add_generation_prompt=True)
-            texts.append(text.replace(self.image_token, self.image_token * (int(grid.prod()) // merge), 1))
-        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            for _ in images:  # left to right: the k-th placeholder is the k-th image
+                n = int(next(grids).prod()) // merge
+                text = text.replace(self.image_token, "\0" * n, 1)
+            rows.append(text.replace("\0", self.image_token))
+        enc = self.tokenizer(rows, return_tensors="pt", padding=True, add_special_tokens=False)
         dev = self.model.device
         return {"input_ids": enc["input_ids"].to(dev), "attention_mask": enc["attention_mask"].to(dev),
                 "pixel_values": pix["pixel_values"].to(dev, self.model.dtype), "image_grid_thw": pix["image_grid_thw"].to(dev)}
+
+    @torch.no_grad()
+    def first_token_probs(self, inputs: dict[str, torch.Tensor], first: list[int],
+                          second: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The probabilities of two answers' first tokens (each summed over its spellings)."""
+        logits = self.model(**inputs).logits[:, -1].float()
+        p = torch.softmax(logits, dim=-1)
+        return p[:, first].sum(-1).cpu().numpy(), p[:, second].sum(-1).cpu().numpy()
 
     @torch.no_grad()
     def answer_probs(self, images: np.ndarray, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(p(yes), p(no)) of the first answer token, each summed over its spellings."""
         if self.backend == "vllm":
             return self.vllm.answer_probs(images, prompts)
-        logits = self.model(**self.inputs(images, prompts)).logits[:, -1].float()
-        p = torch.softmax(logits, dim=-1)
-        return p[:, self.yes].sum(-1).cpu().numpy(), p[:, self.no].sum(-1).cpu().numpy()
+        return self.first_token_probs(self.inputs(images, prompts), self.yes, self.no)
 
     def score(self, images, prompts, metadata):
         ys, ns = [], []

@@ -72,8 +72,20 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
                 raise ValueError(str(exc)) from None
         rewards = RewardSet(cfg.reward.weights, cfg.reward.options)
         rewards.check_media(getattr(family, "video", False))
+        if rewards.groupwise:
+            check_group_scoring(cfg, [n for n, r in rewards.rewards.items() if r.groupwise])
         rewards.check_installed()
         rewards.check_prompts([it.prompt for it in items], [it.meta for it in items])
     except (KeyError, ValueError, FileNotFoundError, ModelLoadError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
         raise PreflightError(msg) from None
+
+
+def check_group_scoring(cfg, names: list[str]) -> None:
+    """A reward that compares each sample with its group (pairwise_judge) needs whole groups in
+    every scored batch: reward.overlap scores micro-batches, so they must hold whole groups."""
+    s = cfg.sampling
+    if cfg.reward.overlap and s.micro_batch % s.group_size:
+        raise ValueError(f"reward.overlap scores each micro-batch as it is generated, and {names} need whole "
+                         f"groups: set sampling.micro_batch to a multiple of sampling.group_size={s.group_size} "
+                         f"(it is {s.micro_batch}), or reward.overlap=false")
