@@ -322,3 +322,26 @@ def test_sharded_update_of_a_family_that_calls_its_parts_directly(ray_cluster, t
     assert all(h["weights"] < 0.55 * whole for h in held), (held, whole)
     _close(got.weights, want.weights, cfg.algorithm.lr)
     np.testing.assert_allclose(got.metrics["grad_norm"], want.metrics["grad_norm"], rtol=1e-5)
+
+
+def test_a_group_reward_is_scored_in_whole_groups_by_the_reward_workers(ray_cluster, tiny_checkpoint, tmp_path):
+    """Pref-GRPO's pairwise win rate on 2 reward workers: each gets whole groups (rows of one group
+    never split between them), so the rewards equal one process's."""
+    from pixrl.engines.ray_engine import RayEngine
+    from pixrl.models.tiny_parts import write_tiny_qwen25_vl
+
+    judge = write_tiny_qwen25_vl(tmp_path / "judge")
+    cfg = _cfg(tiny_checkpoint, tmp_path, "ray.rollout_workers=1", "ray.reward_workers=2",
+               "reward.weights={pairwise_judge: 1.0}", f"reward.options.pairwise_judge.path={judge}",
+               "reward.options.pairwise_judge.decision=soft")
+    images = np.random.default_rng(3).integers(0, 256, (12, 16, 16, 3), dtype=np.uint8)
+    ids = [f"00000-{k // 4:03d}-{k % 4:02d}" for k in range(12)]  # 3 groups of 4: no even split of rows is whole
+    prompts = [PROMPTS[k // 4] for k in range(12)]
+    engine = RayEngine(cfg)
+    try:
+        got = engine.score(images, prompts, [{}] * 12, ids)
+    finally:
+        engine.close()
+    want = LocalEngine(cfg).score(images, prompts, [{}] * 12, ids)
+    np.testing.assert_allclose(got["pairwise_judge"], want["pairwise_judge"], atol=1e-6)
+    assert np.array_equal(got["pairwise_judge.comparisons"], np.full(12, 6.0, np.float32))
