@@ -317,11 +317,12 @@ def test_sft_loss_is_the_flow_matching_error_of_the_winners_alone(tiny_checkpoin
 
 def test_sft_flow_trains_on_the_best_rollouts_and_publishes(archive):
     wd, src_run, _ = archive
-    res = CliRunner().invoke(app, ["dpo", "--config", "shapes_sft", "--from", "src", "-n", "3", "--run", "sft1",
+    res = CliRunner().invoke(app, ["sft", "--from", "src", "-n", "3", "--run", "sft1",
                                    "--workdir", str(wd), f"model.path={archive_ckpt(wd)}", "dpo.eval_per_category=2",
                                    "dpo.pairs_per_step=4", "sampling.eval_steps=2", "algorithm.lr=1e-3",
                                    "algorithm.ema.enabled=true", "algorithm.ema.every=1"])
     assert res.exit_code == 0, res.output
+    assert "pixrl sft sft1 (diffusion_sft)" in " ".join(res.output.split())
     out = json.loads(res.stdout.strip().splitlines()[-1])
     client = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
     run = client.get_run(out["run_id"])

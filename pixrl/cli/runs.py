@@ -199,7 +199,8 @@ def dpo(
     iterations: Optional[int] = typer.Option(None, "--iterations", "-n", help="DPO optimizer steps (dpo.steps)"),
     run: Optional[str] = typer.Option(None, "--run", help="name of the DPO run (run.name)"),
     workdir: str = typer.Option("work", "--workdir"),
-    config: str = typer.Option("shapes_dpo", "--config", "-c", help="experiment preset or YAML"),
+    config: Optional[str] = typer.Option(None, "--config", "-c", help="experiment preset or YAML (default: "
+                                                                       "shapes_dpo; `pixrl sft`: shapes_sft)"),
     seed: Optional[int] = typer.Option(None, "--seed"),
     iteration_range: Optional[str] = typer.Option(None, "--iteration-range", help="source iterations LO:HI (HI excluded)"),
     policy_version: Optional[list[int]] = typer.Option(None, "--policy-version", help="only rollouts of this version (repeatable)"),
@@ -213,8 +214,10 @@ def dpo(
     export: Optional[str] = typer.Option(None, "--export", help="write ref.json, metrics.json, dpo_curve.csv here"),
 ) -> None:
     """Offline Diffusion-DPO on preference pairs mined from archived rollouts (Lance), pinned to
-    the source versions read (--config shapes_sft: SFT on each pair's winner instead). Extra
-    key=value arguments override the config (e.g. algorithm.beta=50)."""
+    the source versions read; `pixrl sft` (or --config shapes_sft): SFT on each pair's winner
+    instead. Extra key=value arguments override the config (e.g. algorithm.beta=50)."""
+    command = ctx.info_name or "dpo"
+    config = config or ("shapes_sft" if command == "sft" else "shapes_dpo")
     overrides = [*ctx.args, f"run.workdir={workdir}"]
     for key, val in (("dpo.steps", iterations), ("run.name", run), ("run.seed", seed), ("dpo.pairing", pairing),
                      ("dpo.margin", margin), ("dpo.pair_on", pair_on), ("dpo.balance", balance)):
@@ -237,7 +240,8 @@ def dpo(
 
     with _run_lock(workdir, cfg.run.name):
         _prepare_process(cfg, workdir)
-        console.print(f"[bold]pixrl dpo[/] {cfg.run.name}: {cfg.dpo.steps} steps · {cfg.dpo.pairing} pairs from "
+        console.print(f"[bold]pixrl {command}[/] {cfg.run.name} ({cfg.algorithm.name}): {cfg.dpo.steps} steps · "
+                      f"{cfg.dpo.pairing} pairs from "
                       f"{', '.join(sources)} · workdir {workdir}")
         with _interruptible(cfg.run.name, workdir, resume=False):
             try:
@@ -252,6 +256,12 @@ def dpo(
     _export(out, export)
     print(json.dumps({k: out[k] for k in ("run_id", "model_name", "policy", "heldout_before", "heldout_after", "sources",
                                           "flow_run_id")}))
+
+
+app.command("sft", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+            help="Offline SFT on the winner of each preference pair mined from archived rollouts, as `pixrl dpo` "
+                 "mines them (experiment shapes_sft: diffusion_sft; algorithm=token_sft for a token family); the "
+                 "same options.")(dpo)
 
 
 def _check_sources(sources: list[str], workdir: str) -> None:
