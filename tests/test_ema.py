@@ -52,6 +52,20 @@ def test_the_average_follows_flow_grpos_formula():
     assert torch.allclose(avg.state()["a"], torch.tensor([9 / 11]))
 
 
+def test_flow_grpos_count_per_micro_batch_is_k_updates_with_the_same_weights():
+    """flow_grpo calls ema.step once per micro-batch with the optimizer-step count: at a due step
+    of k micro-batches the same θ is averaged in k times, ema ← θ − d^k (θ − ema)."""
+    gen = torch.Generator().manual_seed(1)
+    start, theta = {"a": torch.randn(6, generator=gen)}, {"a": torch.randn(6, generator=gen)}
+    avg = WeightAverage.starting_at(EmaConfig(enabled=True, every=1, per_micro_batch=True), start, steps=20)
+    avg.after_optimizer_step(theta, micro_batches=3)
+    d = min(22 / 31, 0.9)
+    want = start["a"].clone()
+    for _ in range(3):
+        want.add_((1 - d) * (theta["a"] - want))
+    torch.testing.assert_close(avg.state()["a"], want, rtol=0, atol=1e-6)
+
+
 def test_a_bf16_weight_is_averaged_in_float32():
     start = {"w": torch.ones(4, dtype=torch.bfloat16)}
     avg = WeightAverage.starting_at(EmaConfig(enabled=True, decay=0.999, every=1), start, steps=10_000)

@@ -126,6 +126,9 @@ class EmaConfig(_Section):
     enabled: bool = False
     decay: float = Field(0.9, gt=0, lt=1)
     every: int = Field(8, ge=1, description="update the average after every this many optimizer steps")
+    per_micro_batch: bool = Field(False, description="flow_grpo's count: it steps the average once per training "
+                                  "micro-batch with the optimizer-step count, i.e. k times at a due step of k "
+                                  "micro-batches (decay d^k); false: once per optimizer step")
 
 
 class AlgorithmConfig(BaseModel):

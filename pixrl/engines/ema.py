@@ -49,13 +49,15 @@ class WeightAverage:
         return cls(settings, {k: like(weights[k], p, torch.float32) for k, p in params.items()}, steps)
 
     @torch.no_grad()
-    def after_optimizer_step(self, params: dict[str, torch.Tensor]) -> bool:
+    def after_optimizer_step(self, params: dict[str, torch.Tensor], micro_batches: int = 1) -> bool:
         """Count the step just taken and, when due, move the average towards `params`:
-        ema ← ema + (1 − d)(θ − ema). Returns whether it moved."""
+        ema ← ema + (1 − d)(θ − ema); with `per_micro_batch`, as flow_grpo's k calls with the
+        same θ do, ema ← ema + (1 − d^k)(θ − ema), k the step's micro-batches. Returns whether it moved."""
         self.steps += 1
         if not ema_due(self.steps, self.settings.every):
             return False
-        rate = 1.0 - ema_decay(self.steps, self.settings.decay)
+        decay = ema_decay(self.steps, self.settings.decay)
+        rate = 1.0 - decay ** (micro_batches if self.settings.per_micro_batch else 1)
         for k, p in params.items():
             avg = self.shadow[k]
             avg.add_(rate * (p.detach().to(avg.dtype) - avg))

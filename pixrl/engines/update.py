@@ -131,7 +131,7 @@ def run_update(pol: TrainablePolicy, prompts: PromptCache, algo, max_grad_norm: 
         acc.setdefault("grad_norm", []).append(float(gnorm))
         opt.step()
         if pol.ema is not None:
-            pol.ema.after_optimizer_step(named)
+            pol.ema.after_optimizer_step(named, len(step_batches))
         step_means = {**{k: float(np.mean(v)) for k, v in step_acc.items()}, "grad_norm": float(gnorm)}
         for key, val in algo.after_optimizer_step(step_means).items():
             acc.setdefault(key, []).append(val)
