@@ -174,3 +174,26 @@ def test_asking_for_the_average_of_a_checkpoint_without_one_names_the_fix(tiny_c
     res = CliRunner().invoke(app, ["eval", "--checkpoint", str(ck), "--weights", "average", "--per-category", "1"])
     assert res.exit_code == 2 and "holds no weight average" in res.output and "algorithm.ema.enabled" in res.output
     assert issubclass(MissingEma, FileNotFoundError)
+
+
+def test_a_run_resumed_after_a_failed_update_holds_the_uninterrupted_average(ema_run, tiny_checkpoint, tmp_path,
+                                                                           monkeypatch):
+    """Iteration 2's update fails after its work, before its commit; `pixrl resume` redoes it from
+    iteration 1's checkpoint — weights, moments and the average with its step count."""
+    from pixrl.stages.chaos import ENV
+
+    wd, _, cks = ema_run
+    args = ["train", "-n", "3", "--run", "E", "--seed", "5", "reward=jpeg_compressibility",
+            "algorithm.ema.enabled=true", f"algorithm.ema.every={EVERY}", f"algorithm.ema.decay={DECAY}",
+            "algorithm.optimizer_steps_per_iteration=2",
+            *tiny_overrides(tiny_checkpoint, tmp_path, **{"run.eval_every": 3, "run.eval_per_category": 1})]
+    monkeypatch.setenv(ENV, "update@2:raise")
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 1 and "injected fault in update" in res.output
+    monkeypatch.delenv(ENV)
+    out = json.loads(_ok(["resume", "E", "--workdir", str(tmp_path)]).stdout.strip().splitlines()[-1])
+    resumed = next((tmp_path / "checkpoints" / "E" / out["run_id"]).glob("it_0002"))
+    for name in ("trainable.safetensors", EMA):
+        want, got = load_file(str(cks[-1] / name)), load_file(str(resumed / name))
+        assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), name
+    assert _steps(resumed) == 6
