@@ -87,6 +87,15 @@ def test_win_rates_follow_from_the_judges_answers(judge_path, decision, both_ord
         assert abs(float(np.mean(out["pairwise_judge"][rows])) - 0.5) < 1e-6
 
 
+def test_pref_grpos_rounding_on_request(judge_path):
+    """Pref-GRPO's settings: one order, hard verdicts, win rates rounded to 3 decimals."""
+    images = _images()
+    exact = _judge(judge_path, both_orders=False).score(images, PROMPTS, [{}] * 5, groups=GROUPS)["pairwise_judge"]
+    rounded = _judge(judge_path, both_orders=False, decimals=3).score(images, PROMPTS, [{}] * 5,
+                                                                       groups=GROUPS)["pairwise_judge"]
+    assert np.array_equal(rounded, np.round(exact.astype(np.float64), 3).astype(np.float32))
+
+
 def test_a_group_scores_as_it_does_alone(judge_path):
     judge = _judge(judge_path, decision="soft")
     images = _images()

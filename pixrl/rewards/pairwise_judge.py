@@ -15,7 +15,7 @@ win rates average ½ and group normalisation works on their spread.
 Deviations from Pref-GRPO's code (fastvideo/rewards/unifiedreward_think.py): its judge
 (UnifiedReward-Think) reasons first and its final `<answer>` is parsed; here any Qwen2.5-VL /
 Qwen3-VL instruct checkout (or a vLLM server of one) answers at once, read from its logits; win
-rates are not rounded to three decimals. Cost: G(G−1) comparisons per group with both orders
+rates are not rounded to three decimals unless `decimals=3`. Cost: G(G−1) comparisons per group with both orders
 (G = 16: 240), `batch_size` pairs per forward — serve the judge with vLLM for real group sizes.
 """
 
@@ -41,12 +41,13 @@ class PairwiseJudge(VlmJudge):
     def __init__(self, path: str = "", question: str = DEFAULT_QUESTION, first: tuple[str, ...] = ("1",),
                  second: tuple[str, ...] = ("2",), decision: str = "hard", both_orders: bool = True,
                  batch_size: int = 4, dtype: str = "float32", backend: str = "transformers", url: str = "",
-                 served_model: str = "", top_logprobs: int = 20, concurrency: int = 16):
+                 served_model: str = "", top_logprobs: int = 20, concurrency: int = 16, decimals: int | None = None):
+        """`decimals`: round each win rate (Pref-GRPO rounds to 3); None keeps it exact."""
         if decision not in ("hard", "soft"):
             raise ValueError(f"reward {self.name}: decision {decision!r} is not one of hard, soft")
         self.question, self.batch_size, self.dtype = question, batch_size, dtype
         self.yes_words, self.no_words = tuple(first), tuple(second)
-        self.decision, self.both_orders = decision, both_orders
+        self.decision, self.both_orders, self.decimals = decision, both_orders, decimals
         self.locate(path, backend, url, served_model, top_logprobs, concurrency)
 
     def pairs(self, groups: list[str], prompts: list[str]) -> list[tuple[int, int]]:
@@ -107,6 +108,7 @@ class PairwiseJudge(VlmJudge):
             count[b] += 1
             mass[a] += m
             mass[b] += m
-        return {self.name: (wins / count).astype(np.float32),
+        rate = wins / count if self.decimals is None else np.round(wins / count, self.decimals)
+        return {self.name: rate.astype(np.float32),
                 f"{self.name}.p_answer": (mass / count).astype(np.float32),
                 f"{self.name}.comparisons": count.astype(np.float32)}
