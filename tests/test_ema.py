@@ -88,7 +88,8 @@ def ema_run(tiny_checkpoint, tmp_path_factory, prefect_harness):
     res = _ok(["train", "-n", "3", "--run", "E", "--seed", "5", "reward=jpeg_compressibility",
                "algorithm.ema.enabled=true", f"algorithm.ema.every={EVERY}", f"algorithm.ema.decay={DECAY}",
                "algorithm.optimizer_steps_per_iteration=2",
-               *tiny_overrides(tiny_checkpoint, wd, **{"run.eval_every": 3, "run.eval_per_category": 1})])
+               *tiny_overrides(tiny_checkpoint, wd, **{"run.eval_every": 3, "run.eval_per_category": 1,
+                                                       "run.eval_trained": "true"})])
     out = json.loads(res.stdout.strip().splitlines()[-1])
     cks = sorted((wd / "checkpoints" / "E" / out["run_id"]).glob("it_*"))
     assert len(cks) == 3
@@ -130,9 +131,14 @@ def test_a_replayed_update_reproduces_the_average_bit_for_bit(ema_run):
 
 
 def test_evaluation_uses_the_average(ema_run):
+    from mlflow.tracking import MlflowClient
+
     from pixrl.engines.local import LocalEngine
 
-    wd, _, cks = ema_run
+    wd, out, cks = ema_run
+    client = MlflowClient(f"sqlite:///{wd / 'mlflow.db'}")
+    steps = lambda key: sorted(m.step for m in client.get_metric_history(out["run_id"], key))  # noqa: E731
+    assert steps("heldout/accuracy") == [0, 3] and steps("heldout_trained/accuracy") == [3]  # the base has one
     cfg = ExperimentConfig.model_validate(json.loads((cks[-1] / "config.json").read_text()))
     counters = json.loads((cks[-1] / "counters.json").read_text())
     source = evaluated_weights(PolicySource(cks[-1], counters["checkpoint_id"]))

@@ -226,6 +226,8 @@ class RunConfig(_Section):
     threads: int | None = None
     eval_every: int = Field(0, ge=0, description="held-out evaluation every N iterations (0: off); best → alias champion")
     eval_per_category: int = Field(24, ge=1, description="held-out samples per prompt category")
+    eval_trained: bool = Field(False, description="with algorithm.ema: also evaluate each version's trained weights "
+                               "(heldout_trained/*) beside its average (heldout/*)")
     retention: RetentionConfig = RetentionConfig()
     keep_checkpoints: int | None = Field(None, ge=1, description="deprecated alias of run.retention.keep_full")
     retries: dict[str, TaskRetry] = Field(default_factory=_default_retries,

@@ -37,7 +37,7 @@ from .completion import RunStores
 from .decode_score import DecodeScoreStages
 from .overlap import ScoringOverlap
 from .plan import BatchPlan, make_plan, seed_of
-from .publish import evaluate_policy, publish_checkpoint
+from .publish import evaluate_policy, evaluated_weights, publish_checkpoint
 from .records import StageRecords, timed_stage
 
 
@@ -328,6 +328,10 @@ class OnlineStages(DecodeScoreStages):
             metrics = {f"heldout/{k}": v for k, v in res.items() if isinstance(v, float)}
             if champion:
                 metrics["heldout/champion_version"] = float(policy.version)
+            if self.cfg.run.eval_trained and evaluated_weights(self.source(policy)).ema:  # beside its average
+                raw = self.engine.evaluate(self.source(policy), self.cfg.dataset.name, "heldout",
+                                           self.cfg.run.eval_per_category)
+                metrics.update({f"heldout_trained/{k}": v for k, v in raw.items() if isinstance(v, float)})
             self.records.write("evaluate", after, metrics)
         self.tracker.log_missing_metrics(self.spec.run_id, metrics, step=after)  # a rerun logs nothing twice
         progress.evaluated(after, metrics)
