@@ -5,6 +5,8 @@ because `prefect deploy` loads this file by path (prefect.yaml entrypoints)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 from prefect import flow, get_run_logger
 
@@ -41,6 +43,9 @@ class EvalParameters(_Params):
     split: str = Field("heldout", pattern="^(heldout|train)$", description="prompt split: heldout or train")
     per_category: int = Field(48, ge=1, description="samples per prompt category")
     workdir: str = Field("work", description="directory of the stores")
+    weights: Literal["default", "average", "trained"] = Field(
+        "default", description="a version trained with algorithm.ema: its average (the default where it has one) or "
+                               "its trained weights")
 
 
 @flow(name="pixrl-online")
@@ -81,7 +86,8 @@ def evaluation(params: EvalParameters) -> dict:
     from pixrl.stages.inference import load_policy_version
 
     tracker = Tracker(default_tracking_uri(Path(params.workdir)))
-    policy, cfg, ref = load_policy_version(tracker, params.run_name, params.alias, params.workdir)
+    policy, cfg, ref = load_policy_version(tracker, params.run_name, params.alias, params.workdir,
+                                           None if params.weights == "default" else params.weights)
     res = get_evaluator(cfg.dataset.name)(policy.family, split_items(cfg.dataset, params.split), cfg.sampling,
                                           params.per_category)
     run_id = tracker.find_run("pixrl.run_name", params.run_name)

@@ -92,11 +92,11 @@ def run_policy_ref(tracker: Tracker, run: str, alias: str, workdir: str) -> Poli
     return ref
 
 
-def load_policy_version(tracker: Tracker, run: str, alias: str, workdir: str):
+def load_policy_version(tracker: Tracker, run: str, alias: str, workdir: str, weights: str | None = None):
     """A run's registered policy by alias (rollout, champion) → (policy, config, ref), as it is
-    evaluated (its weight average where it has one)."""
+    evaluated (its weight average where it has one) unless `weights` says which."""
     ckpt, ref = _run_checkpoint(tracker, run, alias, workdir)
-    policy, cfg = _from_pixrl_checkpoint(ckpt)
+    policy, cfg = _from_pixrl_checkpoint(ckpt, weights=weights)
     return policy, cfg, ref
 
 
