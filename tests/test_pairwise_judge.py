@@ -160,6 +160,20 @@ def test_ray_reward_shards_and_service_requests_hold_whole_groups(judge_path):
     np.testing.assert_allclose(got, want, atol=1e-6)
 
 
+def test_pixrl_score_compares_the_files_of_a_prompt(judge_path, tmp_path):
+    from pixrl.artifacts.media import png_bytes
+
+    for k, img in enumerate(_images(3)):
+        (tmp_path / f"{k}.png").write_bytes(png_bytes(img))
+    res = CliRunner().invoke(app, ["score", "--reward", "pairwise_judge", "--images", str(tmp_path), "--prompt",
+                                   "a red circle", f"pairwise_judge.path={judge_path}"])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert [r["file"] for r in rows] == ["0.png", "1.png", "2.png"]
+    assert all(r["pairwise_judge.comparisons"] == 4 for r in rows)
+    assert abs(np.mean([r["pairwise_judge"] for r in rows]) - 0.5) < 1e-6
+
+
 def test_a_run_stores_win_rates_of_its_groups(judge_path, tiny_checkpoint, tmp_path, prefect_harness):
     res = CliRunner().invoke(app, ["train", "-n", "1", "--run", "pref", "reward.weights={pairwise_judge: 1.0}",
                                    f"reward.options.pairwise_judge.path={judge_path}",

@@ -217,32 +217,24 @@ def dpo(
     the source versions read; `pixrl sft` (or --config shapes_sft): SFT on each pair's winner
     instead. Extra key=value arguments override the config (e.g. algorithm.beta=50)."""
     command = ctx.info_name or "dpo"
-    config = config or ("shapes_sft" if command == "sft" else "shapes_dpo")
     overrides = [*ctx.args, f"run.workdir={workdir}"]
     for key, val in (("dpo.steps", iterations), ("run.name", run), ("run.seed", seed), ("dpo.pairing", pairing),
                      ("dpo.margin", margin), ("dpo.pair_on", pair_on), ("dpo.balance", balance)):
         if val is not None:
             overrides.append(f"{key}={val}")
-    cfg = _dpo_config(config, overrides, sources, iteration_range, policy_version, reward_min, reward_max, category)
+    cfg = _dpo_config(config or f"shapes_{command}", overrides, sources, iteration_range, policy_version, reward_min,
+                      reward_max, category)
     _check_sources(sources, workdir)
     _begin_api()
-    import logging
-
-    from rich.logging import RichHandler
-
     from ..artifacts.archive import ArchiveError
     from ..stages.offline import OfflineError
     from ..flows.offline_dpo import offline_dpo
 
-    progress_log = logging.getLogger("pixrl")
-    progress_log.setLevel(logging.INFO)
-    progress_log.addHandler(RichHandler(console=console, show_path=False))
-
+    _log_progress()
     with _run_lock(workdir, cfg.run.name):
         _prepare_process(cfg, workdir)
         console.print(f"[bold]pixrl {command}[/] {cfg.run.name} ({cfg.algorithm.name}): {cfg.dpo.steps} steps · "
-                      f"{cfg.dpo.pairing} pairs from "
-                      f"{', '.join(sources)} · workdir {workdir}")
+                      f"{cfg.dpo.pairing} pairs from {', '.join(sources)} · workdir {workdir}")
         with _interruptible(cfg.run.name, workdir, resume=False):
             try:
                 out = offline_dpo(cfg.model_dump(mode="json"), workdir)
@@ -262,6 +254,17 @@ app.command("sft", context_settings={"allow_extra_args": True, "ignore_unknown_o
             help="Offline SFT on the winner of each preference pair mined from archived rollouts, as `pixrl dpo` "
                  "mines them (experiment shapes_sft: diffusion_sft; algorithm=token_sft for a token family); the "
                  "same options.")(dpo)
+
+
+def _log_progress() -> None:
+    """The offline flow's progress lines (logger `pixrl`) on the terminal."""
+    import logging
+
+    from rich.logging import RichHandler
+
+    progress_log = logging.getLogger("pixrl")
+    progress_log.setLevel(logging.INFO)
+    progress_log.addHandler(RichHandler(console=console, show_path=False))
 
 
 def _check_sources(sources: list[str], workdir: str) -> None:

@@ -26,7 +26,8 @@ def score(
     dataset: Optional[str] = typer.Option(None, "--dataset",
                                           help="parse prompt metadata with this dataset's parser (e.g. shapes)"),
 ) -> None:
-    """Score every file in --images; nothing is written but the JSON lines on stdout."""
+    """Score every file in --images; nothing is written but the JSON lines on stdout. A group
+    reward (pairwise_judge) compares the files that share a prompt with each other."""
     import numpy as np
 
     from ..artifacts.media import decode_media
@@ -51,17 +52,28 @@ def score(
         parse = prompt_parser(dataset)
         if parse is None:
             _fail(f"dataset {dataset!r} has no prompt-metadata parser")
+    samples = []
     for path in files:
         text, meta = _prompt_of(path, prompt)
         if parse is not None and not meta:
             meta = parse(text)
         sample = decode_media(path.read_bytes()) if path.suffix.lower() in {".png", ".mp4"} else _read_image(path)
+        samples.append((path.name, text, meta, sample))
+    # a group reward compares the files with the same prompt: the folder is scored at once
+    batches = [samples] if rewards.groupwise else [[s] for s in samples]
+    for batch in batches:
+        shapes = {s[3].shape for s in batch}
+        if len(shapes) > 1:
+            _fail(f"{', '.join(sorted(rewards.rewards))} compare(s) the images of a prompt, which must share one size; "
+                  f"{images!r} holds {sorted(shapes)}")
         try:
-            scores = rewards.score(sample[None], [text], [meta], [path.name])
+            scores = rewards.score(np.stack([s[3] for s in batch]), [s[1] for s in batch], [s[2] for s in batch],
+                                   [s[0] for s in batch])
         except ScoringError as exc:
-            _fail(f"{path.name}: {exc}", exc=exc)
-        print(json.dumps({"file": path.name, "prompt": text,
-                          **{k: float(np.asarray(v)[0]) for k, v in scores.items() if k != "reward"}}))
+            _fail(f"{batch[0][0] if len(batch) == 1 else images}: {exc}", exc=exc)
+        for i, (name, text, _, _) in enumerate(batch):
+            print(json.dumps({"file": name, "prompt": text,
+                              **{k: float(np.asarray(v)[i]) for k, v in scores.items() if k != "reward"}}))
 
 
 def _prompt_of(path: Path, prompt: str | None) -> tuple[str, dict]:
