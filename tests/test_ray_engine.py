@@ -77,6 +77,8 @@ def test_shards_cover_the_rows_in_whole_units():
 
 
 def test_sharded_rollout_decode_score_and_evaluate_equal_the_local_engine(ray_cluster, tiny_checkpoint, tmp_path):
+    """Rollout worker 1 holds no text towers: worker 0 encodes the call's prompts (and the
+    evaluation's) for it — the rows and images stay the local engine's, bit for bit."""
     from pixrl.engines.ray_engine import RayEngine
 
     cfg = _cfg(tiny_checkpoint, tmp_path)
@@ -94,6 +96,8 @@ def test_sharded_rollout_decode_score_and_evaluate_equal_the_local_engine(ray_cl
         expect = local.score(images, PROMPTS, [{}] * len(PROMPTS), ids)
         assert set(scores) == set(expect) and all(np.array_equal(scores[k], expect[k]) for k in expect)
         assert engine.describe()["engine"] == "ray"
+        towers = ray.get([w.text_tower_bytes.remote() for w in engine.rollout_workers])
+        assert towers[0] > 0 and towers[1] == 0, f"worker 0 encodes for worker 1, which loads no text towers: {towers}"
         # workers write their rows as fragments; one commit holds exactly the rows a local append writes
         cols = {"run_id": ["r"] * len(PROMPTS), "iteration": [0] * len(PROMPTS), "sample_id": ids,
                 "prompt_id": ids, "prompt": PROMPTS, "prompt_meta": ["{}"] * len(PROMPTS),

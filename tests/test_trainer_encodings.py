@@ -75,6 +75,26 @@ def test_a_family_loaded_without_text_towers_replays_with_given_encodings(family
     assert torch.equal(v_full, v_bare)
 
 
+@pytest.mark.parametrize("family", PIPELINE_FAMILIES)
+def test_a_rollout_worker_without_text_towers_samples_with_given_encodings(family, tiny_dirs):
+    """Ray rollout workers after the first: the call's conditioning and an evaluation shard's come
+    from a process with the towers (worker 0), and the rows and images are its own, bit for bit."""
+    cfg = load_config(None, [f"{k}={v}" for k, v in tiny_dirs(family).items()] + ["sampling.eval_steps=2"])
+    full, bare = LocalEngine(cfg), LocalEngine(cfg)
+    bare.text_towers = False
+    recipe = SamplerRecipe(steps=3, noise_level=0.7, guidance_scale=4.0, sde_steps=(0, 1), train_steps=(0, 1))
+    seeds = [5, 6, 7]
+    want, _ = full.rollout(PolicySource(), PROMPTS, seeds, recipe)
+    got, _ = bare.rollout(PolicySource(), PROMPTS, seeds, recipe,
+                          encodings=full.encodings([PROMPTS], recipe.guidance_scale))
+    assert not bare.policy.family.text_towers()
+    for name in ("latents", "next_latents", "log_probs", "final_latent"):
+        assert np.array_equal(got[name], want[name]), name
+    pairs = [({"prompt": p}, s) for p, s in zip(PROMPTS, seeds)]
+    images = bare.eval_images(PolicySource(), "shapes", pairs, full.eval_encodings("shapes", pairs))
+    assert np.array_equal(images, full.eval_images(PolicySource(), "shapes", pairs))
+
+
 def test_an_update_given_the_rollouts_encodings_equals_one_that_encodes(tiny_checkpoint, tmp_path):
     """CFG 4.5 (the negative prompt travels too); two prompt sets, as two dynamic-sampling rounds
     encode them; full fine-tune with a KL reference."""

@@ -73,20 +73,24 @@ class LocalEngine:
     # --- rollout ------------------------------------------------------------------------------
     def rollout(self, policy: PolicySource, prompts: list[str], seeds: list[int],
                 recipe: SamplerRecipe | TokenRecipe, noise_seeds: list[int] | None = None,
-                rows: tuple[int, int] | None = None, on_chunk=None) -> tuple[RolloutBatch, float]:
+                rows: tuple[int, int] | None = None, on_chunk=None,
+                encodings: list | None = None) -> tuple[RolloutBatch, float]:
         """`rows` = (start, stop): sample only those rows of the call (a rollout worker's share;
         start a multiple of sampling.micro_batch), with the prompts encoded as the whole call
         encodes them — so the shards of a call concatenate to the whole call, bit for bit.
         `on_chunk(start, stop, decode_input)`: called as each micro-batch finishes, with its
-        final latents (a token family: image tokens) on the host — reward.overlap's hook."""
+        final latents (a token family: image tokens) on the host — reward.overlap's hook.
+        `encodings` (another process's `encodings([prompts], recipe.guidance_scale)`): the call's
+        conditioning, given instead of encoded here (a rollout worker without text towers)."""
         self.use(policy)
         lo, hi = rows or (0, len(prompts))
         if isinstance(recipe, TokenRecipe):
             return self._rollout_tokens(prompts, seeds, recipe, lo, hi, on_chunk)
         fam, mb = self.policy.family, self.cfg.sampling.micro_batch
         model = self._sampler(policy)
-        cond_all, pos = self._prompts.encode(prompts)
-        neg = self._prompts.negative() if uses_negative_prompt(fam, recipe.guidance_scale) else None
+        cache = self._prompts if encodings is None else PromptCache.holding(fam, encodings)
+        cond_all, pos = cache.encode(prompts)
+        neg = cache.negative() if uses_negative_prompt(fam, recipe.guidance_scale) else None
         trajs = []
         t0 = time.perf_counter()
         self.policy.module.eval()
@@ -239,6 +243,15 @@ class LocalEngine:
             self._policy.invalidate()
 
     # --- evaluate -----------------------------------------------------------------------------
+    def eval_images(self, policy: PolicySource, dataset: str, pairs: list, encoded: dict | None = None):
+        """A shardable evaluator's images of these (prompt, seed) pairs under `policy`; `encoded`:
+        their prompt encodings from a process with text towers (`eval_encodings`)."""
+        self.use(policy)
+        return get_evaluator(dataset).images(self.policy.family, pairs, self.cfg.sampling, encoded)
+
+    def eval_encodings(self, dataset: str, pairs: list) -> dict | None:
+        return get_evaluator(dataset).encodings(self.policy.family, pairs, self.cfg.sampling)
+
     def evaluate(self, policy: PolicySource, dataset: str, split: str, per_category: int) -> dict:
         self.use(policy)
         items = split_items(self.cfg.dataset, split)

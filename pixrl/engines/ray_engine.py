@@ -90,6 +90,7 @@ class RayEngine:
         self.rollout_workers = [self._actor(RolloutWorker, r.rollout, i) for i in range(r.rollout_workers)]
         self.reward_workers = [self._actor(RewardWorker, r.reward, i) for i in range(r.reward_workers)]
         self._groupwise: bool | None = None  # whether a reward compares samples within groups (score shards)
+        self._shares_encodings = trainer_takes_encodings(cfg.model.family)  # worker 0 encodes for the others
         self.trainers: list | None = None
         self._described: dict | None = None
         self._decode_batch: int | None = None
@@ -159,11 +160,23 @@ class RayEngine:
 
     # --- rollout, decode, score ---------------------------------------------------------------
     def _sharded_rollout(self, method: str, *args) -> list:
-        """`method` of every rollout worker on its run of whole micro-batches of the call."""
-        prompts = args[1]
+        """`method` of every rollout worker on its run of whole micro-batches of the call; the
+        workers after the first are given the call's encodings, made by worker 0."""
+        prompts, recipe = args[1], args[3]
         shards = _shards(len(prompts), self.cfg.sampling.micro_batch, len(self.rollout_workers))
-        refs = [getattr(w, method).remote(*args[:5], rows, *args[5:]) for w, rows in zip(self.rollout_workers, shards)]
+        given = self._call_encodings(prompts, recipe) if len(shards) > 1 else None
+        refs = [getattr(w, method).remote(*args[:5], rows, *args[5:], None if k == 0 else given)
+                for k, (w, rows) in enumerate(zip(self.rollout_workers, shards))]
         return self._get(refs, "rollout", self.rollout_workers)
+
+    def _call_encodings(self, prompts: list[str], recipe):
+        """The call's prompts (and negative prompt) encoded by rollout worker 0 as its own rollout
+        encodes them — a cache hit there — in the object store once for the other workers, which
+        hold no text towers; None for a family whose workers encode themselves (token ids)."""
+        if not self._shares_encodings:
+            return None
+        ref = self.rollout_workers[0].encodings.remote([list(prompts)], getattr(recipe, "guidance_scale", None))
+        return self.ray.put(self._get([ref], "rollout", self.rollout_workers)[0])
 
     def rollout(self, policy: PolicySource, prompts: list[str], seeds: list[int], recipe,
                 noise_seeds: list[int] | None = None) -> tuple[RolloutBatch, float]:
@@ -287,12 +300,19 @@ class RayEngine:
         from ..datasets.registry import get_evaluator
 
         ev = get_evaluator(dataset)
-        if not all(hasattr(ev, part) for part in ("pairs", "images", "aggregate")):
+        needs = ("pairs", "images", "aggregate", *(("encodings",) if self._shares_encodings else ()))
+        if not all(hasattr(ev, part) for part in needs):
             ref = self.rollout_workers[0].evaluate.remote(policy, dataset, split, per_category)
             return self._get([ref], "rollout", self.rollout_workers)[0]
         pairs = ev.pairs(split_items(self.cfg.dataset, split), per_category)
         shards = _shards(len(pairs), ev.batch, len(self.rollout_workers))
-        refs = [w.eval_images.remote(policy, dataset, pairs[lo:hi]) for w, (lo, hi) in zip(self.rollout_workers, shards)]
+        encoded = [None] * len(shards)  # worker 0 encodes the other shards' prompts: they hold no text towers
+        if self._shares_encodings and len(shards) > 1:
+            first = self.rollout_workers[0]
+            encoded[1:] = self._get([first.eval_encodings.remote(dataset, pairs[lo:hi]) for lo, hi in shards[1:]],
+                                    "rollout", [first] * (len(shards) - 1))
+        refs = [w.eval_images.remote(policy, dataset, pairs[lo:hi], enc)
+                for w, (lo, hi), enc in zip(self.rollout_workers, shards, encoded)]
         return ev.aggregate(pairs, np.concatenate(self._get(refs, "rollout", self.rollout_workers)))
 
     def close(self) -> None:

@@ -72,18 +72,27 @@ class _Worker:
 
 
 class RolloutWorker(_Worker):
+    """Worker 0 holds the family's text towers and encodes for the others, which load without
+    them (a family whose text encoders are apart from its denoiser): each call's prompts are
+    encoded once, by worker 0, as the whole call encodes them."""
+
     kind = "rollout"
+
+    def __init__(self, cfg_json: dict, index: int, threads: int):
+        super().__init__(cfg_json, index, threads)
+        self.engine.text_towers = index == 0 or not trainer_takes_encodings(self.engine.cfg.model.family)
 
     def describe(self) -> dict:
         return self.engine.describe()
 
-    def rollout(self, policy, prompts, seeds, recipe, noise_seeds, rows):
+    def rollout(self, policy, prompts, seeds, recipe, noise_seeds, rows, encodings=None):
         worker_fault_point(self.kind, self.index)
-        return self.engine.rollout(policy, prompts, seeds, recipe, noise_seeds=noise_seeds, rows=rows)
+        return self.engine.rollout(policy, prompts, seeds, recipe, noise_seeds=noise_seeds, rows=rows,
+                                   encodings=encodings)
 
-    def rollout_rows(self, policy, prompts, seeds, recipe, noise_seeds, rows, sink):
+    def rollout_rows(self, policy, prompts, seeds, recipe, noise_seeds, rows, sink, encodings=None):
         """Rows [lo, hi) of the call, written as uncommitted fragments: (fragments, schema, seconds)."""
-        batch, seconds = self.rollout(policy, prompts, seeds, recipe, noise_seeds, rows)
+        batch, seconds = self.rollout(policy, prompts, seeds, recipe, noise_seeds, rows, encodings)
         table = sink.rows(batch, *rows)
         return sink.write(table), table.schema, seconds
 
@@ -122,12 +131,21 @@ class RolloutWorker(_Worker):
         worker_fault_point(self.kind, self.index)
         return self.engine.encodings(prompt_sets, guidance_scale)
 
-    def eval_images(self, policy, dataset: str, pairs: list) -> object:
-        """The images of a shard of an evaluation's (prompt, seed) pairs, under `policy`."""
-        from ..datasets.registry import get_evaluator
+    def eval_images(self, policy, dataset: str, pairs: list, encoded: dict | None = None) -> object:
+        """The images of a shard of an evaluation's (prompt, seed) pairs, under `policy`; `encoded`:
+        their prompt encodings, made by worker 0 (`eval_encodings`)."""
+        return self.engine.eval_images(policy, dataset, pairs, encoded)
 
-        self.engine.use(policy)
-        return get_evaluator(dataset).images(self.engine.policy.family, pairs, self.engine.cfg.sampling)
+    def eval_encodings(self, dataset: str, pairs: list) -> dict | None:
+        """The prompt encodings a shard's `eval_images` makes, in host memory (worker 0)."""
+        return self.engine.eval_encodings(dataset, pairs)
+
+    def text_tower_bytes(self) -> int:
+        """Bytes of text-tower weights this worker holds (0 where worker 0 encodes for it)."""
+        from .fsdp import local_bytes
+
+        towers = getattr(self.engine.policy.family, "text_towers", dict)()
+        return local_bytes(p for m in towers.values() for p in m.parameters())
 
 
 class RewardWorker(_Worker):

@@ -10,7 +10,7 @@ import numpy as np
 from ...algorithms.recipe import eval_recipe
 from ...algorithms.sampling import SamplerRecipe, generators, sample
 from ...algorithms.token_sampling import TokenRecipe, generate_tokens
-from ...models.base import uses_negative_prompt
+from ...models.base import conditioning_to, uses_negative_prompt
 from ..registry import register_evaluator
 from .judge import judge
 from .prompts import CATEGORIES
@@ -52,23 +52,35 @@ def bootstrap_interval(per_category: dict[str, list[float]], draws: int = BOOTST
 
 
 def generate_images(family, prompts: list[str], seeds: list[int], recipe: SamplerRecipe | TokenRecipe,
-                    batch: int = 64) -> np.ndarray:
+                    batch: int = 64, encoded: dict | None = None) -> np.ndarray:
     """uint8 images for (prompt, seed) pairs with the shared sampler of the family's step kind
-    (same as `pixrl generate`)."""
+    (same as `pixrl generate`). `encoded`: `prompt_encodings` of these prompts from a process with
+    the text towers, used instead of encoding here (the same bits)."""
     if isinstance(recipe, TokenRecipe):
         return np.concatenate([
             family.decode(generate_tokens(family, prompts[s:s + batch], generators(seeds[s:s + batch], family.device),
                                           recipe).tokens)
             for s in range(0, len(prompts), batch)])
-    neg = family.encode_prompts([""]) if uses_negative_prompt(family, recipe.guidance_scale) else None
+    on = lambda cond: None if cond is None else conditioning_to(cond, family.device)  # noqa: E731
+    neg = on(encoded["negative"]) if encoded is not None else \
+        family.encode_prompts([""]) if uses_negative_prompt(family, recipe.guidance_scale) else None
     imgs = []
-    for s in range(0, len(prompts), batch):
+    for k, s in enumerate(range(0, len(prompts), batch)):
         ps = prompts[s:s + batch]
-        cond = family.encode_prompts(ps)
+        cond = on(encoded["batches"][k]) if encoded is not None else family.encode_prompts(ps)
         gens = generators(seeds[s:s + batch], family.device)
         traj = sample(family, cond, neg.expand(len(ps)) if neg is not None else None, gens, recipe)
         imgs.append(family.decode(traj.final))
     return np.concatenate(imgs)
+
+
+def prompt_encodings(family, prompts: list[str], recipe: SamplerRecipe, batch: int = 64) -> dict:
+    """What `generate_images` encodes for these prompts — each generation batch's conditioning and
+    the negative prompt's — in host memory, for a process that holds no text towers."""
+    neg = family.encode_prompts([""]) if uses_negative_prompt(family, recipe.guidance_scale) else None
+    return {"batches": [conditioning_to(family.encode_prompts(prompts[s:s + batch]), "cpu")
+                        for s in range(0, len(prompts), batch)],
+            "negative": None if neg is None else conditioning_to(neg, "cpu")}
 
 
 def judge_images(pairs: list[tuple[dict, int]], imgs: np.ndarray) -> dict:
@@ -113,9 +125,18 @@ class ShapesEvaluator:
     def pairs(self, items, per_category: int) -> list[tuple[dict, int]]:
         return evaluation_pairs(items, per_category)
 
-    def images(self, family, pairs: list[tuple[dict, int]], sampling) -> np.ndarray:
+    def images(self, family, pairs: list[tuple[dict, int]], sampling, encoded: dict | None = None) -> np.ndarray:
         recipe = eval_recipe(sampling, family.semantics.step.value)
-        return generate_images(family, [p["prompt"] for p, _ in pairs], [s for _, s in pairs], recipe, self.batch)
+        return generate_images(family, [p["prompt"] for p, _ in pairs], [s for _, s in pairs], recipe, self.batch,
+                               encoded)
+
+    def encodings(self, family, pairs: list[tuple[dict, int]], sampling) -> dict | None:
+        """The prompt encodings `images` makes for these pairs (None for a token family, whose
+        prompts are its own ids): a rollout worker without text towers is given them."""
+        recipe = eval_recipe(sampling, family.semantics.step.value)
+        if isinstance(recipe, TokenRecipe):
+            return None
+        return prompt_encodings(family, [p["prompt"] for p, _ in pairs], recipe, self.batch)
 
     def aggregate(self, pairs: list[tuple[dict, int]], images: np.ndarray) -> dict:
         return judge_images(pairs, images)
