@@ -244,3 +244,27 @@ def test_a_time_budget_ends_the_run_normally_after_the_iteration_it_expires_in(t
     run = client.get_run(out["run_id"])
     assert run.info.status == "FINISHED" and run.data.tags["pixrl.stopped_by_budget"] == "1"
     assert sorted(m.step for m in client.get_metric_history(out["run_id"], "heldout/accuracy")) == [0, 1]
+
+
+def test_run_profile_traces_the_chosen_stages(tiny_checkpoint, tmp_path, prefect_harness):
+    """run.profile: iteration 1's generate and update leave a Chrome trace and an operator table in
+    the run's records and its MLflow artifacts; other iterations and stages leave none."""
+    import gzip
+
+    res = CliRunner().invoke(app, ["train", "-n", "2", "--run", "prof", "reward=jpeg_compressibility",
+                                   "run.profile.iterations=[1]", *tiny_overrides(tiny_checkpoint, tmp_path)])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    profiles = next((tmp_path / "records" / "prof").glob("*/profiles"))
+    assert sorted(p.relative_to(profiles).as_posix() for p in profiles.glob("*/*")) == ["it_0001/generate",
+                                                                                         "it_0001/update"]
+    trace = json.loads(gzip.decompress((profiles / "it_0001" / "update" / "trace.json.gz").read_bytes()))
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert any(n.startswith("aten::") for n in names) and any("Optimizer.step" in n for n in names)
+    assert "Self CPU" in (profiles / "it_0001" / "generate" / "operators.txt").read_text()
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    logged = {a.path for a in client.list_artifacts(out["run_id"], "profile/it_0001/update")}
+    assert logged == {"profile/it_0001/update/operators.txt", "profile/it_0001/update/trace.json.gz"}
+    res = CliRunner().invoke(app, ["train", "-n", "1", "--run", "bad", "run.engine=ray", "run.profile.iterations=[0]",
+                                   *tiny_overrides(tiny_checkpoint, tmp_path)])
+    assert res.exit_code == 2 and "profile with run.engine=local" in res.output

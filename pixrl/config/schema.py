@@ -209,6 +209,23 @@ class RetentionConfig(_Section):
                                                    "stay whole; aliased versions always do")
 
 
+class ProfileConfig(_Section):
+    """torch.profiler over chosen iterations' stages (the local engine's compute): a Chrome trace
+    and the operators with the most self time, kept with the run's records and logged to its
+    MLflow run under profile/it_<N>/<stage>/ (stages/profiling.py)."""
+
+    iterations: list[int] = Field(default_factory=list, description="iterations whose stages are profiled")
+    stages: list[str] = Field(default_factory=lambda: ["generate", "update"], description="which of their stages")
+    rows: int = Field(30, ge=1, description="operators in the summary table")
+
+    @model_validator(mode="after")
+    def _known(self) -> "ProfileConfig":
+        unknown = sorted(set(self.stages) - set(STAGES))
+        if unknown:
+            raise ValueError(f"run.profile.stages has unknown stage(s) {unknown}; stages are {', '.join(STAGES)}")
+        return self
+
+
 class RunConfig(_Section):
     name: str = "default"
     engine: Literal["local", "ray"] = Field("local", description="where the compute runs: this process, or Ray "
@@ -229,6 +246,7 @@ class RunConfig(_Section):
     eval_trained: bool = Field(False, description="with algorithm.ema: also evaluate each version's trained weights "
                                "(heldout_trained/*) beside its average (heldout/*)")
     retention: RetentionConfig = RetentionConfig()
+    profile: ProfileConfig = ProfileConfig()
     keep_checkpoints: int | None = Field(None, ge=1, description="deprecated alias of run.retention.keep_full")
     retries: dict[str, TaskRetry] = Field(default_factory=_default_retries,
                                           description="per stage task; only transient faults are retried")
@@ -357,6 +375,10 @@ class ExperimentConfig(_Section):
         if n % self.sampling.micro_batch:
             raise ValueError(f"sampling.micro_batch={self.sampling.micro_batch} must divide group_size × "
                              f"prompts_per_iteration = {n}")
+        if self.run.profile.iterations and self.run.engine != "local":
+            raise ValueError(f"run.profile traces the compute of this process, and run.engine={self.run.engine} "
+                             f"computes in its workers — profile with run.engine=local, or set "
+                             f"run.profile.iterations=[]")
         if self.reward.overlap and self.run.engine != "local":
             raise ValueError(f"reward.overlap=true overlaps scoring with rollout inside the local engine; "
                              f"run.engine={self.run.engine} scores on its own reward workers — set "

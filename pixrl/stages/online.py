@@ -37,6 +37,7 @@ from .completion import RunStores
 from .decode_score import DecodeScoreStages
 from .overlap import ScoringOverlap
 from .plan import BatchPlan, make_plan, seed_of
+from .profiling import StageProfiler
 from .publish import evaluate_policy, evaluated_weights, publish_checkpoint
 from .records import StageRecords, timed_stage
 
@@ -51,6 +52,8 @@ class OnlineStages(DecodeScoreStages):
         self.retention = RunRetention(self.tracker, spec.model_name, spec.run_id, self.cfg.run.retention,
                                       spec.layout.checkpoints)
         self.overlap = ScoringOverlap(engine, self.cfg.sampling.micro_batch) if self.cfg.reward.overlap else None
+        self.profiler = StageProfiler(self.cfg.run.profile, spec.layout.records,
+                                      lambda d, path: self.tracker.client.log_artifacts(spec.run_id, d, path))
 
     @cached_property
     def step_kind(self) -> str:
@@ -86,9 +89,11 @@ class OnlineStages(DecodeScoreStages):
 
     def _timed(self, name: str, iteration: int, compute):
         """Run `compute() -> (result, metrics | None)` as stage `name`, logging its metrics."""
-        with timed_stage(self.tracker, self.spec.run_id, name, iteration,
-                         lambda: self.recorded_metrics(name, iteration)) as st:
+        with self.profiler.stage(name, iteration) as profiled, \
+                timed_stage(self.tracker, self.spec.run_id, name, iteration,
+                            lambda: self.recorded_metrics(name, iteration)) as st:  # the trace is written after
             result, metrics = compute()
+            profiled.keep = metrics is not None  # found complete: nothing was computed to profile
             st.record(metrics)
         return result
 
