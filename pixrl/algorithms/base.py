@@ -47,6 +47,8 @@ class Algorithm(ABC):
     needs: frozenset[str] = frozenset()
     #: trains from archived rollouts (preference pairs), not inside the online loop
     offline: bool = False
+    #: its advantages pick pairs within each group from the total reward (reward.aggregate=reward)
+    pairs_in_groups: bool = False
 
     def __init__(self, cfg: AlgorithmConfig):
         self.cfg = cfg
@@ -139,7 +141,7 @@ def _own_settings(model: type[BaseModel], name: str, values: dict) -> BaseModel:
 
 def _builtin() -> None:
     from . import (dance_grpo, diffusion_dpo, diffusion_nft, diffusion_sft, flow_dppo, flow_grpo,  # noqa: F401
-                   grpo_guard, mix_grpo, token_dpo, token_grpo, token_sft)  # (importing registers them)
+                   grpo_guard, mix_grpo, online_dpo, token_dpo, token_grpo, token_sft)  # (importing registers them)
 
 
 ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm", "algorithms", _builtin)

@@ -29,6 +29,10 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
                              f"run it with `pixrl dpo --from RUN`, or choose an online algorithm")
         if online:
             algo.check_sampling(cfg.sampling, family.semantics.step.value)
+            if algo.pairs_in_groups and cfg.reward.aggregate != "reward":
+                raise ValueError(f"algorithm {algo.name!r} pairs each group's best and worst rollout by the total "
+                                 f"reward; reward.aggregate={cfg.reward.aggregate} sums per-reward advantages — set "
+                                 f"reward.aggregate=reward")
             lacking = sorted(set(algo.needs) - rollout_fields(family.semantics))
             if lacking:
                 raise ValueError(f"algorithm {algo.name!r} needs trajectory field(s) {lacking}, which "
