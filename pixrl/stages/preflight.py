@@ -28,15 +28,7 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
             raise ValueError(f"algorithm {algo.name!r} trains from archived rollouts, not in the online loop; "
                              f"run it with `pixrl dpo --from RUN`, or choose an online algorithm")
         if online:
-            algo.check_sampling(cfg.sampling, family.semantics.step.value)
-            if algo.pairs_in_groups and cfg.reward.aggregate != "reward":
-                raise ValueError(f"algorithm {algo.name!r} pairs each group's best and worst rollout by the total "
-                                 f"reward; reward.aggregate={cfg.reward.aggregate} sums per-reward advantages — set "
-                                 f"reward.aggregate=reward")
-            lacking = sorted(set(algo.needs) - rollout_fields(family.semantics))
-            if lacking:
-                raise ValueError(f"algorithm {algo.name!r} needs trajectory field(s) {lacking}, which "
-                                 f"{cfg.model.family!r} rollouts ({family.semantics.step.value} steps) do not store")
+            check_online_algorithm(cfg, algo, family)
         if cfg.model.frames and not getattr(family, "video", False):
             raise ValueError(f"model.frames={cfg.model.frames}: the {family.name} family makes images, not clips; "
                              "unset model.frames (or choose a video family such as wan)")
@@ -83,6 +75,19 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
     except (KeyError, ValueError, FileNotFoundError, ModelLoadError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
         raise PreflightError(msg) from None
+
+
+def check_online_algorithm(cfg: ExperimentConfig, algo, family) -> None:
+    """The algorithm can train on this family's rollouts with these sampling and reward settings."""
+    algo.check_sampling(cfg.sampling, family.semantics.step.value)
+    if algo.pairs_in_groups and cfg.reward.aggregate != "reward":
+        raise ValueError(f"algorithm {algo.name!r} pairs each group's best and worst rollout by the total reward; "
+                         f"reward.aggregate={cfg.reward.aggregate} sums per-reward advantages — set "
+                         f"reward.aggregate=reward")
+    lacking = sorted(set(algo.needs) - rollout_fields(family.semantics))
+    if lacking:
+        raise ValueError(f"algorithm {algo.name!r} needs trajectory field(s) {lacking}, which {cfg.model.family!r} "
+                         f"rollouts ({family.semantics.step.value} steps) do not store")
 
 
 def check_group_scoring(cfg, names: list[str]) -> None:
