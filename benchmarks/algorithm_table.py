@@ -23,6 +23,7 @@ ROWS = {
     "grpo_guard": "cmp_grpo_guard",
     "flow_dppo": "cmp_flow_dppo",
     "diffusion_nft": "cmp_diffusion_nft",
+    "online_dpo": "cmp_online_dpo",
 }
 
 HEADER = ("| algorithm | held-out before → after (95% CI of after) | rose? | best in-run held-out, 24 per category (iteration) | "
