@@ -126,17 +126,22 @@ class DiffusionDPO(Algorithm):
         return True
 
     def losses(self, batch, policy):
-        d = self.settings
         x0 = policy.tensor(batch["final_latent"])
         b = len(x0) // 2
-        x_w, x_l = x0[:b], x0[b:]
-        sigma = draw_noise_levels(b, d, policy)
-        noise = torch.randn((b, *x_w.shape[1:]), generator=policy.generator, device=policy.device)
-        xt_w, v_w = noised(x_w, noise, sigma)
-        xt_l, v_l = noised(x_l, noise, sigma)
-        x, target = torch.cat([xt_w, xt_l]), torch.cat([v_w, v_l])
-        t = torch.cat([sigma, sigma]) * policy.timestep_scale
-        with torch.no_grad():
-            ref = velocity_error(policy.reference.velocity(x, t, policy.cond), target)
-        err = velocity_error(policy.model.velocity(x.to(policy.model.dtype), t, policy.cond), target)
-        yield dpo_loss(err[:b], err[b:], ref[:b], ref[b:], d.beta)
+        yield pair_loss(x0[:b], x0[b:], policy.cond, self.settings, policy)
+
+
+def pair_loss(x_w: torch.Tensor, x_l: torch.Tensor, cond, settings: DPOSettings, policy):
+    """Diffusion-DPO's loss on b pairs of clean latents (winners, losers), `cond` rows winners then
+    losers: one σ and one ε per pair from the update's generator, errors against the reference."""
+    b = len(x_w)
+    sigma = draw_noise_levels(b, settings, policy)
+    noise = torch.randn((b, *x_w.shape[1:]), generator=policy.generator, device=policy.device)
+    xt_w, v_w = noised(x_w, noise, sigma)
+    xt_l, v_l = noised(x_l, noise, sigma)
+    x, target = torch.cat([xt_w, xt_l]), torch.cat([v_w, v_l])
+    t = torch.cat([sigma, sigma]) * policy.timestep_scale
+    with torch.no_grad():
+        ref = velocity_error(policy.reference.velocity(x, t, cond), target)
+    err = velocity_error(policy.model.velocity(x.to(policy.model.dtype), t, cond), target)
+    return dpo_loss(err[:b], err[b:], ref[:b], ref[b:], settings.beta)

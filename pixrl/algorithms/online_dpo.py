@@ -14,13 +14,12 @@ even. The loss conditions on each pair's prompt without guidance, as Diffusion-D
 from __future__ import annotations
 
 import numpy as np
-import torch
 from pydantic import Field
 
 from ..config.schema import SamplingConfig
 from .advantages import GroupAdvantages, checked_rewards
 from .base import Algorithm, register_algorithm
-from .diffusion_dpo import DPOSettings, dpo_loss, draw_noise_levels, noised, velocity_error
+from .diffusion_dpo import DPOSettings, pair_loss
 from .sampling import SamplerRecipe
 
 
@@ -92,17 +91,6 @@ class OnlineDPO(Algorithm):
 
     def losses(self, batch, policy):
         winners, losers = pair_order(batch["advantage"], batch["group_id"])
-        order = winners + losers
+        x0 = policy.tensor(np.asarray(batch["final_latent"])[winners + losers])
         b = len(winners)
-        x0 = policy.tensor(np.asarray(batch["final_latent"])[order])
-        cond = policy.cond.select(order)
-        sigma = draw_noise_levels(b, self.settings, policy)
-        noise = torch.randn((b, *x0.shape[1:]), generator=policy.generator, device=policy.device)
-        xt_w, v_w = noised(x0[:b], noise, sigma)
-        xt_l, v_l = noised(x0[b:], noise, sigma)
-        x, target = torch.cat([xt_w, xt_l]), torch.cat([v_w, v_l])
-        t = torch.cat([sigma, sigma]) * policy.timestep_scale
-        with torch.no_grad():
-            ref = velocity_error(policy.reference.velocity(x, t, cond), target)
-        err = velocity_error(policy.model.velocity(x.to(policy.model.dtype), t, cond), target)
-        yield dpo_loss(err[:b], err[b:], ref[:b], ref[b:], self.settings.beta)
+        yield pair_loss(x0[:b], x0[b:], policy.cond.select(winners + losers), self.settings, policy)
