@@ -71,7 +71,6 @@ def test_a_bf16_weight_is_averaged_in_float32():
     avg = WeightAverage.starting_at(EmaConfig(enabled=True, decay=0.999, every=1), start, steps=10_000)
     avg.after_optimizer_step({"w": torch.full((4,), 1.0078125, dtype=torch.bfloat16)})  # the next bf16 value
     assert avg.state()["w"].dtype == torch.float32 and 1.0 < float(avg.state()["w"][0]) < 1.0001
-    assert avg.cast_like(start)["w"].dtype == torch.bfloat16
 
 
 def _ok(args):

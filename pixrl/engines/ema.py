@@ -66,7 +66,3 @@ class WeightAverage:
     def state(self) -> dict[str, torch.Tensor]:
         """The average whole, in float32 (under FSDP a collective: every rank calls it)."""
         return {k: full(v) for k, v in self.shadow.items()}
-
-    def cast_like(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The average in the weights' dtypes, to load into the model (whole tensors)."""
-        return {k: v.to(params[k].dtype) for k, v in self.state().items()}

@@ -164,8 +164,7 @@ class TrainablePolicy:
         if self.optimizer is None:
             self.optimizer = torch.optim.AdamW(list(self.trainable_parameters().values()), lr=a.lr,
                                                betas=a.adam_betas, eps=a.adam_eps, weight_decay=a.weight_decay)
-            self.optimizer_id = BASE
-            self.ema = self._weight_average(None) if self.weights_id == BASE else None  # else: set below
+            self.optimizer_id = None  # no state yet: the block below sets it (and the weight average)
         if self.optimizer_id != self.weights_id:
             if checkpoint_dir is None:
                 self.optimizer.state.clear()
