@@ -140,7 +140,7 @@ def _own_settings(model: type[BaseModel], name: str, values: dict) -> BaseModel:
 
 
 def _builtin() -> None:
-    from . import (dance_grpo, diffusion_dpo, diffusion_nft, diffusion_sft, flow_dppo, flow_grpo,  # noqa: F401
+    from . import (dance_grpo, ddpo, diffusion_dpo, diffusion_nft, diffusion_sft, flow_dppo, flow_grpo,  # noqa: F401
                    grpo_guard, mix_grpo, online_dpo, token_dpo, token_grpo, token_sft)  # (importing registers them)
 
 

@@ -1,4 +1,5 @@
-"""One stochastic flow-matching step with its log-probability (Flow-GRPO §2.1, CPS §2.2).
+"""One stochastic flow-matching step with its log-probability (Flow-GRPO §2.1, CPS §2.2,
+DanceGRPO §4.1, DDPO's DDIM-η §10).
 
 Convention (diffusers FlowMatchEulerDiscreteScheduler): x_σ = (1−σ)x0 + σε, σ runs 1 → 0,
 v ≈ ε − x0, Δ = σ' − σ < 0. All math is fp32 ("bf16 can overflow here"). Log-probs are the
@@ -16,7 +17,7 @@ from typing import Literal
 
 import torch
 
-SdeType = Literal["sde", "cps", "dance"]
+SdeType = Literal["sde", "cps", "dance", "ddim"]
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -36,6 +37,29 @@ def _bcast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def _mean_chw(t: torch.Tensor) -> torch.Tensor:
     return t.mean(dim=tuple(range(1, t.ndim)))
+
+
+def vp_norm(sigma: torch.Tensor) -> torch.Tensor:
+    """n(σ) = sqrt((1 − σ)² + σ²): a flow latent x = (1 − σ)x0 + σε is n(σ) times the
+    variance-preserving latent √ᾱ·x0 + √(1 − ᾱ)·ε of the same noise level, with
+    √ᾱ = (1 − σ)/n and √(1 − ᾱ) = σ/n (models/vp.py maps a DDPM schedule onto σ this way)."""
+    return torch.sqrt((1 - sigma) ** 2 + sigma**2)
+
+
+def ddim_moments(x: torch.Tensor, v: torch.Tensor, s: torch.Tensor, sn: torch.Tensor,
+                 eta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DDPO's DDIM-η transition (algorithms.md §10) in the variance-preserving coordinates:
+    (μ, σ_t) of x'_vp given x_vp = x/n(σ), with x̂0 = x − σv and ε̂ = x + (1 − σ)v (the velocity's
+    data and noise predictions, which an ε- or v-predicting model's are, exactly):
+    σ_t = η·sqrt((1 − ᾱ')/(1 − ᾱ)·(1 − ᾱ/ᾱ')), μ = √ᾱ'·x̂0 + sqrt(1 − ᾱ' − σ_t²)·ε̂."""
+    n, n_next = vp_norm(s), vp_norm(sn)
+    alpha_bar, alpha_bar_next = ((1 - s) / n) ** 2, ((1 - sn) / n_next) ** 2
+    one_minus, one_minus_next = (s / n) ** 2, (sn / n_next) ** 2  # 1 − ᾱ, without the cancellation
+    variance = one_minus_next / one_minus * (1 - alpha_bar / alpha_bar_next)
+    std = eta * torch.sqrt(torch.clamp(variance, min=0.0))
+    mean = torch.sqrt(alpha_bar_next) * (x - s * v) + torch.sqrt(
+        torch.clamp(one_minus_next - std**2, min=0.0)) * (x + (1 - s) * v)
+    return mean, std
 
 
 def sigma_tilde(s: torch.Tensor, sigma_max: float) -> torch.Tensor:
@@ -89,8 +113,13 @@ def flow_step(
         x0_hat = x - s * v
         x1_hat = x + (1 - s) * v
         mean = (1 - sn) * x0_hat + torch.sqrt(torch.clamp(sn**2 - std**2, min=0.0)) * x1_hat
+    elif sde_type == "ddim":  # moments of x'_vp; x' itself is stored in the flow coordinates, n(σ')·x'_vp
+        mean_vp, std_vp = ddim_moments(x, v, s, sn, noise_level)
+        n_next = vp_norm(sn)
+        mean, std = mean_vp * n_next, std_vp * n_next
+        coef = std
     else:
-        raise ValueError(f"unknown sde_type {sde_type!r}; choose 'sde', 'cps' or 'dance'")
+        raise ValueError(f"unknown sde_type {sde_type!r}; choose 'sde', 'cps', 'dance' or 'ddim'")
     if prev_sample is None:
         if noise_level == 0:
             prev_sample = mean
@@ -100,13 +129,19 @@ def flow_step(
             prev_sample = mean + std * noise.float()
     x_next = prev_sample.detach().float()
     if sde_type in ("sde", "dance"):
-        safe = torch.clamp(std, min=torch.finfo(torch.float32).tiny)
-        log_prob = -((x_next - mean) ** 2) / (2 * safe**2) - torch.log(safe) - _LOG_SQRT_2PI
+        log_prob = _gaussian_log_prob(x_next, mean, std)
+    elif sde_type == "ddim":  # DDPO's log π, of x'_vp = x'/n(σ') (the same from a stored x' in replay)
+        log_prob = _gaussian_log_prob(x_next / vp_norm(sn), mean_vp, std_vp)
     else:  # CPS: constants removed, unnormalised (as in flow_grpo)
         log_prob = -((x_next - mean) ** 2)
     log_prob = _mean_chw(log_prob)
     return StepOut(prev_sample=prev_sample, log_prob=log_prob, mean=mean,
                    std=std.reshape(b, -1)[:, 0], std_dev_t=coef.reshape(b, -1)[:, 0], velocity=v)
+
+
+def _gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    safe = torch.clamp(std, min=torch.finfo(torch.float32).tiny)
+    return -((x - mean) ** 2) / (2 * safe**2) - torch.log(safe) - _LOG_SQRT_2PI
 
 
 def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std_dev_t: torch.Tensor) -> torch.Tensor:

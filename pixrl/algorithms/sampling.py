@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .flow_sde import StepOut, flow_step
+from ..errors import ExpectedError
+from .flow_sde import StepOut, flow_step, vp_norm
 from .ode_solvers import compressed_tail, dpm_step
 
 
@@ -69,6 +70,23 @@ def initial_noise(generators: list[torch.Generator], shape: tuple[int, ...]) -> 
 _step_noise = initial_noise  # one ε per sample per stochastic step, drawn the same way
 
 
+def model_timesteps(policy, sigma: torch.Tensor) -> torch.Tensor:
+    """The model timesteps of noise levels σ off the rollout grid (DPO's and SFT's draws, a
+    compressed ODE tail): the family's own map (`timesteps_at`, a DDPM family's continuous t),
+    else σ·1000, diffusers' flow-matching num_train_timesteps."""
+    at = getattr(policy, "timesteps_at", None)
+    return at(sigma) if at is not None else sigma * 1000.0
+
+
+def vp_scale(policy, sigma) -> float:
+    """n(σ) for a variance-preserving family (`variance_preserving`: SD1.x/2.x), whose pipeline's
+    latents are x_vp: the sampler steps the flow latent n(σ)·x_vp (flow_sde.vp_norm), so its noise
+    enters as n(σ0)·ε and its final latent leaves as x/n(σ_T); 1 for a flow-matching family."""
+    if not getattr(policy, "variance_preserving", False):
+        return 1.0
+    return float(vp_norm(torch.as_tensor(sigma, dtype=torch.float32)))
+
+
 def denoise_step(policy, x, k: int, sigmas, timesteps, cond, neg, recipe: SamplerRecipe,
                  prev_sample=None, noise=None) -> StepOut:
     """One step k of the recipe: velocity (with CFG) then the SDE/ODE transition."""
@@ -104,6 +122,9 @@ def sample(policy, cond, neg, generators: list[torch.Generator], recipe: Sampler
     sigmas, timesteps = policy.schedule(recipe.steps)
     shape = policy.latent_shape()
     x = initial_noise(noise_generators or generators, shape)
+    start, end = vp_scale(policy, sigmas[0]), vp_scale(policy, sigmas[-1])
+    if start != 1.0:
+        x = x * start
     stored_x, stored_next, stored_lp, stored_mean = [], [], [], []
     tail = tail_start(recipe)
     prev_x0 = None
@@ -111,6 +132,7 @@ def sample(policy, cond, neg, generators: list[torch.Generator], recipe: Sampler
         noise = _step_noise(generators, shape) if recipe.is_sde(k) else None
         out = denoise_step(policy, x, k, sigmas, timesteps, cond, neg, recipe, noise=noise)
         if k in recipe.train_steps:
+            _check_stored(out, k, recipe)
             stored_x.append(x)
             stored_next.append(out.prev_sample)
             stored_lp.append(out.log_prob)
@@ -120,6 +142,8 @@ def sample(policy, cond, neg, generators: list[torch.Generator], recipe: Sampler
         x = out.prev_sample.float()
     if tail < recipe.steps:
         x = _ode_tail(policy, x, tail, prev_x0, sigmas, timesteps, cond, neg, recipe)
+    if end != 1.0:
+        x = x / end
     b = x.shape[0]
     empty = torch.zeros((b, 0, *shape), device=x.device)
     return Trajectory(
@@ -131,13 +155,27 @@ def sample(policy, cond, neg, generators: list[torch.Generator], recipe: Sampler
         sigmas=sigmas, timesteps=timesteps, stored_steps=list(recipe.train_steps))
 
 
+class UnstorableStep(ExpectedError, ValueError):
+    """A recipe stores a transition whose kernel has no spread on this family's grid."""
+
+
+def _check_stored(out: StepOut, k: int, recipe: SamplerRecipe) -> None:
+    """A stored stochastic transition needs a spread: the DDIM-η step onto σ' = 0 (ᾱ' = 1) is
+    deterministic, and a Gaussian log-prob of it is undefined (DDPO never stores one: SD's grid
+    ends at ᾱ_0 < 1)."""
+    if recipe.is_sde(k) and recipe.sde_type == "ddim" and not bool((out.std > 0).all()):
+        raise UnstorableStep(f"step {k} of the rollout grid ends at σ = 0, where the DDIM-η transition is "
+                         f"deterministic and has no log-prob; store fewer steps (sampling.timestep_fraction "
+                         f"< 1, e.g. {(recipe.steps - 1) / recipe.steps:.2f}, leaves the last one out)")
+
+
 def _ode_tail(policy, x, first: int, prev_x0, sigmas, timesteps, cond, neg, recipe: SamplerRecipe) -> torch.Tensor:
     """DPM-Solver++(2M) from step `first` to σ = 0: on the schedule's own points, or (Flash) on
     the compressed re-shifted grid, whose model timesteps are σ · num_train_timesteps."""
     if recipe.tail_compress < 1.0 and first > 0:
         shift = float(policy.scheduler.config.get("shift", 1.0))
         grid = compressed_tail(sigmas, first - 1, recipe.tail_compress, shift)
-        steps = grid[:-1] * float(policy.scheduler.config.num_train_timesteps)
+        steps = model_timesteps(policy, grid[:-1])
     else:
         grid, steps = sigmas[first:], timesteps[first:]
     prev_sigma = float(sigmas[first - 1]) if first > 0 else None

@@ -58,7 +58,8 @@ T2I_R1_REASONING_PROMPT = (
 class SamplingConfig(_Section):
     steps: int = Field(10, ge=1)
     noise_level: float = Field(0.7, ge=0)
-    sde_type: Literal["sde", "cps", "dance"] = Field("sde", description="stochastic step kernel: Flow-GRPO's SDE, CPS, or DanceGRPO's (s_t ≡ η)")
+    sde_type: Literal["sde", "cps", "dance", "ddim"] = Field(
+        "sde", description="stochastic step kernel: Flow-GRPO's SDE, CPS, DanceGRPO's (s_t ≡ η) or DDPO's DDIM-η")
     guidance_scale: float = Field(1.0, ge=1.0)
     group_size: int = Field(8, ge=2, description="G samples per prompt")
     prompts_per_iteration: int = Field(8, ge=1)

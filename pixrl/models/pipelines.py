@@ -30,12 +30,15 @@ class PipelineFamily:
     #: that only trains (a Ray trainer rank) loads the family without them (`text_towers=False`) and
     #: replays with the rollout's own encodings
     separate_text_towers: bool = True
+    #: the pipeline component that denoises (held as `self.transformer` whatever its kind): a
+    #: transformer, or SD1.x/2.x's "unet"
+    denoiser: str = "transformer"
 
     def __init__(self, pipe, path: str, dtype: torch.dtype, max_sequence_length: int = 0,
                  resolution: int | None = None, frames: int | None = None):
         self.pipe, self.path, self.dtype = pipe, path, dtype
         self.max_sequence_length, self.frames = max_sequence_length, frames
-        self.transformer, self.vae, self.scheduler = pipe.transformer, pipe.vae, pipe.scheduler
+        self.transformer, self.vae, self.scheduler = getattr(pipe, self.denoiser), pipe.vae, pipe.scheduler
         self.resolution = resolution or self.default_resolution(pipe)
         self._encode_device: torch.device | None = None  # set while the text towers rest in host memory
         self.without_text = False  # loaded with text_towers=False: prompt sets are encoded elsewhere
@@ -62,7 +65,7 @@ class PipelineFamily:
     @classmethod
     def trained_component(cls, options: dict) -> str:
         """The pipeline component the family trains (a two-expert checkpoint: the chosen expert)."""
-        return "transformer"
+        return cls.denoiser
 
     @classmethod
     def from_directory(cls, path: str | Path, dtype: str, device: str, max_sequence_length: int,
