@@ -152,6 +152,12 @@ def tiny_flux2(tmp_path_factory) -> tuple[Path, dict]:
 
 
 @pytest.fixture(scope="session")
+def tiny_sd15(tmp_path_factory) -> tuple[Path, dict]:
+    """Stable-Diffusion-1.5-shaped (ε-prediction UNet, DDPM schedule)."""
+    return _tiny_family(tmp_path_factory, "sd15")
+
+
+@pytest.fixture(scope="session")
 def tiny_wan(tmp_path_factory) -> tuple[Path, dict]:
     """Wan2.1-shaped text-to-video."""
     return _tiny_family(tmp_path_factory, "wan")

@@ -68,11 +68,12 @@ class SD15Family(PipelineFamily):
         from diffusers import DDIMScheduler
 
         config = self.scheduler.config
-        if config.get("clip_sample") or config.get("thresholding"):
-            raise ModelLoadError(f"{self.path!r}: its scheduler clips x̂0 (clip_sample/thresholding), which no "
-                                 f"Gaussian step with a log-prob can follow; set them false in "
-                                 f"scheduler/scheduler_config.json (SD1.x/2.x ship them false)")
-        # a config without the key (a PNDMScheduler's) means no clipping: PNDM never clips
+        if config.get("thresholding"):
+            raise ModelLoadError(f"{self.path!r}: its scheduler thresholds x̂0 (thresholding: true), which no "
+                                 f"Gaussian step with a log-prob can follow; set it false in "
+                                 f"scheduler/scheduler_config.json (SD1.x/2.x ship it false)")
+        # no clipping of x̂0: StableDiffusionPipeline itself resets a clip_sample of its scheduler to
+        # false, and PNDM (SD1.5's shipped scheduler) has none
         self.ddim = DDIMScheduler.from_config(config, clip_sample=False)
         table = self.ddim.alphas_cumprod.double()
         self._alpha_bar = table
@@ -136,7 +137,7 @@ class SD15Family(PipelineFamily):
         hi = torch.clamp(lo + 1, max=len(self._log_snr) - 1)
         w = t - lo
         log_snr = self._log_snr[lo] * (1 - w) + self._log_snr[hi] * w
-        return torch.sigmoid(log_snr)
+        return torch.where(w == 0, self._alpha_bar[lo], torch.sigmoid(log_snr))
 
     def timesteps_at(self, sigma: torch.Tensor) -> torch.Tensor:
         """The continuous DDPM timestep of flow noise levels σ (the inverse of `alpha_bar_at`):
