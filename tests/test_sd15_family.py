@@ -191,3 +191,29 @@ def test_two_ddpo_iterations_full_fine_tune(tiny_sd15, tmp_path, prefect_harness
     recipe = json.loads(t["recipe"][0].as_py())
     assert recipe["sde_type"] == "ddim" and recipe["train_steps"] == [0, 1, 2, 3]
     assert t["timesteps"][0].as_py()[:2] == [751.0, 501.0]
+
+
+@pytest.mark.parametrize("fixture", ["family", "v_family"])
+def test_offline_losses_use_the_models_own_error_and_timesteps(fixture, request):
+    """DPO's and SFT's error on a DDPM family is DiffusionDPO's: t uniform over the training
+    timesteps (`timesteps=ddpm`), x_t = √ᾱ x0 + √(1−ᾱ) ε, mean_CHW of the squared error of the
+    UNet's own target (ε; v = √ᾱ ε − √(1−ᾱ) x0 for v-prediction) — from the flow quantities."""
+    from pixrl.algorithms.diffusion_dpo import noised, prediction_error
+    from pixrl.algorithms.sampling import model_timesteps
+
+    fam = request.getfixturevalue(fixture)
+    g = torch.Generator().manual_seed(1)
+    sigma = fam.training_noise_levels(4, g)
+    t = fam.timesteps_at(sigma)
+    assert torch.allclose(t, t.round(), atol=2e-3) and torch.equal(model_timesteps(fam, sigma), t)
+    x0, eps = torch.randn((4, 4, 8, 8), generator=g), torch.randn((4, 4, 8, 8), generator=g)
+    cond = fam.encode_prompts(PROMPTS + PROMPTS)
+    x, target = noised(x0, eps, sigma)
+    with torch.no_grad():
+        ours = prediction_error(fam, fam.velocity(x, t, cond), target, sigma)
+        ab = fam.alpha_bar_at(t).float().reshape(-1, 1, 1, 1)
+        x_t = ab.sqrt() * x0 + (1 - ab).sqrt() * eps
+        pred = fam.transformer(x_t, t, encoder_hidden_states=cond.prompt_embeds).sample
+        want = eps if fam.prediction_type == "epsilon" else ab.sqrt() * eps - (1 - ab).sqrt() * x0
+        theirs = ((pred - want) ** 2).mean(dim=(1, 2, 3))
+    assert torch.allclose(ours, theirs, rtol=1e-4, atol=1e-6)

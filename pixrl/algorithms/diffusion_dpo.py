@@ -6,6 +6,11 @@ logit-normal, then time-shifted like the model's training schedule, as flow_grpo
 x_σ = (1−σ)·x0 + σ·ε, target v = ε − x0, e(x) = mean_CHW ‖v − v_θ(x_σ, σ, c)‖².
 inside = −½·β·[(e_θ(w) − e_ref(w)) − (e_θ(l) − e_ref(l))], L = −mean log σ(inside).
 At θ = ref, inside = 0 and L = ln 2. implicit_acc = mean(inside > 0).
+
+A variance-preserving family (SD1.x/2.x) is trained as DiffusionDPO trains it: `timesteps=ddpm`
+draws t uniform over its training timesteps, and the error is its own prediction's (ε, or v) —
+the velocity error times the family's `prediction_error_weight(σ)`, (1 − σ)² for ε (exact
+algebra: at a fixed x_σ, ε − ε̂ = (1 − σ)(v − v̂)).
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .base import Algorithm, register_algorithm
 from .ode_solvers import shifted, unshifted
+from .sampling import model_timesteps
 
-TIMESTEP_SCHEMES = ("logit_normal", "uniform")
+TIMESTEP_SCHEMES = ("logit_normal", "uniform", "ddpm")
 
 
 def sample_sigmas(n: int, scheme: str, generator: torch.Generator, mean: float = 0.0, std: float = 1.0,
@@ -32,6 +38,8 @@ def sample_sigmas(n: int, scheme: str, generator: torch.Generator, mean: float =
         s = torch.sigmoid(mean + std * torch.randn(n, generator=generator, device=generator.device))
     elif scheme == "uniform":
         s = torch.rand(n, generator=generator, device=generator.device)
+    elif scheme == "ddpm":
+        raise ValueError("timesteps=ddpm draws a DDPM family's own training timesteps (draw_noise_levels)")
     else:
         raise ValueError(f"unknown timestep scheme {scheme!r}; choose one of {', '.join(TIMESTEP_SCHEMES)}")
     return s.clamp(eps, 1 - eps)
@@ -64,6 +72,14 @@ def velocity_error(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((pred.float() - target.float()) ** 2).mean(dim=tuple(range(1, pred.ndim)))
 
 
+def prediction_error(model, pred: torch.Tensor, target: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """The per-sample error in the family's own parameterisation: the velocity error, weighted by
+    `prediction_error_weight(σ)` where the family predicts something else (ε, v of a DDPM model)."""
+    err = velocity_error(pred, target)
+    weight = getattr(model, "prediction_error_weight", None)
+    return err if weight is None else err * weight(sigma).to(err)
+
+
 def dpo_loss(err_w: torch.Tensor, err_l: torch.Tensor, ref_err_w: torch.Tensor, ref_err_l: torch.Tensor,
              beta: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The Diffusion-DPO loss over a batch of pairs, with its diagnostics (detached)."""
@@ -83,7 +99,8 @@ class NoiseLevelSettings(BaseModel):
     """How the offline flow-matching losses draw σ per sample (Diffusion-DPO and SFT on winners)."""
 
     model_config = ConfigDict(extra="forbid")
-    timesteps: Literal["logit_normal", "uniform"] = Field("logit_normal", description="how σ is drawn per pair")
+    timesteps: Literal["logit_normal", "uniform", "ddpm"] = Field(
+        "logit_normal", description="how σ is drawn per pair (ddpm: a DDPM family's training timesteps, uniform)")
     logit_mean: float = Field(0.0, description="mean of the logit-normal σ")
     logit_std: float = Field(1.0, gt=0, description="std of the logit-normal σ")
     shift: float | None = Field(None, gt=0, description="SD3's time shift applied to the drawn σ, as the model's "
@@ -102,6 +119,12 @@ def draw_noise_levels(n: int, settings: NoiseLevelSettings, policy) -> torch.Ten
     """σ per sample as the model's training schedule draws it: logit-normal (or uniform), then the
     time shift; on a two-expert checkpoint only where the trained expert denoises (its shifted
     range, drawn unshifted)."""
+    if settings.timesteps == "ddpm":
+        draw = getattr(policy.model, "training_noise_levels", None)
+        if draw is None:
+            raise ValueError(f"algorithm.timesteps=ddpm draws a DDPM model's training timesteps; the "
+                             f"{policy.model.name} family is flow-matching: choose logit_normal or uniform")
+        return draw(n, policy.generator)
     sched = policy.model.scheduler.config
     shift = settings.shift if settings.shift is not None else \
         float(sched.get("shift") or sched.get("flow_shift") or 1.0)
@@ -140,8 +163,9 @@ def pair_loss(x_w: torch.Tensor, x_l: torch.Tensor, cond, settings: DPOSettings,
     xt_w, v_w = noised(x_w, noise, sigma)
     xt_l, v_l = noised(x_l, noise, sigma)
     x, target = torch.cat([xt_w, xt_l]), torch.cat([v_w, v_l])
-    t = torch.cat([sigma, sigma]) * policy.timestep_scale
+    sigmas = torch.cat([sigma, sigma])
+    t = model_timesteps(policy.model, sigmas)
     with torch.no_grad():
-        ref = velocity_error(policy.reference.velocity(x, t, cond), target)
-    err = velocity_error(policy.model.velocity(x.to(policy.model.dtype), t, cond), target)
+        ref = prediction_error(policy.model, policy.reference.velocity(x, t, cond), target, sigmas)
+    err = prediction_error(policy.model, policy.model.velocity(x.to(policy.model.dtype), t, cond), target, sigmas)
     return dpo_loss(err[:b], err[b:], ref[:b], ref[b:], settings.beta)

@@ -5,7 +5,7 @@ fine-tuning on each prompt group's best sample.
 
 Per winner x0_w: σ drawn as the model's training schedule draws it (the same law as Diffusion-DPO,
 `draw_noise_levels`), fresh ε, x_σ = (1−σ)·x0_w + σ·ε, and L = mean_B mean_CHW ‖(ε − x0_w) −
-v_θ(x_σ, σ, c)‖². No reference model: nothing holds the policy near the base but the learning
+v_θ(x_σ, σ, c)‖² (a DDPM family's own ε or v error: `prediction_error`). No reference model: nothing holds the policy near the base but the learning
 rate and the number of steps. Losers are read with the pairs (the offline stage layer's
 micro-batch is b winners then their b losers) and ignored.
 """
@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from .base import Algorithm, register_algorithm
-from .diffusion_dpo import NoiseLevelSettings, draw_noise_levels, noised, velocity_error
+from .diffusion_dpo import NoiseLevelSettings, draw_noise_levels, noised, prediction_error
+from .sampling import model_timesteps
 
 
 class SFTSettings(NoiseLevelSettings):
@@ -40,8 +41,9 @@ class DiffusionSFT(Algorithm):
         noise = torch.randn(x_w.shape, generator=policy.generator, device=policy.device)
         x, target = noised(x_w, noise, sigma)
         cond = policy.cond.select(list(range(b)))  # the winners' rows
-        err = velocity_error(policy.model.velocity(x.to(policy.model.dtype), sigma * policy.timestep_scale, cond),
-                             target)
+        err = prediction_error(policy.model, policy.model.velocity(x.to(policy.model.dtype),
+                                                                   model_timesteps(policy.model, sigma), cond),
+                               target, sigma)
         with torch.no_grad():
             metrics = {"err_w": err.mean(), "sigma_mean": sigma.mean()}
         yield err.mean(), metrics

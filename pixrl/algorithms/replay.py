@@ -27,7 +27,6 @@ class ReplayPolicy:
     recipe: SamplerRecipe | None
     device: torch.device
     generator: torch.Generator | None = None  # the update's own randomness (e.g. DPO's σ and ε)
-    timestep_scale: float = 1000.0  # model timestep = σ · scale (diffusers' num_train_timesteps)
     sampler: object | None = None  # the algorithm's separate sampling policy (DiffusionNFT's "old")
     trained_steps: frozenset[int] | None = None  # grid steps the trained weights denoise; None: every one
 

@@ -150,6 +150,20 @@ class SD15Family(PipelineFamily):
         w = ((-target) - desc[lo]) / (desc[hi] - desc[lo])
         return (lo.double() + w.clamp(0, 1)).float().to(sigma.device)
 
+    def training_noise_levels(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        """σ of t drawn uniform over the training timesteps, as DiffusionDPO draws them
+        (`torch.randint(0, num_train_timesteps)`): DPO's and SFT's `timesteps=ddpm`."""
+        t = torch.randint(0, len(self._alpha_bar), (n,), generator=generator, device=generator.device)
+        return sigma_of_alpha_bar(self._alpha_bar[t.cpu()]).float().to(generator.device)
+
+    def prediction_error_weight(self, sigma: torch.Tensor) -> torch.Tensor:
+        """The factor that turns a squared velocity error at x_σ into the model's own: ε − ε̂ =
+        (1 − σ)(v − v̂); v-prediction's v_t − v̂_t = n(σ)(v − v̂); x0's x̂0 − x0 = σ(v − v̂)."""
+        s = sigma.float()
+        n = torch.sqrt((1 - s) ** 2 + s**2)
+        factor = {"epsilon": 1 - s, "v_prediction": n, "sample": s}[self.prediction_type]
+        return factor**2
+
     def latent_shape(self) -> tuple[int, int, int]:
         side = self.resolution // self.pipe.vae_scale_factor
         return self.transformer.config.in_channels, side, side
