@@ -68,6 +68,8 @@ CHECKS = {
     "wan_a14b": ([SMOKE, "--family", "wan_a14b", "--layers", "8"], 240, "video"),
     # passed there: sd3 (issue 14's line) 144 s, sana 68 s, qwen_image (12 blocks) 79 s
     "sd3": ([SMOKE, "--family", "sd3"], 240, None),
+    # new since: SD1.5's UNet with DDPO's recipe (860M, every step of DDIM-η stored)
+    "sd15": ([SMOKE, "--family", "sd15"], 150, None),
     "sana": ([SMOKE, "--family", "sana"], 150, None),
     "qwen_image": ([SMOKE, "--family", "qwen_image", "--layers", "12"], 200, None),
     # the same without the offload: the accelerator memory the offload frees (Mistral-3 at real width)

@@ -220,5 +220,33 @@ def janus_pro_1b_checkpoint(layers: int | None, device: str, out: Path) -> Path:
     return out
 
 
-BUILDERS = {"flux1": flux1_dev_pipeline, "qwen_image": qwen_image_pipeline, "sana": sana_1600m_pipeline,
+def sd15_pipeline(layers: int | None, device: str, workdir: Path):
+    """A random StableDiffusionPipeline with SD1.5's shapes: the UNet (320/640/1280/1280 channels,
+    2 layers a block, cross-attention 768, 8 heads; 860M), the SD VAE (quant convs, 0.18215) and
+    CLIP-L (12 layers of 768); SD1.5's PNDM scheduler config. `layers` is not used."""
+    import torch
+    from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from pixrl.models.mini.build import shapes_vocabulary
+    from pixrl.models.mini.tokenizer import write_word_tokenizer
+
+    torch.manual_seed(0)
+    tok = write_word_tokenizer(shapes_vocabulary(), workdir / "tokenizer", 77)
+    text = CLIPTextModel(CLIPTextConfig(vocab_size=len(tok), hidden_size=768, intermediate_size=3072,
+                                        num_hidden_layers=12, num_attention_heads=12, max_position_embeddings=77,
+                                        hidden_act="quick_gelu", bos_token_id=tok.bos_token_id,
+                                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+    unet = UNet2DConditionModel(sample_size=64, cross_attention_dim=768, attention_head_dim=8)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512),
+                        layers_per_block=2, latent_channels=4, sample_size=512, scaling_factor=0.18215)
+    sched = PNDMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", set_alpha_to_one=False,
+                          skip_prk_steps=True, steps_offset=1)
+    sched.register_to_config(clip_sample=False)
+    return StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=tok, unet=unet, scheduler=sched,
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+
+
+BUILDERS = {"sd15": sd15_pipeline, "flux1": flux1_dev_pipeline, "qwen_image": qwen_image_pipeline, "sana": sana_1600m_pipeline,
             "flux2": flux2_dev_pipeline, "wan": wan21_1_3b_pipeline, "wan_a14b": wan22_a14b_pipeline}

@@ -30,7 +30,7 @@ def test_each_algorithm_validates_its_own_settings():
     assert dpo.settings.beta == 50 and dpo.settings.timesteps == "logit_normal"
     with pytest.raises(ValueError, match="unknown key 'algorithm.clip_range' for algorithm 'diffusion_dpo'"):
         build_algorithm(AlgorithmConfig(name="diffusion_dpo", clip_range=0.2))
-    with pytest.raises(ValueError, match="algorithm.timesteps: Input should be 'logit_normal' or 'uniform'"):
+    with pytest.raises(ValueError, match="algorithm.timesteps: Input should be 'logit_normal', 'uniform' or 'ddpm'"):
         build_algorithm(AlgorithmConfig(name="diffusion_dpo", timesteps="cosine"))
 
 

@@ -47,7 +47,7 @@ def test_errors_name_key_and_choices():
         load_config(None, ["sampling.noise_levle=0.5"])
     assert "sampling.noise_levle" in str(e.value) and "sampling.noise_level" in str(e.value)
     with pytest.raises(ConfigError, match="sde_type"):
-        load_config(None, ["sampling.sde_type=ddim"])
+        load_config(None, ["sampling.sde_type=heun"])
     with pytest.raises(ConfigError, match="micro_batch"):
         load_config(None, ["sampling.micro_batch=7"])
     with pytest.raises(ConfigError, match="unknown model preset"):

@@ -96,30 +96,7 @@ def flow_step(
     sigma_next = torch.as_tensor(sigma_next, dtype=torch.float32, device=x.device).expand(b) if torch.as_tensor(
         sigma_next).ndim == 0 else sigma_next.float()
     s, sn = _bcast(sigma, x), _bcast(sigma_next, x)
-    dt = sn - s
-    if sde_type == "sde":
-        sig_tilde = sigma_tilde(s, sigma_max)
-        s_t = noise_level * torch.sqrt(s / (1.0 - sig_tilde))
-        mean = x * (1 + s_t**2 / (2 * s) * dt) + v * (1 + s_t**2 * (1 - s) / (2 * s)) * dt
-        std = s_t * torch.sqrt(-dt)
-        coef = s_t
-    elif sde_type == "dance":  # DanceGRPO (algorithms.md §4.1): the same drift with s_t ≡ η
-        mean = x + dt * (v + noise_level**2 / (2 * s) * (x + (1 - s) * v))
-        std = noise_level * torch.sqrt(-dt)
-        coef = torch.full_like(s, noise_level)
-    elif sde_type == "cps":
-        std = sn * math.sin(noise_level * math.pi / 2)
-        coef = std
-        x0_hat = x - s * v
-        x1_hat = x + (1 - s) * v
-        mean = (1 - sn) * x0_hat + torch.sqrt(torch.clamp(sn**2 - std**2, min=0.0)) * x1_hat
-    elif sde_type == "ddim":  # moments of x'_vp; x' itself is stored in the flow coordinates, n(σ')·x'_vp
-        mean_vp, std_vp = ddim_moments(x, v, s, sn, noise_level)
-        n_next = vp_norm(sn)
-        mean, std = mean_vp * n_next, std_vp * n_next
-        coef = std
-    else:
-        raise ValueError(f"unknown sde_type {sde_type!r}; choose 'sde', 'cps', 'dance' or 'ddim'")
+    mean, std, coef = _moments(sde_type, x, v, s, sn, sigma_max, noise_level)
     if prev_sample is None:
         if noise_level == 0:
             prev_sample = mean
@@ -130,13 +107,36 @@ def flow_step(
     x_next = prev_sample.detach().float()
     if sde_type in ("sde", "dance"):
         log_prob = _gaussian_log_prob(x_next, mean, std)
-    elif sde_type == "ddim":  # DDPO's log π, of x'_vp = x'/n(σ') (the same from a stored x' in replay)
-        log_prob = _gaussian_log_prob(x_next / vp_norm(sn), mean_vp, std_vp)
+    elif sde_type == "ddim":  # DDPO's log π of x'_vp = x'/n(σ'): the flow latent's density times n(σ')
+        log_prob = _gaussian_log_prob(x_next, mean, std) + torch.log(vp_norm(sn))
     else:  # CPS: constants removed, unnormalised (as in flow_grpo)
         log_prob = -((x_next - mean) ** 2)
     log_prob = _mean_chw(log_prob)
     return StepOut(prev_sample=prev_sample, log_prob=log_prob, mean=mean,
                    std=std.reshape(b, -1)[:, 0], std_dev_t=coef.reshape(b, -1)[:, 0], velocity=v)
+
+
+def _moments(sde_type: str, x, v, s, sn, sigma_max: float, noise_level: float):
+    """(μ, std, flow_grpo's returned coefficient) of x' given x for each kernel."""
+    dt = sn - s
+    if sde_type == "sde":
+        sig_tilde = sigma_tilde(s, sigma_max)
+        s_t = noise_level * torch.sqrt(s / (1.0 - sig_tilde))
+        mean = x * (1 + s_t**2 / (2 * s) * dt) + v * (1 + s_t**2 * (1 - s) / (2 * s)) * dt
+        return mean, s_t * torch.sqrt(-dt), s_t
+    if sde_type == "dance":  # DanceGRPO (algorithms.md §4.1): the same drift with s_t ≡ η
+        mean = x + dt * (v + noise_level**2 / (2 * s) * (x + (1 - s) * v))
+        return mean, noise_level * torch.sqrt(-dt), torch.full_like(s, noise_level)
+    if sde_type == "cps":
+        std = sn * math.sin(noise_level * math.pi / 2)
+        x0_hat, x1_hat = x - s * v, x + (1 - s) * v
+        mean = (1 - sn) * x0_hat + torch.sqrt(torch.clamp(sn**2 - std**2, min=0.0)) * x1_hat
+        return mean, std, std
+    if sde_type == "ddim":  # the moments of x'_vp, carried to the flow coordinates x' = n(σ')·x'_vp
+        mean_vp, std_vp = ddim_moments(x, v, s, sn, noise_level)
+        n_next = vp_norm(sn)
+        return mean_vp * n_next, std_vp * n_next, std_vp * n_next
+    raise ValueError(f"unknown sde_type {sde_type!r}; choose 'sde', 'cps', 'dance' or 'ddim'")
 
 
 def _gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:

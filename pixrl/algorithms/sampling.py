@@ -73,9 +73,9 @@ _step_noise = initial_noise  # one ε per sample per stochastic step, drawn the 
 def model_timesteps(policy, sigma: torch.Tensor) -> torch.Tensor:
     """The model timesteps of noise levels σ off the rollout grid (DPO's and SFT's draws, a
     compressed ODE tail): the family's own map (`timesteps_at`, a DDPM family's continuous t),
-    else σ·1000, diffusers' flow-matching num_train_timesteps."""
+    else σ·num_train_timesteps, as diffusers' flow-matching schedulers set them."""
     at = getattr(policy, "timesteps_at", None)
-    return at(sigma) if at is not None else sigma * 1000.0
+    return at(sigma) if at is not None else sigma * float(policy.scheduler.config.num_train_timesteps)
 
 
 def vp_scale(policy, sigma) -> float:

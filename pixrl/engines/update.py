@@ -85,8 +85,7 @@ class ReplayFactory:
         if isinstance(recipe, TokenRecipe):
             return TokenReplayPolicy(fam, self.reference, cond, recipe, fam.device)
         return ReplayPolicy(fam, self.reference, cond, self.neg.expand(len(rows)) if self.neg else None, self.sigmas,
-                            self.timesteps, recipe, fam.device, gen, float(fam.scheduler.config.num_train_timesteps),
-                            self.sampler, self.trained_steps)
+                            self.timesteps, recipe, fam.device, gen, self.sampler, self.trained_steps)
 
 
 def _aggregate(key: str, vals: list[float]) -> float:
