@@ -130,7 +130,9 @@ def main() -> None:
     after = heldout_reward([*model, *common], name, work)
     from safetensors.torch import load_file
 
-    trained = work / "model" / ("transformer_2" if "model.expert=low" in args.overrides else "transformer")
+    component = get_family(args.family).trained_component({"expert": "low"} if "model.expert=low" in args.overrides
+                                                          else {})
+    trained = work / "model" / component
     base = load_file(str(next(trained.glob("*.safetensors")))) if trained.is_dir() else {}
     points = curve(work, summary_line["run_id"])
     with open(out / "reward_curve.csv", "w", newline="") as f:
