@@ -89,12 +89,12 @@ def _velocities(fam, module):
     return own, other
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux1", "flux2", "qwen_image", "sana", "wan", "wan_a14b"])
+@pytest.mark.parametrize("family", ["sd3", "sd15", "flux1", "flux2", "qwen_image", "sana", "wan", "wan_a14b"])
 def test_a_lora_version_loads_into_the_diffusers_pipeline(family, tiny_dirs, tmp_path):
     overrides = tiny_dirs(family)
     ckpt = _trained(overrides, tmp_path, LORA)
     manifest = _export(ckpt, tmp_path / "lora")
-    component = "transformer_2" if family == "wan_a14b" else "transformer"
+    component = {"wan_a14b": "transformer_2", "sd15": "unet"}.get(family, "transformer")
     assert manifest["format"] == "diffusers-lora" and manifest["component"] == component
     assert manifest["lora"]["r"] == 4 and manifest["lora"]["lora_alpha"] == 8
     assert sorted(p.name for p in (tmp_path / "lora").iterdir()) == ["pixrl_export.json", "pytorch_lora_weights.safetensors"]
@@ -103,7 +103,7 @@ def test_a_lora_version_loads_into_the_diffusers_pipeline(family, tiny_dirs, tmp
     assert res.exit_code == 2 and "holds an exported diffusers-lora adapter" in res.output and "--merge" in res.output
     policy, _ = _from_pixrl_checkpoint(ckpt)
     pipe = _pipeline(getattr(diffusers, type(policy.family.pipe).__name__), overrides["model.path"], policy.family)
-    pipe.load_lora_weights(str(tmp_path / "lora"), **({"load_into_transformer_2": True} if component != "transformer"
+    pipe.load_lora_weights(str(tmp_path / "lora"), **({"load_into_transformer_2": True} if component == "transformer_2"
                                                          else {}))
     own, exported = _velocities(policy.family, getattr(pipe, component))
     base, _ = _velocities(TrainablePolicy(load_config(None, [f"{k}={v}" for k, v in overrides.items()])).family,
@@ -112,7 +112,7 @@ def test_a_lora_version_loads_into_the_diffusers_pipeline(family, tiny_dirs, tmp
     assert torch.equal(own, exported)
 
 
-@pytest.mark.parametrize("family,mode", [("sd3", "full"), ("flux1", "merged"), ("wan_a14b", "full"),
+@pytest.mark.parametrize("family,mode", [("sd3", "full"), ("sd15", "merged"), ("flux1", "merged"), ("wan_a14b", "full"),
                                          ("wan_a14b", "merged")])
 def test_a_full_or_merged_version_is_a_whole_diffusers_pipeline(family, mode, tiny_dirs, tmp_path):
     overrides = tiny_dirs(family)
@@ -185,7 +185,7 @@ def test_bad_requests_fail_before_anything_is_written(tiny_dirs, tmp_path):
     assert not any((tmp_path / "taken").iterdir())
 
 
-@pytest.mark.parametrize("family", ["flux1", "wan"])
+@pytest.mark.parametrize("family", ["flux1", "sd15", "wan"])
 def test_pixrl_generates_from_an_exported_directory_of_any_family(family, tiny_dirs, tmp_path):
     """The family is read from the directory's own layout (model_index.json's pipeline class)."""
     overrides = tiny_dirs(family)

@@ -95,8 +95,10 @@ def _export_pipeline(policy, cfg, stage: Path, merge: bool, link: bool) -> dict:
     pipeline = type(fam.pipe).__name__
     if policy.lora and not merge:
         layers, lora = get_peft_model_state_dict(module), _lora_config(module)
-        type(fam.pipe).save_lora_weights(str(stage), transformer_lora_layers=layers,
-                                         transformer_lora_adapter_metadata=lora, safe_serialization=True)
+        target = "unet" if component == "unet" else "transformer"  # the keyword the pipeline's LoRA loader takes
+        type(fam.pipe).save_lora_weights(str(stage), **{f"{target}_lora_layers": layers,
+                                                         f"{target}_lora_adapter_metadata": lora},
+                                         safe_serialization=True)
         into = ", load_into_transformer_2=True" if component == "transformer_2" else ""
         return {"format": "diffusers-lora", "files": [LORA_FILE], "component": component, "lora": lora,
                 "load": f"pipe = diffusers.{pipeline}.from_pretrained(BASE); pipe.load_lora_weights(OUT{into})"}
