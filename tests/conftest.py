@@ -158,6 +158,12 @@ def tiny_sd15(tmp_path_factory) -> tuple[Path, dict]:
 
 
 @pytest.fixture(scope="session")
+def tiny_sdxl(tmp_path_factory) -> tuple[Path, dict]:
+    """Stable-Diffusion-XL-shaped (two CLIP towers, text-time added conditioning)."""
+    return _tiny_family(tmp_path_factory, "sdxl")
+
+
+@pytest.fixture(scope="session")
 def tiny_wan(tmp_path_factory) -> tuple[Path, dict]:
     """Wan2.1-shaped text-to-video."""
     return _tiny_family(tmp_path_factory, "wan")

@@ -89,12 +89,12 @@ def _velocities(fam, module):
     return own, other
 
 
-@pytest.mark.parametrize("family", ["sd3", "sd15", "flux1", "flux2", "qwen_image", "sana", "wan", "wan_a14b"])
+@pytest.mark.parametrize("family", ["sd3", "sd15", "sdxl", "flux1", "flux2", "qwen_image", "sana", "wan", "wan_a14b"])
 def test_a_lora_version_loads_into_the_diffusers_pipeline(family, tiny_dirs, tmp_path):
     overrides = tiny_dirs(family)
     ckpt = _trained(overrides, tmp_path, LORA)
     manifest = _export(ckpt, tmp_path / "lora")
-    component = {"wan_a14b": "transformer_2", "sd15": "unet"}.get(family, "transformer")
+    component = {"wan_a14b": "transformer_2", "sd15": "unet", "sdxl": "unet"}.get(family, "transformer")
     assert manifest["format"] == "diffusers-lora" and manifest["component"] == component
     assert manifest["lora"]["r"] == 4 and manifest["lora"]["lora_alpha"] == 8
     assert sorted(p.name for p in (tmp_path / "lora").iterdir()) == ["pixrl_export.json", "pytorch_lora_weights.safetensors"]

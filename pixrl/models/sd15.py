@@ -184,13 +184,10 @@ class SD15Family(PipelineFamily):
         if guidance_scale > 1.0:
             if neg is None:
                 raise ValueError("guidance_scale > 1 needs the negative-prompt conditioning")
-            out = self.transformer(torch.cat([x_t, x_t]), torch.cat([t, t]),
-                                   encoder_hidden_states=torch.cat([neg.prompt_embeds, cond.prompt_embeds]),
-                                   return_dict=False)[0].float()
-            out_u, out_c = out.chunk(2)
+            out_u, out_c = self.unet_output(torch.cat([x_t, x_t]), torch.cat([t, t]), neg, cond).chunk(2)
             out = out_u + guidance_scale * (out_c - out_u)
         else:
-            out = self.transformer(x_t, t, encoder_hidden_states=cond.prompt_embeds, return_dict=False)[0].float()
+            out = self.unet_output(x_t, t, cond)
         xf = x_t.float()
         if self.prediction_type == "epsilon":
             eps = out
@@ -201,6 +198,11 @@ class SD15Family(PipelineFamily):
             x0 = out
             eps = (xf - a * x0) / s
         return (eps - x0).to(x.dtype)
+
+    def unet_output(self, x_t: torch.Tensor, t: torch.Tensor, *conds: SDConditioning) -> torch.Tensor:
+        """The UNet's raw prediction (fp32) for x_t, the rows of `conds` stacked in order."""
+        embeds = torch.cat([c.prompt_embeds for c in conds])
+        return self.transformer(x_t, t, encoder_hidden_states=embeds, return_dict=False)[0].float()
 
     # --- a tiny random checkpoint in the real layout --------------------------------------------
     @classmethod
