@@ -70,6 +70,7 @@ CHECKS = {
     "sd3": ([SMOKE, "--family", "sd3"], 240, None),
     # new since: SD1.5's UNet with DDPO's recipe (860M, every step of DDIM-η stored)
     "sd15": ([SMOKE, "--family", "sd15"], 150, None),
+    "sdxl": ([SMOKE, "--family", "sdxl"], 200, None),
     "sana": ([SMOKE, "--family", "sana"], 150, None),
     "qwen_image": ([SMOKE, "--family", "qwen_image", "--layers", "12"], 200, None),
     # the same without the offload: the accelerator memory the offload frees (Mistral-3 at real width)

@@ -23,6 +23,8 @@ images/s and peak memory.
   window on its steps. `--layers N` blocks per expert (40 in the real one).
 - `--family sd15`: Stable Diffusion 1.5 — the real UNet (860M), SD VAE and CLIP-L; DDPO's recipe
   (DDIM-η with η = 1 at every step, CFG 5) with its LoRA (rank 4).
+- `--family sdxl`: SDXL base — the real UNet (2.6B), VAE, CLIP-L and OpenCLIP-bigG; Flow-GRPO
+  with LoRA r32 (`--resolution 1024` for its native size).
 - `--family janus_pro`: Janus-Pro-1B — the real decoder, vision tower, VQ-VAE and generation
   head (576 image tokens, 384²), Token-GRPO with CFG 5 on the logits, full fine-tune; `--cot N`
   first samples a chain of thought of up to N text tokens (T2I-R1's reasoning prompt).
@@ -67,6 +69,7 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
     "sd15": lambda tiny: ["algorithm=ddpo", "sampling.sde_type=ddim", "sampling.noise_level=1.0",
                           "sampling.window_size=null", "sampling.window_range=null", "sampling.timestep_fraction=1.0",
                           "sampling.guidance_scale=5.0", "algorithm.min_count=4"],
+    "sdxl": lambda tiny: [GC, "sampling.guidance_scale=5.0", *([] if tiny else ["algorithm=flow_grpo_lora"])],
     "janus_pro": lambda tiny: ["model.max_sequence_length=0", "sampling.guidance_scale=5.0", "algorithm=token_grpo"],
     "wan": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=226",
                          "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=5.0",

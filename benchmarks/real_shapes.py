@@ -248,5 +248,43 @@ def sd15_pipeline(layers: int | None, device: str, workdir: Path):
                                    safety_checker=None, feature_extractor=None, requires_safety_checker=False)
 
 
-BUILDERS = {"sd15": sd15_pipeline, "flux1": flux1_dev_pipeline, "qwen_image": qwen_image_pipeline, "sana": sana_1600m_pipeline,
+def sdxl_pipeline(layers: int | None, device: str, workdir: Path):
+    """A random StableDiffusionXLPipeline with SDXL base's shapes: the UNet (320/640/1280 channels,
+    1/2/10 transformer layers, cross-attention 2048, text-time added conditioning; 2.6B), the VAE,
+    CLIP-L (12 × 768) and OpenCLIP-bigG (32 × 1280, projection 1280). `layers` is not used."""
+    import torch
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    from pixrl.models.mini.build import shapes_vocabulary
+    from pixrl.models.mini.tokenizer import write_word_tokenizer
+
+    torch.manual_seed(0)
+    tok = write_word_tokenizer(shapes_vocabulary(), workdir / "tokenizer", 77)
+
+    def config(hidden: int, layers: int, heads: int, act: str) -> CLIPTextConfig:
+        return CLIPTextConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=4 * hidden,
+                              num_hidden_layers=layers, num_attention_heads=heads, projection_dim=hidden,
+                              max_position_embeddings=77, hidden_act=act, bos_token_id=tok.bos_token_id,
+                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+
+    unet = UNet2DConditionModel(
+        sample_size=128, block_out_channels=(320, 640, 1280), layers_per_block=2,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"), transformer_layers_per_block=(1, 2, 10),
+        attention_head_dim=(5, 10, 20), cross_attention_dim=2048, use_linear_projection=True,
+        addition_embed_type="text_time", addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512),
+                        layers_per_block=2, latent_channels=4, sample_size=1024, scaling_factor=0.13025)
+    sched = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1,
+                                   timestep_spacing="leading")
+    sched.register_to_config(set_alpha_to_one=False, clip_sample=False)
+    return StableDiffusionXLPipeline(
+        vae=vae, text_encoder=CLIPTextModel(config(768, 12, 12, "quick_gelu")), tokenizer=tok,
+        text_encoder_2=CLIPTextModelWithProjection(config(1280, 32, 20, "gelu")), tokenizer_2=tok, unet=unet,
+        scheduler=sched, force_zeros_for_empty_prompt=True, add_watermarker=False)
+
+
+BUILDERS = {"sd15": sd15_pipeline, "sdxl": sdxl_pipeline, "flux1": flux1_dev_pipeline, "qwen_image": qwen_image_pipeline, "sana": sana_1600m_pipeline,
             "flux2": flux2_dev_pipeline, "wan": wan21_1_3b_pipeline, "wan_a14b": wan22_a14b_pipeline}
