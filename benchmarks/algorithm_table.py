@@ -24,6 +24,7 @@ ROWS = {
     "flow_dppo": "cmp_flow_dppo",
     "diffusion_nft": "cmp_diffusion_nft",
     "online_dpo": "cmp_online_dpo",
+    "ddpo": "cmp_ddpo",
 }
 
 HEADER = ("| algorithm | held-out before → after (95% CI of after) | rose? | best in-run held-out, 24 per category (iteration) | "

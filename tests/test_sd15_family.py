@@ -191,6 +191,14 @@ def test_two_ddpo_iterations_full_fine_tune(tiny_sd15, tmp_path, prefect_harness
     recipe = json.loads(t["recipe"][0].as_py())
     assert recipe["sde_type"] == "ddim" and recipe["train_steps"] == [0, 1, 2, 3]
     assert t["timesteps"][0].as_py()[:2] == [751.0, 501.0]
+    from typer.testing import CliRunner
+
+    from pixrl.cli import app
+
+    res = CliRunner().invoke(app, ["replay", "sd15_ddpo", "--iteration", "1", "--workdir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["equal"] is True and report["tensors"] > 0  # the update re-run from its artifacts, bit for bit
 
 
 @pytest.mark.parametrize("fixture", ["family", "v_family"])
