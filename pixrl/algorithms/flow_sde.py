@@ -42,7 +42,7 @@ def _mean_chw(t: torch.Tensor) -> torch.Tensor:
 def vp_norm(sigma: torch.Tensor) -> torch.Tensor:
     """n(σ) = sqrt((1 − σ)² + σ²): a flow latent x = (1 − σ)x0 + σε is n(σ) times the
     variance-preserving latent √ᾱ·x0 + √(1 − ᾱ)·ε of the same noise level, with
-    √ᾱ = (1 − σ)/n and √(1 − ᾱ) = σ/n (models/vp.py maps a DDPM schedule onto σ this way)."""
+    √ᾱ = (1 − σ)/n and √(1 − ᾱ) = σ/n (models/sd15.py maps a DDPM schedule onto σ this way: `sigma_of_alpha_bar`)."""
     return torch.sqrt((1 - sigma) ** 2 + sigma**2)
 
 

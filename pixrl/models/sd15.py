@@ -78,6 +78,7 @@ class SD15Family(PipelineFamily):
         table = self.ddim.alphas_cumprod.double()
         self._alpha_bar = table
         self._log_snr = (table / (1 - table)).log()  # decreasing in t
+        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.prediction_type = self.ddim.config.prediction_type
         if self.prediction_type not in ("epsilon", "v_prediction", "sample"):
             raise ModelLoadError(f"{self.path!r}: scheduler prediction_type {self.prediction_type!r} is not one the "
@@ -130,14 +131,22 @@ class SD15Family(PipelineFamily):
         sigmas = sigma_of_alpha_bar(alpha_bar).float()
         return sigmas.to(self.device), ts.float().to(self.device)
 
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ᾱ, log-SNR) over the training timesteps (float64) on `device`: the per-step lookups
+        of `velocity` stay on the model's device, with no copy to host in a rollout's loop."""
+        if device not in self._on_device:
+            self._on_device[device] = (self._alpha_bar.to(device), self._log_snr.to(device))
+        return self._on_device[device]
+
     def alpha_bar_at(self, t: torch.Tensor) -> torch.Tensor:
-        """ᾱ at DDPM timesteps t (float64): the table at integers, log-SNR linear between them."""
-        t = t.double().cpu().clamp(0, len(self._log_snr) - 1)
+        """ᾱ at DDPM timesteps t (float64, on t's device): the table at integers, log-SNR linear between them."""
+        alpha_bar, log_snr = self._tables(t.device)
+        t = t.double().clamp(0, len(log_snr) - 1)
         lo = t.floor().long()
-        hi = torch.clamp(lo + 1, max=len(self._log_snr) - 1)
+        hi = torch.clamp(lo + 1, max=len(log_snr) - 1)
         w = t - lo
-        log_snr = self._log_snr[lo] * (1 - w) + self._log_snr[hi] * w
-        return torch.where(w == 0, self._alpha_bar[lo], torch.sigmoid(log_snr))
+        between = torch.sigmoid(log_snr[lo] * (1 - w) + log_snr[hi] * w)
+        return torch.where(w == 0, alpha_bar[lo], between)
 
     def timesteps_at(self, sigma: torch.Tensor) -> torch.Tensor:
         """The continuous DDPM timestep of flow noise levels σ (the inverse of `alpha_bar_at`):
@@ -159,9 +168,10 @@ class SD15Family(PipelineFamily):
     def prediction_error_weight(self, sigma: torch.Tensor) -> torch.Tensor:
         """The factor that turns a squared velocity error at x_σ into the model's own: ε − ε̂ =
         (1 − σ)(v − v̂); v-prediction's v_t − v̂_t = n(σ)(v − v̂); x0's x̂0 − x0 = σ(v − v̂)."""
+        from ..algorithms.flow_sde import vp_norm
+
         s = sigma.float()
-        n = torch.sqrt((1 - s) ** 2 + s**2)
-        factor = {"epsilon": 1 - s, "v_prediction": n, "sample": s}[self.prediction_type]
+        factor = {"epsilon": 1 - s, "v_prediction": vp_norm(s), "sample": s}[self.prediction_type]
         return factor**2
 
     def latent_shape(self) -> tuple[int, int, int]:

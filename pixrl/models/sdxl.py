@@ -49,6 +49,10 @@ class SDXLFamily(SD15Family):
     name = "sdxl"
     pipeline_class = "StableDiffusionXLPipeline"
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._ids: dict[tuple, torch.Tensor] = {}
+
     @encodes_text
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> SDXLConditioning:
@@ -61,10 +65,13 @@ class SDXLFamily(SD15Family):
         return SDXLConditioning(embeds, pooled)
 
     def _time_ids(self, rows: int, device, dtype) -> torch.Tensor:
-        side = (self.resolution, self.resolution)
-        ids = self.pipe._get_add_time_ids(side, (0, 0), side, dtype=dtype,
-                                          text_encoder_projection_dim=self._projection_dim())
-        return ids.to(device).repeat(rows, 1)
+        """The pipeline's time ids of the image side, made once per (side, device, dtype)."""
+        key = (self.resolution, str(device), dtype)
+        if key not in self._ids:
+            side = (self.resolution, self.resolution)
+            self._ids[key] = self.pipe._get_add_time_ids(side, (0, 0), side, dtype=dtype,
+                                                         text_encoder_projection_dim=self._projection_dim()).to(device)
+        return self._ids[key].repeat(rows, 1)
 
     def _projection_dim(self) -> int:
         tower = self.pipe.text_encoder_2
