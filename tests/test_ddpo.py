@@ -104,3 +104,67 @@ def test_the_online_loop_trains_ddpo_on_the_miniature(tiny_checkpoint, tmp_path,
     res = CliRunner().invoke(app, ["train", "-n", "1", "--run", "ddpo_last", *base, "sampling.timestep_fraction=1.0"])
     assert res.exit_code != 0 and "step 3 of the rollout grid ends at σ = 0" in res.output, res.output
     assert not (tmp_path / "lance" / "ddpo_last").exists()
+
+
+class _DequeTracker:
+    """ddpo-pytorch's PerPromptStatTracker (stat_tracking.py), written out: a deque of each
+    prompt's last `buffer` rewards across calls, its own statistics from `min_count` on."""
+
+    def __init__(self, buffer: int, min_count: int):
+        from collections import deque
+
+        self.buffer, self.min_count, self.stats, self.deque = buffer, min_count, {}, deque
+
+    def update(self, prompts: np.ndarray, rewards: np.ndarray) -> np.ndarray:
+        adv = np.empty_like(rewards)
+        for p in np.unique(prompts):
+            r = rewards[prompts == p]
+            d = self.stats.setdefault(p, self.deque(maxlen=self.buffer))
+            d.extend(r)
+            pool = d if len(d) >= self.min_count else rewards
+            adv[prompts == p] = (r - np.mean(pool)) / (np.std(pool) + 1e-6)
+        return adv
+
+
+def test_the_deque_tracker_keeps_each_prompt_s_rewards_across_iterations():
+    rng = np.random.default_rng(1)
+    ours, theirs = {}, _DequeTracker(buffer=6, min_count=5)
+    for _ in range(4):
+        prompts = np.array(["a"] * 3 + ["b"] * 3 + ["c"] * 2)
+        rewards = rng.normal(size=8)
+        got = ddpo_advantages(rewards, np.repeat([0, 1, 2], [3, 3, 2]), min_count=5, clip=100.0,
+                              prompts=list(prompts), history={k: np.array(v) for k, v in ours.items()}, buffer_size=6)
+        assert np.allclose(got.advantages, theirs.update(prompts, rewards), atol=1e-6)
+        for p, r in zip(prompts, rewards):
+            ours.setdefault(p, []).append(r)
+
+
+def test_the_loop_reads_the_deque_from_the_store_and_forks_read_the_parent_s(tiny_checkpoint, tmp_path,
+                                                                              prefect_harness):
+    """Two prompts, groups of 4, min_count 8: a prompt's own statistics start at its second
+    iteration, from the rewards the store holds. The stored advantages equal ddpo-pytorch's tracker
+    run over the iterations; a fork from score at iteration 2 reads the parent's past."""
+    prompts = tmp_path / "two.txt"
+    prompts.write_text("a red circle\na blue square\n")
+    base = ["--config", "shapes_ddpo", "reward=jpeg_compressibility", *tiny_overrides(tiny_checkpoint, tmp_path),
+            "sampling.window_size=null", "sampling.window_range=null", "sampling.timestep_fraction=0.75",
+            f"dataset.path={prompts}", "dataset.categories=null", "algorithm.min_count=8", "algorithm.buffer_size=16"]
+    res = CliRunner().invoke(app, ["train", "-n", "3", "--run", "P", *base])
+    assert res.exit_code == 0, res.output
+    t = lance.dataset(str(tmp_path / "lance" / "P" / "trajectories.lance")).to_table(
+        columns=["iteration", "sample_id", "prompt", "reward", "advantage"]).sort_by([("iteration", "ascending"),
+                                                                                     ("sample_id", "ascending")])
+    tracker = _DequeTracker(buffer=16, min_count=8)
+    it = t["iteration"].to_numpy()
+    for i in range(3):
+        rows = it == i
+        rewards = t["reward"].to_numpy()[rows].astype(np.float64)
+        want = np.clip(tracker.update(np.array(t["prompt"].to_pylist())[rows], rewards), -5, 5)
+        assert np.allclose(t["advantage"].to_numpy()[rows], want, atol=1e-5)
+    assert abs(float(np.mean(t["advantage"].to_numpy()[it == 0]))) < 1e-5  # iteration 0: the batch's statistics
+    out = CliRunner().invoke(app, ["replay", "P", "--iteration", "2", "--from-stage", "score", "--into", "F",
+                                   "--workdir", str(tmp_path)])
+    assert out.exit_code == 0, out.output
+    f = lance.dataset(str(tmp_path / "lance" / "F" / "trajectories.lance")).to_table(
+        columns=["sample_id", "advantage"]).sort_by("sample_id")
+    assert f["advantage"].equals(t.filter(it == 2).select(["sample_id", "advantage"]).sort_by("sample_id")["advantage"])

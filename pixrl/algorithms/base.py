@@ -88,6 +88,10 @@ class Algorithm(ABC):
         it took; returns metrics to log (e.g. the sampling policy's EMA decay)."""
         return {}
 
+    #: advantages(rewards, group_ids, prompts=, history=) also takes each prompt's rewards from this
+    #: run's earlier iterations (oldest first), which the stage reads from the trajectory store
+    reward_history: bool = False
+
     def advantages(self, rewards: np.ndarray, group_ids: np.ndarray) -> GroupAdvantages:
         raise TypeError(f"algorithm {self.name!r} computes no rollout advantages (offline: {self.offline})")
 

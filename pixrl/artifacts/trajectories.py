@@ -216,6 +216,14 @@ class TrajectoryStore:
         t = self.dataset(ref.version).to_table(columns=cols, filter=f)
         return t.sort_by("sample_id").select(columns)
 
+    def earlier(self, version: int | None, run_id: str, iteration: int, columns: list[str]) -> pa.Table:
+        """`columns` of the run's rows of every iteration before `iteration` at table `version`,
+        oldest first (iteration, then sample id): the past an advantage with memory reads."""
+        cols = list(dict.fromkeys([*columns, "iteration", "sample_id"]))
+        f = f"run_id = {_sql_str(run_id)} AND iteration < {int(iteration)}"
+        t = self.dataset(version).to_table(columns=cols, filter=f)
+        return t.sort_by([("iteration", "ascending"), ("sample_id", "ascending")]).select(columns)
+
     def tag(self, name: str, version: int) -> None:
         tags = self.dataset().tags
         try:

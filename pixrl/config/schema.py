@@ -141,7 +141,14 @@ class AlgorithmConfig(BaseModel):
     model_config = ConfigDict(extra="allow", validate_assignment=True)
     name: str = Field("flow_grpo", description="registered algorithm (pixrl.algorithms.base)")
     train_cfg: bool = Field(True, description="replay with the rollout's classifier-free guidance")
+    optimizer: Literal["adamw", "adafactor"] = Field(
+        "adamw", description="adamw (every seed's), or adafactor: transformers' Adafactor as DiffusionDPO trains "
+        "SDXL — factored second moments, no first moment, update clipping at RMS 1 — a few MB of state where "
+        "AdamW keeps two copies of the weights (engines/optimizers.py); adam_betas and adam_eps are AdamW's")
     lr: float = Field(1e-4, gt=0)
+    lr_warmup_steps: int = Field(0, ge=0, description="constant learning rate after a linear warmup over this many "
+                                 "optimizer steps of the run (diffusers' constant_with_warmup: step s < W uses "
+                                 "lr·s/W); 0: constant")
     weight_decay: float = 1e-4
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
@@ -384,4 +391,8 @@ class ExperimentConfig(_Section):
             raise ValueError(f"reward.overlap=true overlaps scoring with rollout inside the local engine; "
                              f"run.engine={self.run.engine} scores on its own reward workers — set "
                              f"reward.overlap=false")
+        if self.algorithm.optimizer == "adafactor" and self.run.engine == "ray" and self.ray.trainer_sharding == "fsdp":
+            raise ValueError("algorithm.optimizer=adafactor keeps factored moments that FSDP's sharded parameters do "
+                             "not lay out; with ray.trainer_sharding=fsdp set algorithm.optimizer=adamw (its moments "
+                             "are sharded), or use ray.trainer_sharding=ddp")
         return self

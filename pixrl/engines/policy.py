@@ -22,6 +22,7 @@ from .assets import resolve_model_path
 from .ema import WeightAverage
 from .fsdp import (align, fill_like, full, full_optimizer_state, like, materialize, shard_module,
                    sharded_optimizer_state, skeleton)
+from .optimizers import apply_settings, build_optimizer, saved_state, split_saved_state
 
 BASE = "base"
 EMA_SUFFIX = "+ema"  # the in-memory weights are a checkpoint's weight average (load_version(ema=True))
@@ -78,6 +79,7 @@ class TrainablePolicy:
         self.weights_id = BASE
         self.optimizer: torch.optim.Optimizer | None = None
         self.optimizer_id: str | None = None
+        self.optimizer_steps = 0  # the run's optimizer steps before the loaded state's next one (lr schedule)
         self.algorithm_state: dict | None = None  # the algorithm's own training state, beside the moments
         self.ema: WeightAverage | None = None  # algorithm.ema's average, loaded with the optimizer state
         self.sharded = False  # FSDP over a trainer group (shard)
@@ -159,27 +161,27 @@ class TrainablePolicy:
 
     # --- optimizer ----------------------------------------------------------------------------
     def ensure_optimizer(self, checkpoint_dir: Path | None) -> torch.optim.Optimizer:
-        """AdamW over the trainable weights, with the state saved alongside the current weights."""
+        """The configured optimizer (engines/optimizers.py) over the trainable weights, with the
+        state saved alongside the current weights; `optimizer_steps`: the run's steps before it."""
         a = self.cfg.algorithm
         if self.optimizer is None:
-            self.optimizer = torch.optim.AdamW(list(self.trainable_parameters().values()), lr=a.lr,
-                                               betas=a.adam_betas, eps=a.adam_eps, weight_decay=a.weight_decay)
+            self.optimizer = build_optimizer(list(self.trainable_parameters().values()), a)
             self.optimizer_id = None  # no state yet: the block below sets it (and the weight average)
         if self.optimizer_id != self.weights_id:
             if checkpoint_dir is None:
                 self.optimizer.state.clear()
                 self.algorithm_state = None
+                self.optimizer_steps = 0
             else:
                 state = dict(load_optimizer_state(checkpoint_dir))
                 self.algorithm_state = state.pop(ALGORITHM_STATE, None)
+                state, self.optimizer_steps = split_saved_state(state, a)
                 if self.sharded:
                     state = sharded_optimizer_state(state, list(self.trainable_parameters().values()))
                 self.optimizer.load_state_dict(state)
             self.ema = self._weight_average(checkpoint_dir)
             self.optimizer_id = self.weights_id
-        for group in self.optimizer.param_groups:  # the moments come from the checkpoint, the settings
-            group.update(lr=a.lr, betas=tuple(a.adam_betas), eps=a.adam_eps,  # from this run's config
-                         weight_decay=a.weight_decay)  # (load_state_dict would restore the saved ones)
+        apply_settings(self.optimizer, a)  # the moments come from the checkpoint, the settings from this run's config
         return self.optimizer
 
     def _weight_average(self, checkpoint_dir: Path | None) -> WeightAverage | None:
@@ -197,10 +199,11 @@ class TrainablePolicy:
                         "begins at its weights", Path(checkpoint_dir).name)
         return WeightAverage.starting_at(settings, params)
 
-    def optimizer_state(self) -> dict:
-        """The optimizer's state_dict in the single-process format (under FSDP, gathered whole)."""
+    def optimizer_state(self, steps: int) -> dict:
+        """The optimizer's state_dict in the single-process format (under FSDP, gathered whole),
+        with its name and the run's optimizer steps after this update (`steps`)."""
         state = self.optimizer.state_dict()
-        return full_optimizer_state(state) if self.sharded else state
+        return saved_state(full_optimizer_state(state) if self.sharded else state, self.cfg.algorithm, steps)
 
     def invalidate(self) -> None:
         """The in-memory weights/optimizer match no checkpoint (e.g. an update failed mid-way)."""

@@ -212,11 +212,13 @@ class TrainerWorker(_Worker):
     def held_bytes(self) -> dict:
         """Bytes of trainable weights and optimizer moments this rank holds (FSDP: its shards), and
         of text towers (none where the rollout's encodings are given)."""
+        import torch
+
         from .fsdp import local_bytes
 
         pol = self.engine.policy
         moments = [v for s in (pol.optimizer.state.values() if pol.optimizer else []) for v in s.values()
-                   if v.dim() > 0]
+                   if isinstance(v, torch.Tensor) and v.dim() > 0]
         towers = getattr(pol.family, "text_towers", dict)()
         return {"weights": local_bytes(pol.trainable_parameters().values()), "moments": local_bytes(moments),
                 "text_towers": local_bytes(p for m in towers.values() for p in m.parameters())}

@@ -23,6 +23,7 @@ from ..models.base import uses_negative_prompt
 from ..stages.plan import seed_of
 from .base import TrainResult
 from .collective import SingleProcess
+from .optimizers import learning_rate, set_learning_rate
 from .policy import ALGORITHM_STATE, TrainablePolicy
 from .prompt_cache import PromptCache
 
@@ -111,6 +112,7 @@ def run_update(pol: TrainablePolicy, prompts: PromptCache, algo, max_grad_norm: 
     history: list[dict[str, float]] = []
     t0 = time.perf_counter()
     for opt_step, step_batches in enumerate(plan):
+        set_learning_rate(opt, learning_rate(pol.cfg.algorithm, pol.optimizer_steps + opt_step))
         opt.zero_grad(set_to_none=True)
         n_terms = sum(algo.terms(batch.select(mb), replay_policy.trained_steps) for mb in step_batches)
         if not n_terms and replay_policy.trained_steps is not None:  # every rank counts the whole step: alike
@@ -140,11 +142,19 @@ def run_update(pol: TrainablePolicy, prompts: PromptCache, algo, max_grad_norm: 
             log.info("update step %d/%d  loss %.4f", opt_step + 1, len(plan), history[-1].get("loss", float("nan")))
     seconds = time.perf_counter() - t0
     pol.module.eval()
-    metrics = {"update_compute_s": seconds, "lr": opt.param_groups[0]["lr"], "optimizer_steps": float(len(plan))}
-    metrics.update(algo.end_of_update(pol.state(), len(plan)))
+    return _result(pol, algo, opt, len(plan), acc, history, seconds)
+
+
+def _result(pol: TrainablePolicy, algo, opt, steps: int, acc: dict[str, list[float]], history: list[dict],
+            seconds: float) -> TrainResult:
+    """The update's weights, saved optimizer state (with the algorithm's own and the run's step
+    count) and metrics."""
+    metrics = {"update_compute_s": seconds, "lr": opt.param_groups[0]["lr"], "optimizer_steps": float(steps)}
+    metrics.update(algo.end_of_update(pol.state(), steps))
     metrics.update({key: _aggregate(key, vals) for key, vals in acc.items()})
     pol.algorithm_state = algo.state()
-    saved = pol.optimizer_state()
+    pol.optimizer_steps += steps  # the state's step count, as the checkpoint will hold it
+    saved = pol.optimizer_state(pol.optimizer_steps)
     if pol.algorithm_state is not None:
         saved = {**saved, ALGORITHM_STATE: pol.algorithm_state}
     weights = pol.state()

@@ -40,6 +40,7 @@ from .plan import BatchPlan, make_plan, seed_of
 from .profiling import StageProfiler
 from .publish import evaluate_policy, evaluated_weights, publish_checkpoint
 from .records import StageRecords, timed_stage
+from .reward_history import reward_history
 
 
 class OnlineStages(DecodeScoreStages):
@@ -236,7 +237,7 @@ class OnlineStages(DecodeScoreStages):
     def _replay(self, iteration: int, ref: TableRef):
         if self.stores.complete("replay", iteration):
             return (self.stores.latest(), self._plan(self._read(self.stores.latest(), iteration, self.PLAN_COLUMNS))), None
-        t = self._read(ref, iteration, ["run_id", "iteration", "sample_id", "group_id", "reward", "rewards"])
+        t = self._read(ref, iteration, ["run_id", "iteration", "sample_id", "group_id", "prompt", "reward", "rewards"])
         rewards = t["reward"].to_numpy(zero_copy_only=False)
         if np.any(np.isnan(rewards)) or t["reward"].null_count:
             raise RuntimeError(f"iteration {iteration} has unscored samples; run score first")
@@ -245,6 +246,10 @@ class OnlineStages(DecodeScoreStages):
             comps = [{c["name"]: c["value"] for c in row} for row in t["rewards"].to_pylist()]
             components = {name: np.array([c[name] for c in comps], np.float64) for name in r.weights}
             adv = aggregated_advantages(self.algorithm.advantages, components, r.weights, t["group_id"].to_numpy())
+        elif self.algorithm.reward_history:
+            adv = self.algorithm.advantages(rewards, t["group_id"].to_numpy(), prompts=t["prompt"].to_pylist(),
+                                            history=reward_history(self.table, ref.version, self.tracker, self.spec.run_id,
+                                                                   iteration))
         else:
             adv = self.algorithm.advantages(rewards, t["group_id"].to_numpy())
         upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"],
