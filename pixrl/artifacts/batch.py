@@ -11,7 +11,7 @@ start as nulls).
 
 A field's `step` says which rollouts store it: denoise families the transitions and final
 latents, token families the sampled `tokens`; both the per-step `log_probs` (S = stored steps, or
-image tokens). Optional fields (`means`, `poster`) are only in a table whose run needs them. A
+image tokens). Optional fields (`means`, `poster`, `source_image`) are only in a table whose run needs them. A
 denoise run that needs none gets exactly the first wave's table layout, so older tables, forks
 and DPO sources stay valid.
 """
@@ -57,6 +57,9 @@ TRAJECTORY_FIELDS: tuple[FieldSpec, ...] = (
     F("prompt_id", pa.string()),
     F("prompt", pa.string(), role="observation"),
     F("prompt_meta", pa.string()),  # JSON
+    # an editing prompt's source image (encoded bytes, as the dataset gave them): what the
+    # conditioning is encoded from at rollout and replay (models/source_images.py)
+    F("source_image", pa.binary(), role="observation", optional=True),
     F("group_id", pa.int32()),
     F("sample_index", pa.int32()),
     F("seed", pa.int64()),

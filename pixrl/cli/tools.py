@@ -97,7 +97,8 @@ def tiny(
         staging.rename(dest)  # complete or absent
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    overrides = {k: (str(dest.resolve()) if k == "model.path" else v) for k, v in overrides.items()}
+    moved = lambda v: v.replace(str(staging), str(dest.resolve())) if isinstance(v, str) else v  # noqa: E731
+    overrides = {k: (str(dest.resolve()) if k == "model.path" else moved(v)) for k, v in overrides.items()}
     console.print(f"[bold green]wrote[/] a tiny random {family} checkpoint to {dest}")
     console.print("  try it: pixrl train --iterations 2 " + " ".join(f"{k}={v}" for k, v in overrides.items()))
     print(json.dumps(overrides))

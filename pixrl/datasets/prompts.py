@@ -1,8 +1,12 @@
 """Prompt sets users bring, the format detected from the path: parquet or a Lance dataset (prompt
-[, prompt_id, meta JSON]), JSON lines (one object per line with "prompt"; its other fields are
-the metadata — GenEval's `evaluation_metadata.jsonl` loads as is, its "tag" as the category), or
-text (one prompt per line, e.g. OCR prompts with the text to render in quotes). Errors name the
-file and line."""
+[, prompt_id, meta JSON, image bytes]), JSON lines (one object per line with "prompt"; its other
+fields are the metadata — GenEval's `evaluation_metadata.jsonl` loads as is, its "tag" as the
+category), or text (one prompt per line, e.g. OCR prompts with the text to render in quotes).
+Errors name the file and line.
+
+An editing prompt set gives each prompt a source image (models/source_images.py): a parquet or
+Lance `image` column of encoded bytes (PNG, JPEG), or a JSON line's "image" — a file path,
+relative to the JSONL's folder or absolute."""
 
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ class PromptItem:
     prompt_id: str
     prompt: str
     meta: dict
+    image: bytes | None = None  # the source image an editing prompt applies to (encoded bytes)
 
 
 def load_prompt_set(path: Path, dataset: str | None = None) -> list[PromptItem]:
@@ -41,7 +46,8 @@ def load_prompt_set(path: Path, dataset: str | None = None) -> list[PromptItem]:
         if t and "prompt" not in t[0]:
             raise PromptSetError(f"{path}: a prompt table needs a 'prompt' column (has {sorted(t[0])})")
         items = [PromptItem(r.get("prompt_id") or f"p{i:05d}", r["prompt"],
-                            json.loads(r["meta"]) if r.get("meta") else _meta(r["prompt"]))
+                            json.loads(r["meta"]) if r.get("meta") else _meta(r["prompt"]),
+                            _table_image(path, i, r.get("image")))
                  for i, r in enumerate(t)]
     elif path.suffix == ".jsonl":
         items = _jsonl_items(path, _meta)
@@ -58,7 +64,7 @@ def _table_rows(path: Path) -> list[dict]:
         import lance
 
         ds = lance.dataset(str(path))
-        cols = [c for c in ("prompt", "prompt_id", "meta") if c in ds.schema.names] or ds.schema.names
+        cols = [c for c in ("prompt", "prompt_id", "meta", "image") if c in ds.schema.names] or ds.schema.names
         return ds.to_table(columns=cols).to_pylist()
     return pq.read_table(path).to_pylist()
 
@@ -76,11 +82,32 @@ def _jsonl_items(path: Path, parse) -> list[PromptItem]:
             raise PromptSetError(f"{path}:{n}: not a JSON object ({exc.msg} at column {exc.colno})") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
             raise PromptSetError(f"{path}:{n}: each line needs a non-empty \"prompt\" string; got {line.strip()[:80]!r}")
-        meta = {k: v for k, v in row.items() if k not in ("prompt", "prompt_id")} or parse(row["prompt"])
+        meta = {k: v for k, v in row.items() if k not in ("prompt", "prompt_id", "image")} or parse(row["prompt"])
         if "tag" in meta and "category" not in meta:
             meta["category"] = meta["tag"]
-        items.append(PromptItem(str(row.get("prompt_id") or f"p{len(items):05d}"), row["prompt"].strip(), meta))
+        image = _image_file(path, n, row["image"]) if row.get("image") is not None else None
+        items.append(PromptItem(str(row.get("prompt_id") or f"p{len(items):05d}"), row["prompt"].strip(), meta, image))
     return items
+
+
+def _table_image(path: Path, row: int, value) -> bytes | None:
+    """A table row's source image: encoded bytes, or a file path as a JSON line gives it."""
+    if value is None or isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return _image_file(path, row + 1, value)
+    raise PromptSetError(f"{path}: row {row}'s image is a {type(value).__name__}; store encoded image bytes (PNG, "
+                         f"JPEG) or a file path")
+
+
+def _image_file(path: Path, line: int, name) -> bytes:
+    """A JSON line's source image: the bytes of the file it names (relative to the JSONL's folder)."""
+    if not isinstance(name, str) or not name:
+        raise PromptSetError(f"{path}:{line}: \"image\" must be a file path (relative to {path.parent} or absolute)")
+    file = Path(name) if Path(name).is_absolute() else path.parent / name
+    if not file.is_file():
+        raise PromptSetError(f"{path}:{line}: source image {str(file)!r} does not exist; fix the \"image\" path")
+    return file.read_bytes()
 
 
 def select_categories(items: list[PromptItem], categories: list[str] | None) -> list[PromptItem]:

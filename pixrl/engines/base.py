@@ -59,8 +59,10 @@ class Engine(Protocol):
         """Family facts the stage layer records: name, semantics, latent shape, recipe extras."""
 
     def rollout(self, policy: PolicySource, prompts: list[str], seeds: list[int],
-                recipe: SamplerRecipe, noise_seeds: list[int] | None = None) -> tuple[RolloutBatch, float]:
-        """One trajectory per (prompt, seed), in order; and the compute seconds. `noise_seeds`
+                recipe: SamplerRecipe, noise_seeds: list[int] | None = None,
+                images: list[bytes | None] | None = None) -> tuple[RolloutBatch, float]:
+        """One trajectory per (prompt, seed), in order; and the compute seconds. `images`: each
+        prompt's source image (an editing family; passed only when the dataset has them). `noise_seeds`
         (recipe.shared_noise): each row's initial latent comes from its noise seed instead; the
         stored transitions include their means when the algorithm needs them; an algorithm with a
         separate sampling policy (DiffusionNFT) samples with the weights in that version's state."""

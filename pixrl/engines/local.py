@@ -23,6 +23,7 @@ from ..config.schema import ExperimentConfig
 from ..datasets.prompts import split_items
 from ..datasets.registry import get_evaluator
 from ..models.base import uses_negative_prompt
+from ..models.source_images import condition_keys
 from ..rewards.compose import RewardSet
 from .base import PolicySource, TrainResult
 from .policy import TrainablePolicy
@@ -74,14 +75,15 @@ class LocalEngine:
     def rollout(self, policy: PolicySource, prompts: list[str], seeds: list[int],
                 recipe: SamplerRecipe | TokenRecipe, noise_seeds: list[int] | None = None,
                 rows: tuple[int, int] | None = None, on_chunk=None,
-                encodings: list | None = None) -> tuple[RolloutBatch, float]:
+                encodings: list | None = None, images: list[bytes | None] | None = None) -> tuple[RolloutBatch, float]:
         """`rows` = (start, stop): sample only those rows of the call (a rollout worker's share;
         start a multiple of sampling.micro_batch), with the prompts encoded as the whole call
         encodes them — so the shards of a call concatenate to the whole call, bit for bit.
         `on_chunk(start, stop, decode_input)`: called as each micro-batch finishes, with its
         final latents (a token family: image tokens) on the host — reward.overlap's hook.
         `encodings` (another process's `encodings([prompts], recipe.guidance_scale)`): the call's
-        conditioning, given instead of encoded here (a rollout worker without text towers)."""
+        conditioning, given instead of encoded here (a rollout worker without text towers).
+        `images`: each prompt's source image (an editing family)."""
         self.use(policy)
         lo, hi = rows or (0, len(prompts))
         if isinstance(recipe, TokenRecipe):
@@ -89,6 +91,8 @@ class LocalEngine:
         fam, mb = self.policy.family, self.cfg.sampling.micro_batch
         model = self._sampler(policy)
         cache = self._prompts if encodings is None else PromptCache.holding(fam, encodings)
+        prompts = condition_keys(prompts, images)
+        cache.add_images(images)
         cond_all, pos = cache.encode(prompts)
         neg = cache.negative() if uses_negative_prompt(fam, recipe.guidance_scale) else None
         trajs = []

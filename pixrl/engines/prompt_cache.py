@@ -7,6 +7,10 @@ rollout's and the replay's conditioning must be bit-identical for the ratio to b
 (and resumed runs bit-identical to uninterrupted ones). Entries live on the model's device;
 the cache keeps the most recent few sets, so memory stays bounded over a long run.
 
+An editing family's prompts are condition keys (models/source_images.py): the prompt and its
+source image's digest; the cache is given the images' bytes (`add_images`) and encodes each
+prompt with its image.
+
 A process without text towers (a Ray trainer rank) replays with the encodings the rollout made:
 `encodings` exports a cache's sets to host memory, `holding` builds a cache of exactly those
 (on a miss its family refuses to encode, naming why).
@@ -20,6 +24,7 @@ from collections import OrderedDict
 import torch
 
 from ..models.base import conditioning_to
+from ..models.source_images import SourceImageError, image_bank, split_key
 
 
 class PromptCache:
@@ -29,6 +34,11 @@ class PromptCache:
         self._entries: OrderedDict[str, tuple[object, dict[str, int]]] = OrderedDict()
         self.hits = 0
         self.misses = 0
+        self.images: dict[str, bytes] = {}  # digest → encoded source image, for condition keys
+
+    def add_images(self, images) -> None:
+        """Source images the keys of later `encode` calls may name (None entries are skipped)."""
+        self.images.update(image_bank(images))
 
     def _key(self, prompts: list[str]) -> str:
         h = hashlib.sha256("\x1f".join(prompts).encode())
@@ -44,11 +54,25 @@ class PromptCache:
             self._entries.move_to_end(key)
             return self._entries[key]
         self.misses += 1
-        entry = (self.family.encode_prompts(uniq), {t: i for i, t in enumerate(uniq)})
+        entry = (self._encode(uniq), {t: i for i, t in enumerate(uniq)})
         self._entries[key] = entry
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
         return entry
+
+    def _encode(self, keys: list[str]):
+        """The family's conditioning of condition keys: text alone, or each prompt with its image."""
+        parts = [split_key(k) for k in keys]
+        if not any(dig for _, dig in parts):
+            return self.family.encode_prompts(keys)
+        if not getattr(self.family, "takes_images", False):
+            raise SourceImageError(f"the {self.family.name} family generates from text alone, and these prompts carry "
+                                   f"source images (an editing dataset); use an editing family (flux1_kontext) or a "
+                                   f"dataset without images")
+        lost = sorted({dig for _, dig in parts if dig and dig not in self.images})
+        if lost:
+            raise RuntimeError(f"no source image with digest {lost[0]} was given to the prompt cache (add_images)")
+        return self.family.encode_prompts([p for p, _ in parts], [self.images[d] if d else None for _, d in parts])
 
     def negative(self):
         """The empty prompt's conditioning (classifier-free guidance), encoded once."""

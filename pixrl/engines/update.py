@@ -20,6 +20,7 @@ from ..algorithms.replay import ReplayPolicy, TokenReplayPolicy, trained_grid_st
 from ..algorithms.token_sampling import TokenRecipe
 from ..artifacts.batch import RolloutBatch
 from ..models.base import uses_negative_prompt
+from ..models.source_images import condition_keys
 from ..stages.plan import seed_of
 from .base import TrainResult
 from .collective import SingleProcess
@@ -53,7 +54,9 @@ class ReplayFactory:
     def __init__(self, pol: TrainablePolicy, prompts: PromptCache, algo, batch: RolloutBatch, recipe, prompt_sets):
         fam = pol.family
         self.pol, self.fam, self.batch, self.recipe = pol, fam, batch, recipe
-        self.prompts = batch["prompt"]
+        images = list(batch["source_image"]) if "source_image" in batch else None
+        self.prompts = condition_keys(list(batch["prompt"]), images)  # an editing rollout's: prompt and image
+        prompts.add_images(images)
         self.sets = set_of_rows(len(self.prompts), prompt_sets)
         self.encoded = {s: prompts.encode(texts) for s, texts in replay_prompt_sets(self.prompts, prompt_sets).items()}
         self.cots = {s: fam.encode_cot_prompts(list(pos), recipe.cot_template, recipe.cot_tokens)  # CoT: per set

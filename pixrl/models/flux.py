@@ -64,6 +64,10 @@ class FluxFamily(PackedLatentsFamily):
     @encodes_text
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> FluxConditioning:
+        return self.encode_text(prompts)
+
+    def encode_text(self, prompts: list[str]) -> FluxConditioning:
+        """CLIP pooled and T5 per-token embeddings, as the pipeline's `encode_prompt` makes them."""
         embeds, pooled, text_ids = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, device=self.device,
                                                            max_sequence_length=self.max_sequence_length)
         return FluxConditioning(embeds, pooled, text_ids)
@@ -94,10 +98,11 @@ class FluxFamily(PackedLatentsFamily):
     # --- a tiny random checkpoint in the real layout --------------------------------------------
     @classmethod
     def write_tiny(cls, out_dir: Path, seed: int = 0) -> dict:
-        """A random FLUX.1-dev-shaped pipeline (guidance embedding, 16 packed channels, CLIP + T5,
+        """A random FLUX.1-dev-shaped pipeline of the family's class (guidance embedding, 16 packed channels, CLIP + T5,
         dynamic-shift scheduler) with tiny widths, saved with `save_pretrained`. Returns the
         overrides that run it (`model.resolution`: 32 px)."""
-        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+        import diffusers
+        from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
         from .tiny_parts import clip_text_model, clip_tokenizer, image_vae, t5_encoder, t5_tokenizer
 
@@ -111,7 +116,7 @@ class FluxFamily(PackedLatentsFamily):
         vae = image_vae(latent_channels=4, scaling_factor=0.3611, shift_factor=0.1159)
         sched = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                                                 base_image_seq_len=256, max_image_seq_len=4096)
-        pipe = FluxPipeline(scheduler=sched, vae=vae, text_encoder=te, tokenizer=tok, text_encoder_2=te2,
+        pipe = getattr(diffusers, cls.pipeline_class)(scheduler=sched, vae=vae, text_encoder=te, tokenizer=tok, text_encoder_2=te2,
                             tokenizer_2=tok2, transformer=transformer)
         pipe.save_pretrained(str(out_dir), safe_serialization=True)
         import shutil

@@ -192,13 +192,13 @@ def encodes_text(encode):
     """For a family's `encode_prompts`: the text towers are resident while it runs (offloaded
     towers come to their device and go back)."""
     @functools.wraps(encode)
-    def wrapper(self, prompts):
+    def wrapper(self, prompts, *args, **kwargs):
         if self.without_text:
             raise RuntimeError(f"this {self.name} model was loaded without its text encoders (text_towers=False, "
                                "as a Ray trainer rank loads it): its prompt conditioning must be given "
                                "(PromptCache.holding), not encoded here")
         with self.text_towers_resident():
-            return encode(self, prompts)
+            return encode(self, prompts, *args, **kwargs)
     return wrapper
 
 

@@ -130,6 +130,9 @@ class OnlineStages(DecodeScoreStages):
         columns = self._row_columns(iteration, policy, rows, seeds, recipe, info)
         if shared:
             columns["noise_seed"] = noise_seeds
+        images = [p.image for _, _, p in rows] if any(p.image is not None for _, _, p in rows) else None
+        if images is not None:  # an editing dataset: each row keeps the source image it was conditioned on
+            columns["source_image"] = images
         args = (self.source(policy), [p.prompt for _, _, p in rows], seeds, recipe)
         scope, video = self.stores.round_scope(rnd), bool(info.get("video"))
         to_store = getattr(self.engine, "rollout_to_store", None)  # workers write their rows themselves
@@ -141,7 +144,8 @@ class OnlineStages(DecodeScoreStages):
                 hook["on_chunk"] = self.overlap.begin((iteration, rnd), columns["sample_id"], columns["prompt"],
                                                       [json.loads(m) for m in columns["prompt_meta"]])  # as score reads them
             try:
-                batch, seconds = self.engine.rollout(*args, noise_seeds=noise_seeds, **hook)
+                batch, seconds = self.engine.rollout(*args, noise_seeds=noise_seeds, **hook,
+                                                     **({"images": images} if images is not None else {}))
             except BaseException:
                 if self.overlap is not None:
                     self.overlap.discard((iteration, rnd))
@@ -279,7 +283,8 @@ class OnlineStages(DecodeScoreStages):
         a = self.cfg.algorithm
         schedule = ["timesteps", "sigmas"] if self.step_kind == "denoise" else []
         cot = COT_FIELDS if self.step_kind == "token" and self.cfg.sampling.cot_tokens else ()
-        cols = ["sample_id", "prompt", *sorted(self.algorithm.needs), *cot, "advantage", *schedule, "recipe", "group_id"]
+        cols = ["sample_id", "prompt", *sorted(self.algorithm.needs), *cot, "advantage", *schedule, "recipe", "group_id",
+                *(["source_image"] if "source_image" in self.table.dataset(ref.version).schema.names else [])]
         batch = RolloutBatch.from_arrow(self._read(ref, iteration, list(dict.fromkeys(cols))))
         row = {sid: i for i, sid in enumerate(batch["sample_id"])}
         rows = [[[row[sid] for sid in mb] for mb in step] for step in plan.steps]

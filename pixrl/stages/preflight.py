@@ -49,6 +49,7 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
             family.check_options(path, options, cfg.sampling)
         items = select_categories(load_prompt_set(resolve_asset(cfg.dataset.path), cfg.dataset.name),
                                   cfg.dataset.categories)
+        check_source_images(cfg, family, items)
         s = cfg.sampling
         if s.cot_tokens and not hasattr(family, "encode_cot_prompts"):
             raise ValueError(f"sampling.cot_tokens={s.cot_tokens}: the {family.name} family samples no chain of thought "
@@ -92,6 +93,29 @@ def check_online_algorithm(cfg: ExperimentConfig, algo, family) -> None:
     if lacking:
         raise ValueError(f"algorithm {algo.name!r} needs trajectory field(s) {lacking}, which {cfg.model.family!r} "
                          f"rollouts ({family.semantics.step.value} steps) do not store")
+
+
+def check_source_images(cfg: ExperimentConfig, family, items) -> None:
+    """An editing family gets a source image with every prompt; a text-to-image family none."""
+    from ..models.source_images import SEP
+
+    with_image = sum(it.image is not None for it in items)
+    where = f"dataset.path={cfg.dataset.path}"
+    if getattr(family, "takes_images", False):
+        if with_image < len(items):
+            raise ValueError(f"the {family.name} family edits images, and {len(items) - with_image} of the "
+                             f"{len(items)} prompts of {where} have no source image; give each an image "
+                             f"(docs/editing.md)")
+        if cfg.run.engine == "ray":
+            raise ValueError(f"run.engine=ray does not carry source images to its workers yet; train the "
+                             f"{family.name} family with run.engine=local")
+    elif with_image:
+        raise ValueError(f"{with_image} prompts of {where} carry source images (an editing dataset), and the "
+                         f"{family.name} family generates from text alone; use an editing family (flux1_kontext) "
+                         f"or a prompt set without images")
+    bad = next((it.prompt for it in items if SEP in it.prompt), None)
+    if bad is not None:
+        raise ValueError(f"prompt {bad[:60]!r} of {where} holds the control character U+001F; remove it")
 
 
 def check_group_scoring(cfg, names: list[str]) -> None:

@@ -1,0 +1,75 @@
+"""Source images of image-conditioned generation (instruction editing: FLUX.1 Kontext).
+
+A prompt of an editing dataset is an instruction *and* an image. Everything that passes prompt
+strings between stages, engines and caches passes a condition key instead: the prompt itself
+when there is no image, else `prompt` + SEP + the image bytes' digest. The bytes travel beside
+the keys (the trajectory rows keep them in `source_image`; a prompt cache is given them), so a
+key always names exactly what was encoded, and two instructions on two images never share an
+encoding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+
+import numpy as np
+
+from ..errors import ExpectedError
+
+SEP = "\x1f"  # ASCII unit separator; a prompt holding it is refused (condition_key)
+
+
+class SourceImageError(ExpectedError, ValueError):
+    """A source image that cannot be read, or one given to a family that takes none."""
+
+
+def digest(image: bytes) -> str:
+    return hashlib.sha256(image).hexdigest()[:32]
+
+
+def condition_key(prompt: str, image: bytes | None) -> str:
+    if SEP in prompt:
+        raise SourceImageError(f"prompt {prompt[:60]!r} holds the control character U+001F; remove it")
+    return prompt if image is None else f"{prompt}{SEP}{digest(image)}"
+
+
+def condition_keys(prompts: list[str], images: list[bytes | None] | None) -> list[str]:
+    if images is None:
+        return list(prompts)
+    if len(images) != len(prompts):
+        raise ValueError(f"{len(images)} source images for {len(prompts)} prompts")
+    return [condition_key(p, im) for p, im in zip(prompts, images)]
+
+
+def split_key(key: str) -> tuple[str, str | None]:
+    """(prompt, image digest or None) of a condition key."""
+    prompt, _, dig = key.partition(SEP)
+    return prompt, dig or None
+
+
+def image_bank(images: list[bytes | None] | None) -> dict[str, bytes]:
+    """digest → bytes of the given images (None entries skipped)."""
+    return {digest(im): im for im in images or () if im is not None}
+
+
+def decode_rgb(image: bytes, what: str = "source image"):
+    """A PIL RGB image from encoded bytes (PNG, JPEG, WebP, …), or a SourceImageError naming the problem."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        img = Image.open(io.BytesIO(image))
+        img.load()
+    except (UnidentifiedImageError, OSError) as exc:
+        raise SourceImageError(f"{what} ({len(image)} bytes) is not a readable image: {exc}; give PNG or JPEG "
+                               f"bytes") from None
+    return img.convert("RGB")
+
+
+def png_bytes(array: np.ndarray) -> bytes:
+    """uint8 [H, W, 3] → PNG bytes (tests and tiny datasets write their source images with it)."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.asarray(array, np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
