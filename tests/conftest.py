@@ -134,6 +134,12 @@ def tiny_flux(tmp_path_factory) -> tuple[Path, dict]:
 
 
 @pytest.fixture(scope="session")
+def tiny_flux_kontext(tmp_path_factory) -> tuple[Path, dict]:
+    """FLUX.1-Kontext-dev-shaped, with its tiny editing prompt set (`edits/edits.jsonl`)."""
+    return _tiny_family(tmp_path_factory, "flux1_kontext")
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen_image(tmp_path_factory) -> tuple[Path, dict]:
     """Qwen-Image-shaped."""
     return _tiny_family(tmp_path_factory, "qwen_image")
