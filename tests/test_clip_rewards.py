@@ -143,3 +143,32 @@ def test_pixrl_score_scores_a_folder_with_its_sidecar_prompts(tiny_clip, tmp_pat
                                    "--dataset", "shapes"])
     assert res.exit_code == 0, res.output
     assert all(0 <= json.loads(ln)["shapes"] <= 1 for ln in res.stdout.strip().splitlines())
+
+
+def test_image_similarity_is_the_cosine_of_the_edit_and_its_source(tiny_clip):
+    """flow_grpo's image_similarity: cos between CLIP image embeddings of each edit and its source
+    image (the metadata's `source_image` bytes, any size); the same over the reward service's JSON
+    wire; a sample without a source fails by name."""
+    from transformers import CLIPModel, CLIPProcessor
+
+    from pixrl.models.source_images import png_bytes
+    from pixrl.rewards.base import ScoringError
+    from pixrl.rewards.wire import decode_metadata, encode_batch
+
+    path, _ = tiny_clip
+    rs = RewardSet({"image_similarity": 1.0}, {"image_similarity": {"path": str(path), "batch_size": 3}})
+    imgs, sources = _images(), _images(seed=1)[:, :32, :36]
+    metas = [{"category": "edit", "source_image": png_bytes(s)} for s in sources]
+    got = rs.score(imgs, PROMPTS, metas, list("abcd"))["image_similarity"]
+    model, proc = CLIPModel.from_pretrained(str(path)), CLIPProcessor.from_pretrained(str(path))
+    with torch.no_grad():
+        a = model.get_image_features(**proc(images=list(imgs), return_tensors="pt"))
+        b = model.get_image_features(**proc(images=list(sources), return_tensors="pt"))
+    a, b = (getattr(x, "pooler_output", x) for x in (a, b))
+    assert np.allclose(got, torch.nn.functional.cosine_similarity(a, b).numpy(), atol=1e-5)
+    same = rs.score(sources, PROMPTS, metas, list("abcd"))["image_similarity"]
+    assert np.allclose(same, 1.0, atol=1e-5) and (got < same).all()
+    wired = [decode_metadata(m) for m in encode_batch(imgs, PROMPTS, metas)["metadata"]]
+    assert wired == metas
+    with pytest.raises(ScoringError, match=r"samples \[1\] carry none"):
+        rs.score(imgs[:2], PROMPTS[:2], [metas[0], {"category": "edit"}], ["a", "b"])

@@ -130,3 +130,21 @@ def test_two_rl_iterations_through_the_unchanged_flow(tiny_flux_kontext, tmp_pat
     if mode == "lora":  # the replayed update reads the stored images and equals the recorded checkpoint
         rep = CliRunner().invoke(app, ["replay", f"kontext_{mode}", "--iteration", "1", "--workdir", str(tmp_path)])
         assert rep.exit_code == 0 and json.loads(rep.stdout.strip().splitlines()[-1])["equal"] is True, rep.output
+        _offline_dpo_on_the_archived_edits(tiny_flux_kontext, tmp_path, f"kontext_{mode}", files)
+
+
+def _offline_dpo_on_the_archived_edits(tiny, tmp_path, source, files):
+    """`pixrl dpo` from the editing run: each pair keeps its source image and the update is
+    conditioned on it; the edits dataset has no held-out evaluator, which the result says."""
+    path, overrides = tiny
+    extra = [f"{k}={v}" for k, v in overrides.items() if k != "model.path"]
+    res = CliRunner().invoke(app, ["dpo", "--from", source, "-n", "2", "--run", "kdpo", "--workdir", str(tmp_path),
+                                   f"model.path={path}", *extra, "dpo.pairs_per_step=2", "model.device=cpu",
+                                   "model.dtype=float32"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["heldout_before"] is None and "not evaluated: dataset 'edits' has no held-out evaluator" in res.output
+    (pairs_dir,) = tmp_path.glob("lance/kdpo/*/pairs.lance")
+    pairs = lance.dataset(str(pairs_dir))
+    t = pairs.to_table(columns=["prompt", "source_image"])
+    assert t.num_rows > 0 and all(img == files[p] for p, img in zip(t["prompt"].to_pylist(), t["source_image"].to_pylist()))

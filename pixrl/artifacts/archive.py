@@ -20,6 +20,7 @@ from .tracking import Tracker
 
 SELECT_COLUMNS = ["run_id", "iteration", "sample_id", "group_id", "prompt", "prompt_meta", "policy_version",
                   "reward", "rewards"]
+OPTIONAL_SELECT = ["source_image"]  # an editing rollout's source image: what its pairs are conditioned on
 
 
 class ArchiveError(ExpectedError, ValueError):
@@ -122,7 +123,9 @@ def select_rows(tables: list[PinnedTable], f) -> pa.Table:
     """The scored rows matching the filters `f` (a DPOConfig), with a `source` column (uri@version)."""
     parts = []
     for t in tables:
-        rows = lance.dataset(t.uri, version=t.version).to_table(columns=SELECT_COLUMNS, filter=_where(t, f))
+        ds = lance.dataset(t.uri, version=t.version)
+        extra = [c for c in OPTIONAL_SELECT if c in ds.schema.names]
+        rows = ds.to_table(columns=SELECT_COLUMNS + extra, filter=_where(t, f))
         keep = np.ones(rows.num_rows, dtype=bool)
         rewards = rows["reward"].to_numpy(zero_copy_only=False)
         comps = rows["rewards"].to_pylist()
@@ -135,5 +138,5 @@ def select_rows(tables: list[PinnedTable], f) -> pa.Table:
             keep &= np.isin(cats, list(f.categories))
         rows = rows.filter(pa.array(keep))
         parts.append(rows.append_column("source", pa.array([t.ref] * rows.num_rows, pa.string())))
-    out = pa.concat_tables(parts) if parts else pa.table({})
+    out = pa.concat_tables(parts, promote_options="default") if parts else pa.table({})
     return out.sort_by([("source", "ascending"), ("run_id", "ascending"), ("sample_id", "ascending")])

@@ -101,8 +101,18 @@ def score_inputs(t: pa.Table, iteration: int) -> tuple[np.ndarray, list[str], li
     """(images, prompts, prompt metadata, sample ids) of rows holding SCORE_INPUTS; refuses rows
     that decode has not filled."""
     blobs = check_decoded(t, iteration)
-    return (np.stack([decode_media(b) for b in blobs]), t["prompt"].to_pylist(),
-            [json.loads(m) for m in t["prompt_meta"].to_pylist()], t["sample_id"].to_pylist())
+    return np.stack([decode_media(b) for b in blobs]), t["prompt"].to_pylist(), score_metadata(t), t["sample_id"].to_pylist()
+
+
+def score_metadata(t: pa.Table) -> list[dict]:
+    """Each row's prompt metadata as rewards receive it: the stored JSON, plus an editing
+    prompt's source image bytes under "source_image" when the rows hold them."""
+    metas = [json.loads(m) for m in t["prompt_meta"].to_pylist()]
+    if "source_image" in t.column_names:
+        for meta, image in zip(metas, t["source_image"].to_pylist()):
+            if image is not None:
+                meta["source_image"] = image
+    return metas
 
 
 def check_decoded(t: pa.Table, iteration: int) -> list[bytes]:

@@ -242,7 +242,10 @@ def dpo(
                 _fail(str(exc), exc=exc)
             except Exception as exc:  # the flow already marked the MLflow run FAILED
                 _fail(f"{type(exc).__name__}: {exc}", code=1, exc=exc)
-    console.print(f"[bold green]done.[/] held-out accuracy {out['heldout_before']:.3f} → {out['heldout_after']:.3f}")
+    if out["heldout_before"] is None:
+        console.print(f"[bold green]done.[/] not evaluated: {out['not_evaluated']}")
+    else:
+        console.print(f"[bold green]done.[/] held-out accuracy {out['heldout_before']:.3f} → {out['heldout_after']:.3f}")
     console.print(f"  MLflow run  {out['run_id']}   policy models:/{out['model_name']}/{out['policy']['version']}")
     console.print(f"  sources     {', '.join(out['sources'])}   pairs {out['pairs_uri']}")
     _export(out, export)

@@ -16,6 +16,7 @@ from ..artifacts.run_lock import RunLock
 from ..artifacts.store_maintenance import pin_version
 from ..artifacts.trajectories import TrajectoryStore
 from ..config.schema import ExperimentConfig
+from ..models.registry import get_family
 from ..run import RunSpec
 from ..stages.offline import check_selection
 from ..stages.runs import existing_run, reopen_run, start_run, tracker_for
@@ -39,6 +40,8 @@ def open_dpo_run(config: dict, workdir: str, resume_run_id: str | None = None) -
         return reopen_run(cfg, wd, tracker, existing, fr_id), pinned
     tables = resolve_sources(cfg.dpo.source, tracker)
     needs = build_algorithm(cfg.algorithm).needs
+    if getattr(get_family(cfg.model.family), "takes_images", False):  # an editing family trains on its sources
+        needs = needs | {"source_image"}
     check_selection(tables, cfg.dpo, needs)  # missing fields, empty selections, all-tied groups: before the run exists
     for t in tables:  # the versions read stay readable through the source runs' store cleanups
         pin_version(TrajectoryStore(t.uri), t.version, f"dpo-{cfg.run.name}-v{t.version}")
@@ -81,4 +84,5 @@ def _offline_dpo(cfg: ExperimentConfig, workdir: str, resume_run_id: str | None)
     return {"run_id": spec.run_id, "tracking_uri": spec.tracking_uri, "model_name": spec.model_name,
             "policy": policy, "pairs_uri": pairs_uri, "sources": [PinnedTable.from_dict(p).ref for p in pinned],
             "heldout_before": ev["heldout_before"], "heldout_after": ev["heldout_after"],
+            **({"not_evaluated": ev["not_evaluated"]} if "not_evaluated" in ev else {}),
             "workdir": spec.workdir, "flow_run_id": str(flow_run.get_id() or "")}

@@ -29,7 +29,7 @@ from starlette.requests import Request  # at module level: FastAPI resolves the 
 
 from .base import ScoringError
 from .compose import RewardSet
-from .wire import decode_images, decode_pickled_request, encode_pickled_response
+from .wire import decode_images, decode_metadata, decode_pickled_request, encode_pickled_response
 
 
 class ScoreRequest(BaseModel):
@@ -164,7 +164,7 @@ def build_app(rewards: RewardSet, token: str | None = None, max_bytes: int = 64 
     def score(req: ScoreRequest) -> dict:  # a sync endpoint: FastAPI runs it in its thread pool
         n = len(req.images)
         gate.check_batch(n)
-        meta = req.metadata if req.metadata is not None else [{}] * n
+        meta = [decode_metadata(m) for m in req.metadata] if req.metadata is not None else [{}] * n
         ids = req.sample_ids if req.sample_ids is not None else [f"request[{i}]" for i in range(n)]
         if not len(req.prompts) == len(meta) == len(ids) == n or (req.groups is not None and len(req.groups) != n):
             raise HTTPException(422, f"{n} images, {len(req.prompts)} prompts, {len(meta)} metadata, {len(ids)} "

@@ -22,7 +22,22 @@ def encode_batch(images: np.ndarray, prompts: list[str], metadata: list[dict], p
         raise ValueError(f"payload {payload!r}: choose png or npz")
     blob = media_bytes if payload == "png" else _npz_bytes
     return {"images": [base64.b64encode(blob(np.asarray(im, np.uint8))).decode("ascii") for im in images],
-            "prompts": list(prompts), "metadata": [dict(m) for m in metadata]}
+            "prompts": list(prompts), "metadata": [encode_metadata(m) for m in metadata]}
+
+
+BYTES_KEY = "$base64"  # a metadata value that is bytes (an editing prompt's source_image) travels as {BYTES_KEY: …}
+
+
+def encode_metadata(meta: dict) -> dict:
+    """A sample's metadata as JSON can carry it: bytes values as {"$base64": …}."""
+    return {k: {BYTES_KEY: base64.b64encode(v).decode("ascii")} if isinstance(v, (bytes, bytearray)) else v
+            for k, v in meta.items()}
+
+
+def decode_metadata(meta: dict) -> dict:
+    """`encode_metadata` undone: what the in-process scorer would have been given."""
+    return {k: base64.b64decode(v[BYTES_KEY]) if isinstance(v, dict) and set(v) == {BYTES_KEY} else v
+            for k, v in meta.items()}
 
 
 def _npz_bytes(sample: np.ndarray) -> bytes:

@@ -11,14 +11,13 @@ records and the stage helpers these use. Three ways each, one outcome (one table
 
 from __future__ import annotations
 
-import json
 import time
 
 import numpy as np
 import pyarrow as pa
 
 from ..artifacts.batch import DECODE_INPUT, RolloutBatch
-from ..artifacts.column_writes import SCORE_INPUTS, check_decoded, image_columns, score_inputs
+from ..artifacts.column_writes import SCORE_INPUTS, check_decoded, image_columns, score_inputs, score_metadata
 from ..artifacts.trajectories import TableRef, rewards_column
 from .overlap import Chunk, decode_chunk, generation_order, merge_scores, score_chunk
 
@@ -98,7 +97,8 @@ class DecodeScoreStages:
             scores, seconds = from_store(reads, iteration)
         else:
             order = self.ORDER if self.overlap is not None else []
-            t = self._read(ref, iteration, [*keys, *SCORE_INPUTS[1:], *order], where=scope)
+            sources = ["source_image"] if "source_image" in self.table.dataset(ref.version).schema.names else []
+            t = self._read(ref, iteration, [*keys, *SCORE_INPUTS[1:], *sources, *order], where=scope)
             if self.overlap is not None:
                 check_decoded(t, iteration)
                 scores, seconds = self._score_chunked(iteration, ref, rnd, t, metrics)
@@ -124,7 +124,7 @@ class DecodeScoreStages:
         got = self.overlap.scored((iteration, rnd), ref.version, [sids[i] for p in parts for i in p])
         if got is None:
             blobs, prompts = t["image"].to_pylist(), t["prompt"].to_pylist()
-            metas = [json.loads(m) for m in t["prompt_meta"].to_pylist()]
+            metas = score_metadata(t)
             chunks = []
             for p in parts:
                 scores, seconds = score_chunk(self.engine, [blobs[i] for i in p], [prompts[i] for i in p],

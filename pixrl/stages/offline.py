@@ -69,6 +69,18 @@ def _no_pairs(groups: int, margin: float) -> OfflineError:
                         f"{margin}; lower dpo.margin or select more rollouts")
 
 
+def no_heldout_evaluation(dataset) -> str | None:
+    """Why the dataset's held-out split cannot be evaluated (no evaluator registered for it, or no
+    held-out prompts), or None when it can."""
+    from ..datasets.registry import has_evaluator
+
+    if not has_evaluator(dataset.name):
+        return f"dataset {dataset.name!r} has no held-out evaluator"
+    if dataset.heldout_path is None:
+        return f"dataset {dataset.name!r} has no held-out prompts (dataset.heldout_path)"
+    return None
+
+
 def check_sources(tables: list[PinnedTable], needs) -> None:
     """Every pinned source holds the fields the offline algorithm reads (its `needs`)."""
     for t in tables:
@@ -142,6 +154,7 @@ class OfflineStages:
             "winner_sample_id": take("sample_id", w), "loser_sample_id": take("sample_id", lo),
             "winner_reward": take("reward", w), "loser_reward": take("reward", lo),
             "margin": pa.array(scores[w] - scores[lo], pa.float32()),
+            **({"source_image": take("source_image", w)} if "source_image" in sel.column_names else {}),
         }))
         self._log({"pairs": float(pairs.count), "pair_groups": float(pairs.groups),
                    "groups_without_pair": float(pairs.groups_without_pair),
@@ -195,7 +208,9 @@ class OfflineStages:
         d = self.d
         pairs = lance.dataset(self.pairs_uri).to_table()
         n = pairs.num_rows
-        batch = RolloutBatch({self.payload_field: self._latents(pairs), "prompt": pairs["prompt"].to_pylist() * 2})
+        batch = RolloutBatch({self.payload_field: self._latents(pairs), "prompt": pairs["prompt"].to_pylist() * 2,
+                              **({"source_image": pairs["source_image"].to_pylist() * 2}
+                                 if "source_image" in pairs.column_names else {})})
         cats = [json.loads(m).get("category", "") if m else "" for m in pairs["prompt_meta"].to_pylist()]
         order = pair_order(cats, d.steps, d.pairs_per_step, d.balance, np.random.default_rng(self.cfg.run.seed))
         plan = [[[*idx, *(n + i for i in idx)]] for idx in order]  # one micro-batch: winners, then their losers
@@ -229,6 +244,12 @@ class OfflineStages:
         done = self.records.read("evaluation", None)
         if done is not None:
             return done
+        unevaluated = no_heldout_evaluation(self.cfg.dataset)
+        if unevaluated:  # said on the run and in the result, not skipped silently
+            res = {"heldout_before": None, "heldout_after": None, "not_evaluated": unevaluated}
+            self.tracker.set_tags(self.spec.run_id, {"pixrl.not_evaluated": unevaluated})
+            self.records.write("evaluation", None, res)
+            return res
         per = self.d.eval_per_category
         before, _ = evaluate_policy(self.engine, self.stores, self._source(self.d.init), None, per)
         after, champion = evaluate_policy(self.engine, self.stores, PolicySource(Path(ckpt.uri), ckpt.checkpoint_id),

@@ -141,8 +141,10 @@ class OnlineStages(DecodeScoreStages):
         if in_process:
             hook = {}
             if self.overlap is not None:  # decode and score each micro-batch while the next one generates
-                hook["on_chunk"] = self.overlap.begin((iteration, rnd), columns["sample_id"], columns["prompt"],
-                                                      [json.loads(m) for m in columns["prompt_meta"]])  # as score reads them
+                metas = [json.loads(m) for m in columns["prompt_meta"]]  # as score reads them
+                for meta, image in zip(metas, images or ()):
+                    meta["source_image"] = image
+                hook["on_chunk"] = self.overlap.begin((iteration, rnd), columns["sample_id"], columns["prompt"], metas)
             try:
                 batch, seconds = self.engine.rollout(*args, noise_seeds=noise_seeds, **hook,
                                                      **({"images": images} if images is not None else {}))

@@ -1,0 +1,51 @@
+"""Image similarity to the source: how much of an editing prompt's source image the edit keeps —
+flow_grpo's `image_similarity` reward for FLUX.1 Kontext and Qwen-Image-Edit (rewards.py
+`image_similarity_score`: ClipScorer.image_similarity, weighted beside GenEval in its
+counting_flux_kontext and counting_qwenimage_edit recipes): the cosine between the CLIP image
+embeddings of the edited image and of its source, under a CLIP model from a local directory
+(reward.options.image_similarity.path).
+
+The source image arrives in the sample's metadata (`source_image`, its encoded bytes: the
+trajectory rows' column); a sample without one is a ScoringError naming it, never a zero."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..models.source_images import decode_rgb
+from .base import Reward, ScoringError, register_reward
+from .clip_backbone import check_clip_dir
+
+
+@register_reward("image_similarity")
+class ImageSimilarity(Reward):
+    value_range = (-1.0, 1.0)
+
+    def __init__(self, path: str = "", batch_size: int = 32):
+        check_clip_dir(path, "image_similarity")
+        self.path, self.batch_size = path, batch_size
+        self.clip = None
+
+    def setup(self, device: str = "cpu") -> None:
+        from .clip_backbone import ClipBackbone
+
+        super().setup(device)
+        self.clip = ClipBackbone(self.path, device, self.name)
+
+    def score(self, images, prompts, metadata):
+        sources = source_arrays(metadata, self.name)
+        out = []
+        for s in range(0, len(images), self.batch_size):
+            edited = self.clip.image_embeds(images[s:s + self.batch_size])
+            source = self.clip.image_embeds(sources[s:s + self.batch_size])
+            out.append((edited * source).sum(-1).cpu().numpy())
+        return {self.name: np.concatenate(out).astype(np.float32)}
+
+
+def source_arrays(metadata: list[dict], reward: str) -> list[np.ndarray]:
+    """Each sample's source image as uint8 [H, W, 3] (its own size: the CLIP processor resizes)."""
+    missing = [i for i, m in enumerate(metadata) if not m.get("source_image")]
+    if missing:
+        raise ScoringError(f"reward {reward} compares an edit with its source image, and samples {missing[:3]} carry "
+                           f"none (metadata 'source_image'); train on an editing dataset (docs/editing.md)")
+    return [np.asarray(decode_rgb(m["source_image"]), np.uint8) for m in metadata]
