@@ -48,12 +48,27 @@ def heldout_reward(cfg_overrides: list[str], run: str | None, workdir: Path) -> 
     else:
         policy, cfg = load_policy(None, run, str(workdir))
     recipe = eval_recipe(cfg.sampling, policy.family.semantics.step.value)
-    prompts = [p for p in HELDOUT for _ in SEEDS]
-    seeds = [10_000 + s for _ in HELDOUT for s in SEEDS]
-    imgs = generate_images(policy.family, prompts, seeds, recipe)
+    items = heldout_items(policy.family, workdir)
+    prompts = [p for p, _ in items for _ in SEEDS]
+    seeds = [10_000 + s for _ in items for s in SEEDS]
+    sources = [im for _, im in items for _ in SEEDS] if getattr(policy.family, "takes_images", False) else None
+    imgs = generate_images(policy.family, prompts, seeds, recipe, images=sources)
     scores = RewardSet({"jpeg_compressibility": 1.0}).score(imgs, prompts, [{}] * len(prompts),
                                                             [f"h{i}" for i in range(len(prompts))])
     return float(np.mean(scores["reward"]))
+
+
+def heldout_items(family, workdir: Path) -> list[tuple[str, bytes | None]]:
+    """The held-out (prompt, source image) pairs: the shapes prompts above, or for an editing
+    family 8 edits of its own tiny kind on source images never trained on (seed 1)."""
+    if not getattr(family, "takes_images", False):
+        return [(p, None) for p in HELDOUT]
+    from pixrl.datasets.prompts import load_prompt_set
+    from pixrl.models.flux_kontext import write_edit_prompts
+
+    folder = workdir / "heldout_edits"
+    path = folder / "edits.jsonl" if (folder / "edits.jsonl").is_file() else write_edit_prompts(folder, seed=1, n=8)
+    return [(it.prompt, it.image) for it in load_prompt_set(path)]
 
 
 def curve(workdir: Path, run_id: str) -> list[tuple[int, float]]:
@@ -144,7 +159,7 @@ def main() -> None:
                "heldout_before": round(before, 4), "heldout_after": round(after, 4),
                "train_first_10pct": round(float(np.mean(r[:k])), 4), "train_last_10pct": round(float(np.mean(r[-k:])), 4),
                "weights_moved_rel_l2": round(weight_change(work, name, base), 5) if base else None,
-               "heldout": {"prompts": HELDOUT, "seeds": list(SEEDS)}}
+               "heldout": {"prompts": [p for p, _ in heldout_items(get_family(args.family), work)], "seeds": list(SEEDS)}}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "README.md").write_text(readme(name, args, summary))
     _resolved_config([*model, *common, f"run.iterations={args.iterations}", f"run.name={name}"], out)
@@ -155,6 +170,10 @@ def readme(name: str, args, s: dict) -> str:
     cmd = " ".join(["benchmarks/record_family_learning.py", "--family", args.family, "--iterations",
                     str(args.iterations), *(["--two-experts"] if args.two_experts else []),
                     *(["--name", name] if args.name else []), *args.overrides])
+    from pixrl.models.registry import get_family
+
+    held = "edits (an instruction on a source image)" if getattr(get_family(args.family), "takes_images", False) \
+        else "prompts"
     return f"""# {name}: does the {args.family} family's RL loop learn? (tiny random checkpoint, CPU)
 
 ```bash
@@ -164,7 +183,7 @@ def readme(name: str, args, s: dict) -> str:
 `pixrl tiny {args.family}{' --two-experts' if args.two_experts else ''}` (the real diffusers classes and layout, tiny widths, random weights, 32 px),
 Flow-GRPO as the default recipe sets it but for the overrides above, the JPEG-compressibility
 reward, {s['iterations']} iterations through the real flow (Prefect, Lance, MLflow) in {s['minutes']} minutes on
-2 CPU cores, {time.strftime('%Y-%m-%d')}. Held-out: {len(HELDOUT)} prompts never trained on × {len(SEEDS)} seeds, the eval
+2 CPU cores, {time.strftime('%Y-%m-%d')}. Held-out: {len(s['heldout']['prompts'])} {held} never trained on × {len(SEEDS)} seeds, the eval
 (ODE) sampler, the base checkpoint against the run's last published version.
 
 | | held-out reward | train reward (mean of the first / last 10% of iterations) |

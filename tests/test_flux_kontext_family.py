@@ -131,7 +131,20 @@ def test_two_rl_iterations_through_the_unchanged_flow(tiny_flux_kontext, tmp_pat
         rep = CliRunner().invoke(app, ["replay", f"kontext_{mode}", "--iteration", "1", "--workdir", str(tmp_path)])
         assert rep.exit_code == 0 and json.loads(rep.stdout.strip().splitlines()[-1])["equal"] is True, rep.output
         _offline_dpo_on_the_archived_edits(tiny_flux_kontext, tmp_path, f"kontext_{mode}", files)
+        _generate_edits_from_the_run(tmp_path, f"kontext_{mode}", folder)
 
+
+def _generate_edits_from_the_run(tmp_path, run, folder):
+    """`pixrl generate --image`: the trained policy edits the given source image; without one, or
+    with a count that matches nothing, it stops naming the fix."""
+    base = ["generate", "--run", run, "--workdir", str(tmp_path), "--prompt", "make the sky red", "--prompt", "add a star"]
+    res = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "gen"), "--image", str(folder / "source_0.png")])
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in (tmp_path / "gen").glob("*.png")) == ["0000_00.png", "0001_00.png"]
+    res = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "gen2")])
+    assert res.exit_code == 2 and "pass --image PATH" in res.output
+    res = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "gen3"), *["--image", str(folder / "source_0.png")] * 3])
+    assert res.exit_code == 2 and "3 --image paths for 2 prompts" in res.output
 
 def _offline_dpo_on_the_archived_edits(tiny, tmp_path, source, files):
     """`pixrl dpo` from the editing run: each pair keeps its source image and the update is

@@ -193,9 +193,12 @@ def generate(
     steps: Optional[int] = typer.Option(None, "--steps"),
     workdir: str = typer.Option("work", "--workdir"),
     weights: Optional[str] = typer.Option(None, "--weights", help=WEIGHTS_HELP),
+    image: Optional[list[str]] = typer.Option(None, "--image", help="an editing family's source image: one for "
+                                                                     "every prompt, or one per prompt (repeatable)"),
 ) -> None:
     """Write one PNG per prompt and sample — an animated PNG per clip for a video family — with
-    the prompt in a sidecar JSON, using the eval sampler."""
+    the prompt in a sidecar JSON, using the eval sampler. An editing family (flux1_kontext) edits
+    the --image given with each prompt."""
     texts = list(prompt or [])
     if prompts:
         p = Path(prompts)
@@ -208,8 +211,10 @@ def generate(
     from ..datasets.shapes.evaluate import generate_images
 
     policy, recipe, _ = _policy(checkpoint, run, workdir, steps, weights=weights)
+    sources = _source_images(policy.family, image, len(texts))
     pairs = [(t, seed * 1000 + i * samples + k) for i, t in enumerate(texts) for k in range(samples)]
-    imgs = generate_images(policy.family, [t for t, _ in pairs], [s for _, s in pairs], recipe)
+    imgs = generate_images(policy.family, [t for t, _ in pairs], [s for _, s in pairs], recipe,
+                           images=None if sources is None else [sources[n // samples] for n in range(len(pairs))])
     od = Path(out)
     od.mkdir(parents=True, exist_ok=True)
     for n, ((text, s), img) in enumerate(zip(pairs, imgs)):
@@ -217,6 +222,24 @@ def generate(
         stem.with_suffix(".png").write_bytes(media_bytes(img))
         stem.with_suffix(".json").write_text(json.dumps({"prompt": text, "seed": s, **recipe.to_dict()}))
     console.print(f"wrote {len(pairs)} {'clips' if imgs.ndim == 5 else 'images'} to {od}")
+
+
+def _source_images(family, paths: Optional[list[str]], n: int) -> Optional[list[bytes]]:
+    """Each prompt's source image for an editing family (one path for all, or one per prompt)."""
+    takes = getattr(family, "takes_images", False)
+    if not paths:
+        if takes:
+            _fail(f"the {family.name} family edits images: pass --image PATH (one for every prompt, or one per prompt)")
+        return None
+    if not takes:
+        _fail(f"--image: the {family.name} family generates from text alone; drop --image")
+    if len(paths) not in (1, n):
+        _fail(f"{len(paths)} --image paths for {n} prompts: give one for every prompt, or one per prompt")
+    missing = [p for p in paths if not Path(p).is_file()]
+    if missing:
+        _fail(f"--image {missing[0]!r} does not exist")
+    data = [Path(p).read_bytes() for p in paths]
+    return data * n if len(data) == 1 else data
 
 
 @app.command()

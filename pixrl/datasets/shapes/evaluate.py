@@ -52,10 +52,11 @@ def bootstrap_interval(per_category: dict[str, list[float]], draws: int = BOOTST
 
 
 def generate_images(family, prompts: list[str], seeds: list[int], recipe: SamplerRecipe | TokenRecipe,
-                    batch: int = 64, encoded: dict | None = None) -> np.ndarray:
+                    batch: int = 64, encoded: dict | None = None, images: list[bytes] | None = None) -> np.ndarray:
     """uint8 images for (prompt, seed) pairs with the shared sampler of the family's step kind
     (same as `pixrl generate`). `encoded`: `prompt_encodings` of these prompts from a process with
-    the text towers, used instead of encoding here (the same bits)."""
+    the text towers, used instead of encoding here (the same bits). `images`: each prompt's
+    source image (an editing family)."""
     if isinstance(recipe, TokenRecipe):
         return np.concatenate([
             family.decode(generate_tokens(family, prompts[s:s + batch], generators(seeds[s:s + batch], family.device),
@@ -67,7 +68,8 @@ def generate_images(family, prompts: list[str], seeds: list[int], recipe: Sample
     imgs = []
     for k, s in enumerate(range(0, len(prompts), batch)):
         ps = prompts[s:s + batch]
-        cond = on(encoded["batches"][k]) if encoded is not None else family.encode_prompts(ps)
+        cond = on(encoded["batches"][k]) if encoded is not None else \
+            family.encode_prompts(ps, images[s:s + batch]) if images is not None else family.encode_prompts(ps)
         gens = generators(seeds[s:s + batch], family.device)
         traj = sample(family, cond, neg.expand(len(ps)) if neg is not None else None, gens, recipe)
         imgs.append(family.decode(traj.final))
