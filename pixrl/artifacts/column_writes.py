@@ -86,6 +86,12 @@ class ColumnFile:
 
 # --- what decode writes and score reads: one definition for the stage and the workers ---------
 SCORE_INPUTS = ["sample_id", "prompt", "prompt_meta", "image"]
+SCORE_OPTIONAL = ["source_image"]  # an editing rollout's source: rewards receive it in the metadata
+
+
+def score_columns(schema_names) -> list[str]:
+    """What score reads from a table with these columns: SCORE_INPUTS and the optional ones it has."""
+    return SCORE_INPUTS + [c for c in SCORE_OPTIONAL if c in schema_names]
 
 
 def image_columns(images: np.ndarray) -> dict[str, pa.Array]:

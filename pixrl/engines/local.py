@@ -197,12 +197,13 @@ class LocalEngine:
               sample_ids: list[str]) -> dict[str, np.ndarray]:
         return self.rewards.score(images, prompts, metadata, sample_ids)
 
-    def encodings(self, prompt_sets: list[list[str]], guidance_scale: float | None) -> list:
+    def encodings(self, prompt_sets: list[list[str]], guidance_scale: float | None, images=None) -> list:
         """These prompt sets' conditioning as this process encodes them (cached: the rollout's own),
         with the negative prompt's when sampling at `guidance_scale` batches it — in host memory,
         for a trainer rank that holds no text towers (`train(encodings=...)`)."""
         fam = self.policy.family
         negative = guidance_scale is not None and uses_negative_prompt(fam, guidance_scale)
+        self._prompts.add_images(images)  # the source images condition keys of an editing family name
         return self._prompts.encodings(prompt_sets, negative)
 
     # --- train --------------------------------------------------------------------------------

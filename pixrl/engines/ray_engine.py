@@ -40,6 +40,7 @@ import numpy as np
 from ..artifacts.batch import RolloutBatch
 from ..artifacts.column_writes import ColumnFile, RowsRead
 from ..errors import exception_chain
+from ..models.source_images import condition_keys
 from ..rewards.base import ScoringError, group_keys
 from ..stages.faults import TransientError
 from .base import PolicySource, TrainResult
@@ -159,36 +160,37 @@ class RayEngine:
         return self._described
 
     # --- rollout, decode, score ---------------------------------------------------------------
-    def _sharded_rollout(self, method: str, *args) -> list:
+    def _sharded_rollout(self, method: str, *args, images=None) -> list:
         """`method` of every rollout worker on its run of whole micro-batches of the call; the
-        workers after the first are given the call's encodings, made by worker 0."""
+        workers after the first are given the call's encodings, made by worker 0. `images`: each
+        prompt's source image (an editing family), passed to every worker with the whole call."""
         prompts, recipe = args[1], args[3]
         shards = _shards(len(prompts), self.cfg.sampling.micro_batch, len(self.rollout_workers))
-        given = self._call_encodings(prompts, recipe) if len(shards) > 1 else None
-        refs = [getattr(w, method).remote(*args[:5], rows, *args[5:], None if k == 0 else given)
+        given = self._call_encodings(condition_keys(prompts, images), recipe, images) if len(shards) > 1 else None
+        refs = [getattr(w, method).remote(*args[:5], rows, *args[5:], None if k == 0 else given, images)
                 for k, (w, rows) in enumerate(zip(self.rollout_workers, shards))]
         return self._get(refs, "rollout", self.rollout_workers)
 
-    def _call_encodings(self, prompts: list[str], recipe):
+    def _call_encodings(self, keys: list[str], recipe, images=None):
         """The call's prompts (and negative prompt) encoded by rollout worker 0 as its own rollout
         encodes them — a cache hit there — in the object store once for the other workers, which
         hold no text towers; None for a family whose workers encode themselves (token ids)."""
         if not self._shares_encodings:
             return None
-        ref = self.rollout_workers[0].encodings.remote([list(prompts)], getattr(recipe, "guidance_scale", None))
+        ref = self.rollout_workers[0].encodings.remote([list(keys)], getattr(recipe, "guidance_scale", None), images)
         return self.ray.put(self._get([ref], "rollout", self.rollout_workers)[0])
 
     def rollout(self, policy: PolicySource, prompts: list[str], seeds: list[int], recipe,
-                noise_seeds: list[int] | None = None) -> tuple[RolloutBatch, float]:
-        parts = self._sharded_rollout("rollout", policy, prompts, seeds, recipe, noise_seeds)
+                noise_seeds: list[int] | None = None, images=None) -> tuple[RolloutBatch, float]:
+        parts = self._sharded_rollout("rollout", policy, prompts, seeds, recipe, noise_seeds, images=images)
         return RolloutBatch.concat([b for b, _ in parts]), max(s for _, s in parts)
 
     def rollout_to_store(self, policy: PolicySource, prompts: list[str], seeds: list[int], recipe,
-                         noise_seeds: list[int] | None = None, sink=None) -> tuple[list, object, float]:
+                         noise_seeds: list[int] | None = None, sink=None, images=None) -> tuple[list, object, float]:
         """The same shards as `rollout`, each worker writing its rows as Lance fragments through
         `sink` (artifacts/rollout_rows.py): (every fragment in row order, the rows' schema, the
         slowest worker's seconds). The stage commits them as one version."""
-        parts = self._sharded_rollout("rollout_rows", policy, prompts, seeds, recipe, noise_seeds, sink)
+        parts = self._sharded_rollout("rollout_rows", policy, prompts, seeds, recipe, noise_seeds, sink, images=images)
         return [f for frags, _, _ in parts for f in frags], parts[0][1], max(sec for _, _, sec in parts)
 
     def decode(self, final_latents: np.ndarray) -> np.ndarray:
@@ -275,9 +277,10 @@ class RayEngine:
         family whose trainer ranks encode themselves (a token family's prompts are its own ids)."""
         if not trainer_takes_encodings(self.cfg.model.family):
             return None
-        sets = list(replay_prompt_sets(batch["prompt"], prompt_sets).values())
+        images = list(batch["source_image"]) if "source_image" in batch else None
+        sets = list(replay_prompt_sets(condition_keys(list(batch["prompt"]), images), prompt_sets).values())
         scale = getattr(recipe, "guidance_scale", None)
-        ref = self.rollout_workers[0].encodings.remote(sets, scale)
+        ref = self.rollout_workers[0].encodings.remote(sets, scale, images)
         return self.ray.put(self._get([ref], "rollout", self.rollout_workers)[0])
 
     def mark(self, checkpoint_id: str) -> None:

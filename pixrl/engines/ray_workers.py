@@ -85,14 +85,14 @@ class RolloutWorker(_Worker):
     def describe(self) -> dict:
         return self.engine.describe()
 
-    def rollout(self, policy, prompts, seeds, recipe, noise_seeds, rows, encodings=None):
+    def rollout(self, policy, prompts, seeds, recipe, noise_seeds, rows, encodings=None, images=None):
         worker_fault_point(self.kind, self.index)
         return self.engine.rollout(policy, prompts, seeds, recipe, noise_seeds=noise_seeds, rows=rows,
-                                   encodings=encodings)
+                                   encodings=encodings, images=images)
 
-    def rollout_rows(self, policy, prompts, seeds, recipe, noise_seeds, rows, sink, encodings=None):
+    def rollout_rows(self, policy, prompts, seeds, recipe, noise_seeds, rows, sink, encodings=None, images=None):
         """Rows [lo, hi) of the call, written as uncommitted fragments: (fragments, schema, seconds)."""
-        batch, seconds = self.rollout(policy, prompts, seeds, recipe, noise_seeds, rows, encodings)
+        batch, seconds = self.rollout(policy, prompts, seeds, recipe, noise_seeds, rows, encodings, images)
         table = sink.rows(batch, *rows)
         return sink.write(table), table.schema, seconds
 
@@ -126,10 +126,11 @@ class RolloutWorker(_Worker):
     def evaluate(self, policy, dataset: str, split: str, per_category: int) -> dict:
         return self.engine.evaluate(policy, dataset, split, per_category)
 
-    def encodings(self, prompt_sets: list[list[str]], guidance_scale: float | None) -> list:
-        """The prompt sets' conditioning as this worker's rollout encoded them (cached), in host memory."""
+    def encodings(self, prompt_sets: list[list[str]], guidance_scale: float | None, images=None) -> list:
+        """The prompt sets' conditioning as this worker's rollout encoded them (cached), in host
+        memory; `images`: the source images their condition keys name (an editing family)."""
         worker_fault_point(self.kind, self.index)
-        return self.engine.encodings(prompt_sets, guidance_scale)
+        return self.engine.encodings(prompt_sets, guidance_scale, images)
 
     def eval_images(self, policy, dataset: str, pairs: list, encoded: dict | None = None) -> object:
         """The images of a shard of an evaluation's (prompt, seed) pairs, under `policy`; `encoded`:
@@ -159,10 +160,11 @@ class RewardWorker(_Worker):
         """The rewards of rows read from the table (in `rows.sample_ids` order) and the seconds."""
         import time
 
-        from ..artifacts.column_writes import SCORE_INPUTS, score_inputs
+        from ..artifacts.column_writes import score_columns, score_inputs
 
         worker_fault_point(self.kind, self.index)
-        images, prompts, metadata, sample_ids = score_inputs(rows.read(SCORE_INPUTS), iteration)
+        images, prompts, metadata, sample_ids = score_inputs(rows.read(score_columns(rows.dataset().schema.names)),
+                                                             iteration)
         t0 = time.perf_counter()
         scores = self.engine.score(images, prompts, metadata, sample_ids)
         return scores, time.perf_counter() - t0

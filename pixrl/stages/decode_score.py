@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..artifacts.batch import DECODE_INPUT, RolloutBatch
-from ..artifacts.column_writes import SCORE_INPUTS, check_decoded, image_columns, score_inputs, score_metadata
+from ..artifacts.column_writes import check_decoded, image_columns, score_columns, score_inputs, score_metadata
 from ..artifacts.trajectories import TableRef, rewards_column
 from .overlap import Chunk, decode_chunk, generation_order, merge_scores, score_chunk
 
@@ -97,8 +97,8 @@ class DecodeScoreStages:
             scores, seconds = from_store(reads, iteration)
         else:
             order = self.ORDER if self.overlap is not None else []
-            sources = ["source_image"] if "source_image" in self.table.dataset(ref.version).schema.names else []
-            t = self._read(ref, iteration, [*keys, *SCORE_INPUTS[1:], *sources, *order], where=scope)
+            cols = score_columns(self.table.dataset(ref.version).schema.names)
+            t = self._read(ref, iteration, [*keys, *cols[1:], *order], where=scope)
             if self.overlap is not None:
                 check_decoded(t, iteration)
                 scores, seconds = self._score_chunked(iteration, ref, rnd, t, metrics)

@@ -158,7 +158,8 @@ class OnlineStages(DecodeScoreStages):
         else:
             self.table.ensure_absent(self.spec.run_id, iteration, scope)  # before any worker writes
             sink = RowSink(self.table.uri, columns, video, self.step_kind, create=not self.table.exists())
-            fragments, schema, seconds = to_store(*args, noise_seeds=noise_seeds, sink=sink)
+            fragments, schema, seconds = to_store(*args, noise_seeds=noise_seeds, sink=sink,
+                                                  **({"images": images} if images is not None else {}))
         n = len(rows)
         metrics = self._commit_record("generate", iteration, rnd,
                                       {"images_per_s": n / seconds, "generate_compute_s": seconds, **extra})

@@ -106,9 +106,6 @@ def check_source_images(cfg: ExperimentConfig, family, items) -> None:
             raise ValueError(f"the {family.name} family edits images, and {len(items) - with_image} of the "
                              f"{len(items)} prompts of {where} have no source image; give each an image "
                              f"(docs/editing.md)")
-        if cfg.run.engine == "ray":
-            raise ValueError(f"run.engine=ray does not carry source images to its workers yet; train the "
-                             f"{family.name} family with run.engine=local")
     elif with_image:
         raise ValueError(f"{with_image} prompts of {where} carry source images (an editing dataset), and the "
                          f"{family.name} family generates from text alone; use an editing family (flux1_kontext) "
