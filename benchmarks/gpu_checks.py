@@ -18,7 +18,7 @@ The checks (priority order: first what has not yet passed on the H200, docs/runs
 each family's `gpu_smoke.py` is one iteration of the real flow):
   environment   GPU, torch, the kit's requirements, pixrl's imports
   wan           Wan2.1-1.3B, 33 frames of 512², activation checkpointing (kit --with video)
-  flux1 …       FLUX.1-dev (8 + 16 of 19 + 38 blocks), Janus-Pro-1B, FLUX.2-dev (2 + 12 of 8 + 48),
+  flux1 …       FLUX.1-dev (8 + 16 of 19 + 38 blocks), FLUX.1-Kontext-dev (the same), Janus-Pro-1B, FLUX.2-dev (2 + 12 of 8 + 48),
                 Wan2.2-T2V-A14B (two experts, 8 of 40 blocks each)
   sd3 …         SD3.5-Medium (24 blocks; issue 14's line), SANA-1600M, Qwen-Image (12 of 60 blocks):
                 passed on 2026-12-04
@@ -62,6 +62,8 @@ CHECKS = {
     # `--only flux1 --full-depth` (flux1's 12B fits the GPU and the disk).
     "wan": ([SMOKE, "--family", "wan"], 180, "video"),
     "flux1": ([SMOKE, "--family", "flux1", "--layers", "8"], 200, None),
+    # new since: FLUX.1 Kontext (instruction editing): FLUX.1's shapes with the source's 1024 tokens more
+    "flux1_kontext": ([SMOKE, "--family", "flux1_kontext", "--layers", "8"], 200, None),
     "janus_pro": ([SMOKE, "--family", "janus_pro"], 240, None),
     "flux2": ([SMOKE, "--family", "flux2", "--layers", "2"], 300, None),  # text tower offloaded, as its preset
     # Wan2.2-T2V-A14B's two experts (new since that lease): 8 of 40 blocks each, at their real width

@@ -9,6 +9,9 @@ images/s and peak memory.
 - `--family flux1`: FLUX.1-dev — the real transformer (19 double + 38 single blocks, 24×128 heads,
   guidance embedding; 12B parameters), the real VAE, CLIP-L; T5 at its real width (4096) with 2 of
   its 24 layers; LoRA r64 as flow_grpo trains it.
+- `--family flux1_kontext`: FLUX.1-Kontext-dev — FLUX.1-dev's shapes in a FluxKontextPipeline,
+  editing 8 random source images (each a further 1024 tokens of the sequence at 512²), guidance
+  2.5, LoRA r64.
 - `--family qwen_image`: Qwen-Image — the real transformer (60 blocks, 24×128 heads; 20B), the
   real causal VAE; the Qwen2.5-VL text encoder at its real width (3584) with 2 of its 28 layers;
   LoRA r64 as VeRL-Omni trains it. `--layers N` shrinks the transformer (disk: 40 GB at 60).
@@ -54,6 +57,8 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
     "sd3": lambda tiny: ["model.max_sequence_length=0" if tiny else "model.max_sequence_length=256"],
     "flux1": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
                            "sampling.guidance_scale=3.5", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
+    "flux1_kontext": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
+                                   "sampling.guidance_scale=2.5", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
     "qwen_image": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
                                 "sampling.guidance_scale=4.0", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
     "sana": lambda tiny: ["model.max_sequence_length=64" if tiny else "model.max_sequence_length=300",
@@ -118,6 +123,18 @@ def _cot(args) -> list[str]:
     return [f"sampling.cot_tokens={n}", *(['sampling.cot_template="Describe {prompt}:"'] if args.tiny else [])]
 
 
+def _edits(family: str, work: Path) -> list[str]:
+    """An editing family's prompt set: 8 instructions on random source images."""
+    from pixrl.models.registry import get_family
+
+    if not getattr(get_family(VARIANTS[family][0] if family in VARIANTS else family), "takes_images", False):
+        return []
+    from pixrl.models.flux_kontext import write_edit_prompts
+
+    path = write_edit_prompts(work / "edits", seed=0, n=8)
+    return ["dataset=edits", f"dataset.path={path}"]
+
+
 def run(args) -> dict:
     from pixrl.config.environment import apply_defaults
 
@@ -147,7 +164,8 @@ def run(args) -> dict:
         f"sampling.group_size={args.group_size}", f"sampling.prompts_per_iteration={args.prompts}",
         f"sampling.micro_batch={args.micro_batch}", f"sampling.steps={args.steps}",
         "algorithm.optimizer_steps_per_iteration=1",
-        "reward=jpeg_compressibility", "dataset.categories=null", *_cot(args), *getattr(args, "set", [])])
+        "reward=jpeg_compressibility", "dataset.categories=null", *_cot(args), *_edits(family, work),
+        *getattr(args, "set", [])])
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     t1 = time.perf_counter()

@@ -68,6 +68,14 @@ def flux1_dev_pipeline(layers: int | None, device: str, workdir: Path):
                         transformer=transformer)
 
 
+def flux1_kontext_dev_pipeline(layers: int | None, device: str, workdir: Path):
+    """FLUX.1-Kontext-dev: FLUX.1-dev's transformer and VAE (the same shapes) in a FluxKontextPipeline."""
+    from diffusers import FluxKontextPipeline
+
+    parts = flux1_dev_pipeline(layers, device, workdir).components
+    return FluxKontextPipeline(**{k: v for k, v in parts.items() if v is not None})
+
+
 def qwen_image_pipeline(layers: int | None, device: str, workdir: Path):
     """A random QwenImagePipeline with Qwen-Image's transformer and VAE shapes (text encoder shortened)."""
     import torch
@@ -286,5 +294,6 @@ def sdxl_pipeline(layers: int | None, device: str, workdir: Path):
         scheduler=sched, force_zeros_for_empty_prompt=True, add_watermarker=False)
 
 
-BUILDERS = {"sd15": sd15_pipeline, "sdxl": sdxl_pipeline, "flux1": flux1_dev_pipeline, "qwen_image": qwen_image_pipeline, "sana": sana_1600m_pipeline,
+BUILDERS = {"sd15": sd15_pipeline, "sdxl": sdxl_pipeline, "flux1": flux1_dev_pipeline,
+            "flux1_kontext": flux1_kontext_dev_pipeline, "qwen_image": qwen_image_pipeline, "sana": sana_1600m_pipeline,
             "flux2": flux2_dev_pipeline, "wan": wan21_1_3b_pipeline, "wan_a14b": wan22_a14b_pipeline}
