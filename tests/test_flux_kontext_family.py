@@ -148,7 +148,7 @@ def _generate_edits_from_the_run(tmp_path, run, folder):
 
 def _offline_dpo_on_the_archived_edits(tiny, tmp_path, source, files):
     """`pixrl dpo` from the editing run: each pair keeps its source image and the update is
-    conditioned on it; the edits dataset has no held-out evaluator, which the result says."""
+    conditioned on it; the tiny edits set has no held-out prompts, which the result says."""
     path, overrides = tiny
     extra = [f"{k}={v}" for k, v in overrides.items() if k != "model.path"]
     res = CliRunner().invoke(app, ["dpo", "--from", source, "-n", "2", "--run", "kdpo", "--workdir", str(tmp_path),
@@ -156,7 +156,7 @@ def _offline_dpo_on_the_archived_edits(tiny, tmp_path, source, files):
                                    "model.dtype=float32"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["heldout_before"] is None and "not evaluated: dataset 'edits' has no held-out evaluator" in res.output
+    assert out["heldout_before"] is None and "not evaluated: dataset 'edits' has no held-out prompts" in res.output
     (pairs_dir,) = tmp_path.glob("lance/kdpo/*/pairs.lance")
     pairs = lance.dataset(str(pairs_dir))
     t = pairs.to_table(columns=["prompt", "source_image"])

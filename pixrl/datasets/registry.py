@@ -33,6 +33,24 @@ def has_evaluator(dataset: str) -> bool:
     return dataset in EVALUATORS.names()
 
 
+def evaluates(dataset_cfg) -> bool:
+    """Whether a run on this dataset config has a held-out split to evaluate: its own evaluator's,
+    or the held-out prompts the run's rewards score (datasets/reward_eval.py)."""
+    return dataset_cfg.heldout_path is not None
+
+
+def evaluate_split(family, dataset_cfg, split: str, sampling, per_category: int, rewards) -> dict:
+    """The dataset's own evaluator on the split, or — a dataset without one — the run's rewards
+    (`rewards`, a RewardSet) on it."""
+    from .prompts import split_items
+    from .reward_eval import reward_evaluation
+
+    items = split_items(dataset_cfg, split)
+    if has_evaluator(dataset_cfg.name):
+        return get_evaluator(dataset_cfg.name)(family, items, sampling, per_category)
+    return reward_evaluation(family, items, sampling, per_category, rewards)
+
+
 def prompt_parser(dataset: str):
     """The dataset's metadata parser, or None when it has none (prompts then carry `{}`)."""
     return PROMPT_PARSERS.get(dataset) if dataset in PROMPT_PARSERS.names() else None

@@ -20,8 +20,7 @@ from ..algorithms.token_sampling import TokenRecipe, sample_tokens, sample_with_
 from ..artifacts.batch import RolloutBatch
 from ..artifacts.checkpoints import check_trained_part, load_weights
 from ..config.schema import ExperimentConfig
-from ..datasets.prompts import split_items
-from ..datasets.registry import get_evaluator
+from ..datasets.registry import evaluate_split, get_evaluator
 from ..models.base import uses_negative_prompt
 from ..models.source_images import condition_keys
 from ..rewards.compose import RewardSet
@@ -259,5 +258,7 @@ class LocalEngine:
 
     def evaluate(self, policy: PolicySource, dataset: str, split: str, per_category: int) -> dict:
         self.use(policy)
-        items = split_items(self.cfg.dataset, split)
-        return get_evaluator(dataset)(self.policy.family, items, self.cfg.sampling, per_category)
+        if dataset != self.cfg.dataset.name:
+            raise ValueError(f"this engine evaluates its run's dataset {self.cfg.dataset.name!r}, not {dataset!r}")
+        return evaluate_split(self.policy.family, self.cfg.dataset, split, self.cfg.sampling, per_category,
+                              self.rewards)

@@ -300,11 +300,11 @@ class RayEngine:
         generation batches each: the images one process makes), judged here; an evaluator that
         cannot be split runs whole on worker 0."""
         from ..datasets.prompts import split_items
-        from ..datasets.registry import get_evaluator
+        from ..datasets.registry import get_evaluator, has_evaluator
 
-        ev = get_evaluator(dataset)
+        ev = get_evaluator(dataset) if has_evaluator(dataset) else None  # None: the run's rewards judge (worker 0)
         needs = ("pairs", "images", "aggregate", *(("encodings",) if self._shares_encodings else ()))
-        if not all(hasattr(ev, part) for part in needs):
+        if ev is None or not all(hasattr(ev, part) for part in needs):
             ref = self.rollout_workers[0].evaluate.remote(policy, dataset, split, per_category)
             return self._get([ref], "rollout", self.rollout_workers)[0]
         pairs = ev.pairs(split_items(self.cfg.dataset, split), per_category)

@@ -81,15 +81,15 @@ def evaluation(params: EvalParameters) -> dict:
     from prefect.artifacts import create_table_artifact
 
     from pixrl.artifacts.tracking import Tracker, default_tracking_uri
-    from pixrl.datasets.prompts import split_items
-    from pixrl.datasets.registry import get_evaluator
+    from pixrl.datasets.registry import evaluate_split
+    from pixrl.rewards.compose import RewardSet
     from pixrl.stages.inference import load_policy_version
 
     tracker = Tracker(default_tracking_uri(Path(params.workdir)))
     policy, cfg, ref = load_policy_version(tracker, params.run_name, params.alias, params.workdir,
                                            None if params.weights == "default" else params.weights)
-    res = get_evaluator(cfg.dataset.name)(policy.family, split_items(cfg.dataset, params.split), cfg.sampling,
-                                          params.per_category)
+    res = evaluate_split(policy.family, cfg.dataset, params.split, cfg.sampling, params.per_category,
+                         RewardSet(cfg.reward.weights, cfg.reward.options, device=cfg.model.device))
     run_id = tracker.find_run("pixrl.run_name", params.run_name)
     tracker.log_metrics(run_id, {f"eval/{params.split}/{k}": v for k, v in res.items() if isinstance(v, float)},
                         step=ref.version)

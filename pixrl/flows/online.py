@@ -21,7 +21,7 @@ from ..artifacts.run_lock import RunLock
 from ..artifacts.tracking import PolicyRef
 from ..artifacts.trajectories import TrajectoryStore
 from ..config.schema import STAGES, ExperimentConfig
-from ..datasets.registry import has_evaluator
+from ..datasets.registry import evaluates
 from ..run import RunSpec
 from ..stages import progress
 from ..stages.completion import RunStores
@@ -121,7 +121,7 @@ def _train(cfg: ExperimentConfig, workdir: str, resume_run_id: str | None, fork:
     if fork:
         seed_fork(spec, fork)
         policy, start = fork["policy"], fork["iteration"]
-    every = cfg.run.eval_every if has_evaluator(cfg.dataset.name) else 0
+    every = cfg.run.eval_every if evaluates(cfg.dataset) else 0
     progress_id = start_progress(spec)
     yield_to_compute()  # the run's API-heavy opening is over; the server's background work now yields
     budget = cfg.run.time_budget_minutes

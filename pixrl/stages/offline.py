@@ -70,15 +70,11 @@ def _no_pairs(groups: int, margin: float) -> OfflineError:
 
 
 def no_heldout_evaluation(dataset) -> str | None:
-    """Why the dataset's held-out split cannot be evaluated (no evaluator registered for it, or no
-    held-out prompts), or None when it can."""
-    from ..datasets.registry import has_evaluator
+    """Why the dataset's held-out split cannot be evaluated (no held-out prompts), or None when it
+    can (by its own evaluator, or the run's rewards)."""
+    from ..datasets.registry import evaluates
 
-    if not has_evaluator(dataset.name):
-        return f"dataset {dataset.name!r} has no held-out evaluator"
-    if dataset.heldout_path is None:
-        return f"dataset {dataset.name!r} has no held-out prompts (dataset.heldout_path)"
-    return None
+    return None if evaluates(dataset) else f"dataset {dataset.name!r} has no held-out prompts (dataset.heldout_path)"
 
 
 def check_sources(tables: list[PinnedTable], needs) -> None:

@@ -1,0 +1,53 @@
+"""Held-out evaluation of a prompt set that has no evaluator of its own (a text prompt file,
+GenEval metadata scored by a served GenEval, an editing set): the run's own rewards on the split's
+prompts at fixed seeds with the eval sampler — what flow_grpo reports as its test-set reward
+(the reward functions over the test prompts every eval_freq epochs).
+
+Per category (the prompts' metadata `category`; one category when they carry none), the split's
+prompts are cycled in file order up to `per_category` samples, with seeds that depend only on the
+category and the sample's index, so every evaluation of a run — and of every run on the same
+set — judges the same (prompt, seed) pairs. `accuracy`, the headline every evaluator returns, is
+here the mean total reward over categories; the per-category and per-component means beside it.
+An editing set's samples edit their own source images."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..algorithms.recipe import eval_recipe
+from .prompts import PromptItem
+
+EVAL_SEED = 1234  # the shapes evaluator's: sample i of category c has seed EVAL_SEED·1000 + c·100000 + i
+
+
+def reward_eval_pairs(items: list[PromptItem], per_category: int) -> list[tuple[PromptItem, int]]:
+    """(prompt item, seed) pairs: per category in sorted order, its prompts cycled in file order."""
+    cats = sorted({it.meta.get("category", "") for it in items})
+    out = []
+    for ci, cat in enumerate(cats):
+        ps = [it for it in items if it.meta.get("category", "") == cat]
+        out += [(ps[i % len(ps)], EVAL_SEED * 1000 + ci * 100_000 + i) for i in range(per_category)]
+    return out
+
+
+def reward_evaluation(family, items: list[PromptItem], sampling, per_category: int, rewards) -> dict:
+    """The run's rewards (`rewards`: a RewardSet) on the split: mean total reward per category and
+    over categories (`accuracy`), each component's mean, and the sample count."""
+    from .shapes.evaluate import generate_images
+
+    pairs = reward_eval_pairs(items, per_category)
+    recipe = eval_recipe(sampling, family.semantics.step.value)
+    sources = [it.image for it, _ in pairs]
+    images = generate_images(family, [it.prompt for it, _ in pairs], [s for _, s in pairs], recipe,
+                             images=sources if any(im is not None for im in sources) else None)
+    metas = [{**it.meta, **({"source_image": it.image} if it.image is not None else {})} for it, _ in pairs]
+    scores = rewards.score(images, [it.prompt for it, _ in pairs], metas,
+                           [f"eval-{it.prompt_id}-{s}" for it, s in pairs])
+    cats = [it.meta.get("category", "") for it, _ in pairs]
+    total = np.asarray(scores["reward"], np.float64)
+    per_cat = {c or "all": float(total[[k == c for k in cats]].mean()) for c in sorted(set(cats))}
+    out = {"accuracy": float(np.mean(list(per_cat.values()))), "n": len(pairs), "metric": "reward",
+           **{f"reward/{k}": float(np.mean(v)) for k, v in scores.items() if k != "reward"}}
+    if len(per_cat) > 1:
+        out.update({f"category/{c}": v for c, v in per_cat.items()})
+    return out
