@@ -168,3 +168,11 @@ def test_the_loop_reads_the_deque_from_the_store_and_forks_read_the_parent_s(tin
     f = lance.dataset(str(tmp_path / "lance" / "F" / "trajectories.lance")).to_table(
         columns=["sample_id", "advantage"]).sort_by("sample_id")
     assert f["advantage"].equals(t.filter(it == 2).select(["sample_id", "advantage"]).sort_by("sample_id")["advantage"])
+
+
+def test_the_deque_is_refused_with_per_reward_advantages(tiny_checkpoint, tmp_path):
+    res = CliRunner().invoke(app, ["train", "-n", "1", "--config", "shapes_ddpo", *tiny_overrides(tiny_checkpoint, tmp_path),
+                                   "sampling.window_size=null", "sampling.window_range=null",
+                                   "reward.weights={shapes: 1.0, jpeg_compressibility: 0.5}", "reward.aggregate=advantage"])
+    assert res.exit_code == 2 and "set reward.aggregate=reward" in " ".join(res.output.split()), res.output
+    assert not (tmp_path / "lance").exists()

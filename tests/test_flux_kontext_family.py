@@ -84,11 +84,11 @@ def test_the_prompt_cache_keys_each_instruction_with_its_image(family, sources):
     cache = PromptCache(family)
     keys = condition_keys(["make the sky red"] * 2, sources)
     assert keys[0] != keys[1] and keys[0].startswith("make the sky red")
-    cache.add_images(sources)
-    cond, pos = cache.encode(keys)
+    cond, pos = cache.encode(keys, sources)
     assert cond.image_latents.shape[0] == 2 and len(pos) == 2
     assert not torch.equal(cond.image_latents[pos[keys[0]]], cond.image_latents[pos[keys[1]]])
     assert torch.equal(cond.prompt_embeds[0], cond.prompt_embeds[1])
+    assert cache.encode(keys)[0] is cond  # a hit needs no images
     with pytest.raises(RuntimeError, match="no source image with digest"):
         PromptCache(family).encode(keys)
 

@@ -62,6 +62,10 @@ def test_the_online_loop_evaluates_a_text_prompt_file_with_its_rewards(tiny_chec
     history = client.get_metric_history(run_id, "heldout/accuracy")
     assert sorted(m.step for m in history) == [0, 1, 2] and all(-3 < m.value < 0 for m in history)
     assert client.get_model_version_by_alias("pixrl-policy", "champion") is not None
+    ev = CliRunner().invoke(app, ["eval", "--run", "txt", "--workdir", str(tmp_path), "--per-category", "2", "--json"])
+    assert ev.exit_code == 0 and "reward eval" in ev.output, ev.output
+    got = json.loads(ev.stdout.strip().splitlines()[-1])
+    assert got["metric"] == "reward" and got["accuracy"] == pytest.approx(max(history, key=lambda m: m.step).value)
 
 
 def test_an_editing_set_is_evaluated_on_its_own_sources(tiny_flux_kontext, tmp_path):

@@ -137,26 +137,34 @@ def eval_cmd(
                                                                       "--checkpoint/--run) and sampling are evaluated"),
     weights: Optional[str] = typer.Option(None, "--weights", help=WEIGHTS_HELP),
 ) -> None:
-    """Judge accuracy of a policy on the shapes world, overall and per category."""
+    """Judge accuracy of a policy on the shapes world, overall and per category; a run on a prompt
+    set without an evaluator of its own is judged by its rewards (mean reward per category)."""
     if split not in ("heldout", "train"):
         _fail(f"--split must be 'heldout' or 'train', got {split!r}")
     from rich.table import Table
 
-    from ..datasets.shapes.evaluate import evaluate
-
     from ..datasets.prompts import PromptSetError, split_items
+    from ..datasets.registry import has_evaluator
+    from ..datasets.reward_eval import reward_evaluation
+    from ..datasets.shapes.evaluate import evaluate
+    from ..rewards.compose import RewardSet
 
     policy, recipe, cfg = _policy(checkpoint, run, workdir, steps, config, weights)
     try:
         items = split_items(cfg.dataset, split)
     except (PromptSetError, FileNotFoundError) as exc:
         _fail(str(exc), exc=exc)
-    res = evaluate(policy.family, items, recipe, per_category)
+    if has_evaluator(cfg.dataset.name):
+        res, what = evaluate(policy.family, items, recipe, per_category), ("shapes eval", "accuracy")
+    else:  # a prompt set without its own evaluator: the run's rewards on it (datasets/reward_eval.py)
+        sampling = cfg.sampling.model_copy(update={"eval_steps": steps} if steps else {})
+        rewards = RewardSet(cfg.reward.weights, cfg.reward.options, device=cfg.model.device)
+        res, what = reward_evaluation(policy.family, items, sampling, per_category, rewards), ("reward eval", "reward")
     how = (f"{recipe.steps} ODE steps" if hasattr(recipe, "steps") else
            f"token sampling, temperature {recipe.temperature}, top-k {recipe.top_k or 'off'}")
-    table = Table(title=f"shapes eval · {split} · {res['n']} samples · {how}, cfg {recipe.guidance_scale}")
+    table = Table(title=f"{what[0]} · {split} · {res['n']} samples · {how}, cfg {recipe.guidance_scale}")
     table.add_column("category")
-    table.add_column("accuracy", justify="right")
+    table.add_column(what[1], justify="right")
     for k, v in res.items():
         if isinstance(v, float):
             table.add_row(k, f"{v:.3f}")

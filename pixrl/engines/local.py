@@ -91,8 +91,7 @@ class LocalEngine:
         model = self._sampler(policy)
         cache = self._prompts if encodings is None else PromptCache.holding(fam, encodings)
         prompts = condition_keys(prompts, images)
-        cache.add_images(images)
-        cond_all, pos = cache.encode(prompts)
+        cond_all, pos = cache.encode(prompts, images)
         neg = cache.negative() if uses_negative_prompt(fam, recipe.guidance_scale) else None
         trajs = []
         t0 = time.perf_counter()
@@ -202,8 +201,7 @@ class LocalEngine:
         for a trainer rank that holds no text towers (`train(encodings=...)`)."""
         fam = self.policy.family
         negative = guidance_scale is not None and uses_negative_prompt(fam, guidance_scale)
-        self._prompts.add_images(images)  # the source images condition keys of an editing family name
-        return self._prompts.encodings(prompt_sets, negative)
+        return self._prompts.encodings(prompt_sets, negative, images)  # images: what an editing family's keys name
 
     # --- train --------------------------------------------------------------------------------
     def train(self, policy: PolicySource, batch: RolloutBatch, plan: list[list[list[int]]],

@@ -8,8 +8,8 @@ rollout's and the replay's conditioning must be bit-identical for the ratio to b
 the cache keeps the most recent few sets, so memory stays bounded over a long run.
 
 An editing family's prompts are condition keys (models/source_images.py): the prompt and its
-source image's digest; the cache is given the images' bytes (`add_images`) and encodes each
-prompt with its image.
+source image's digest; `encode` is given the images' bytes with the keys (they are not kept:
+an editing set's images would fill memory over a long run) and encodes each prompt with its image.
 
 A process without text towers (a Ray trainer rank) replays with the encodings the rollout made:
 `encodings` exports a cache's sets to host memory, `holding` builds a cache of exactly those
@@ -34,19 +34,16 @@ class PromptCache:
         self._entries: OrderedDict[str, tuple[object, dict[str, int]]] = OrderedDict()
         self.hits = 0
         self.misses = 0
-        self.images: dict[str, bytes] = {}  # digest → encoded source image, for condition keys
-
-    def add_images(self, images) -> None:
-        """Source images the keys of later `encode` calls may name (None entries are skipped)."""
-        self.images.update(image_bank(images))
 
     def _key(self, prompts: list[str]) -> str:
         h = hashlib.sha256("\x1f".join(prompts).encode())
         return f"{self.family.identity()}:{h.hexdigest()}"
 
     @torch.no_grad()
-    def encode(self, prompts: list[str]):
-        """(conditioning of the distinct prompts in sorted order, prompt → row) for `prompts`."""
+    def encode(self, prompts: list[str], images=None):
+        """(conditioning of the distinct prompts in sorted order, prompt → row) for `prompts`;
+        `images`: the source images their condition keys name (an editing family; a cache hit
+        needs none)."""
         uniq = sorted(set(prompts))
         key = self._key(uniq)
         if key in self._entries:
@@ -54,13 +51,13 @@ class PromptCache:
             self._entries.move_to_end(key)
             return self._entries[key]
         self.misses += 1
-        entry = (self._encode(uniq), {t: i for i, t in enumerate(uniq)})
+        entry = (self._encode(uniq, image_bank(images)), {t: i for i, t in enumerate(uniq)})
         self._entries[key] = entry
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
         return entry
 
-    def _encode(self, keys: list[str]):
+    def _encode(self, keys: list[str], bank: dict[str, bytes]):
         """The family's conditioning of condition keys: text alone, or each prompt with its image."""
         parts = [split_key(k) for k in keys]
         if not any(dig for _, dig in parts):
@@ -69,10 +66,10 @@ class PromptCache:
             raise SourceImageError(f"the {self.family.name} family generates from text alone, and these prompts carry "
                                    f"source images (an editing dataset); use an editing family (flux1_kontext) or a "
                                    f"dataset without images")
-        lost = sorted({dig for _, dig in parts if dig and dig not in self.images})
+        lost = sorted({dig for _, dig in parts if dig and dig not in bank})
         if lost:
-            raise RuntimeError(f"no source image with digest {lost[0]} was given to the prompt cache (add_images)")
-        return self.family.encode_prompts([p for p, _ in parts], [self.images[d] if d else None for _, d in parts])
+            raise RuntimeError(f"no source image with digest {lost[0]} was given with the prompts to encode")
+        return self.family.encode_prompts([p for p, _ in parts], [bank[d] if d else None for _, d in parts])
 
     def negative(self):
         """The empty prompt's conditioning (classifier-free guidance), encoded once."""
@@ -80,13 +77,13 @@ class PromptCache:
         return cond
 
     @torch.no_grad()
-    def encodings(self, prompt_sets: list[list[str]], negative: bool) -> list[tuple[list[str], object]]:
+    def encodings(self, prompt_sets: list[list[str]], negative: bool, images=None) -> list[tuple[list[str], object]]:
         """The conditioning of each prompt set (and of the empty prompt when `negative`), as this
         cache encodes them, in host memory: [(the set's distinct prompts in sorted order, conditioning)]."""
         sets = [list(p) for p in prompt_sets] + ([[""]] if negative else [])
         out = []
         for prompts in sets:
-            cond, pos = self.encode(prompts)
+            cond, pos = self.encode(prompts, images)
             out.append((sorted(pos, key=pos.get), conditioning_to(cond, "cpu")))
         return out
 

@@ -56,9 +56,9 @@ class ReplayFactory:
         self.pol, self.fam, self.batch, self.recipe = pol, fam, batch, recipe
         images = list(batch["source_image"]) if "source_image" in batch else None
         self.prompts = condition_keys(list(batch["prompt"]), images)  # an editing rollout's: prompt and image
-        prompts.add_images(images)
         self.sets = set_of_rows(len(self.prompts), prompt_sets)
-        self.encoded = {s: prompts.encode(texts) for s, texts in replay_prompt_sets(self.prompts, prompt_sets).items()}
+        self.encoded = {s: prompts.encode(texts, images)
+                        for s, texts in replay_prompt_sets(self.prompts, prompt_sets).items()}
         self.cots = {s: fam.encode_cot_prompts(list(pos), recipe.cot_template, recipe.cot_tokens)  # CoT: per set
                      for s, (_, pos) in self.encoded.items()} \
             if isinstance(recipe, TokenRecipe) and recipe.cot_tokens else {}

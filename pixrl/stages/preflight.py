@@ -87,8 +87,7 @@ def check_online_algorithm(cfg: ExperimentConfig, algo, family) -> None:
                          f"reward.aggregate=reward")
     if algo.reward_history and cfg.reward.aggregate == "advantage" and len(cfg.reward.weights) > 1:
         raise ValueError(f"algorithm {algo.name!r} normalises each prompt's total reward by its history; "
-                         f"reward.aggregate=advantage normalises each reward apart — set reward.aggregate=reward"
-                         + (" (or algorithm.per_prompt_stat_tracking=false)" if algo.name == "ddpo" else ""))
+                         f"reward.aggregate=advantage normalises each reward apart — set reward.aggregate=reward")
     lacking = sorted(set(algo.needs) - rollout_fields(family.semantics))
     if lacking:
         raise ValueError(f"algorithm {algo.name!r} needs trajectory field(s) {lacking}, which {cfg.model.family!r} "
