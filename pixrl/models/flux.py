@@ -82,16 +82,26 @@ class FluxFamily(PackedLatentsFamily):
     def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: FluxConditioning,
                  guidance_scale: float = 1.0, neg: FluxConditioning | None = None) -> torch.Tensor:
         """v_θ(x, t | c) on unpacked latents [B, C, H, W]; the guidance scale as FLUX.1-dev's embedding."""
+        return self.denoise(x, timestep, cond, guidance_scale)
+
+    def denoise(self, x: torch.Tensor, timestep: torch.Tensor, cond: FluxConditioning, guidance_scale: float,
+                context: torch.Tensor | None = None, context_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The transformer's output over the target's packed tokens, unpacked; `context`: packed
+        tokens it reads after them with their ids (FLUX.1 Kontext's source image)."""
         b, c, h, w = x.shape
         t = timestep.reshape(-1).to(x.device, x.dtype)
         t = t.expand(b) if t.numel() == 1 else t
         guidance = (torch.full((b,), float(guidance_scale), device=x.device, dtype=torch.float32)
                     if self.transformer.config.guidance_embeds else None)
         packed = self.pipe._pack_latents(x, b, c, h, w)
-        out = self.transformer(hidden_states=packed, timestep=t / 1000, guidance=guidance,
-                               pooled_projections=cond.pooled, encoder_hidden_states=cond.prompt_embeds,
-                               txt_ids=cond.text_ids, img_ids=self._image_ids(h, w, x.device, x.dtype),
-                               return_dict=False)[0]
+        ids = self._image_ids(h, w, x.device, x.dtype)
+        if context is not None:
+            packed_all = torch.cat([packed, context.to(packed.dtype)], dim=1)
+            ids = torch.cat([ids, context_ids.to(x.dtype)], dim=0)
+        out = self.transformer(hidden_states=packed if context is None else packed_all, timestep=t / 1000,
+                               guidance=guidance, pooled_projections=cond.pooled,
+                               encoder_hidden_states=cond.prompt_embeds, txt_ids=cond.text_ids, img_ids=ids,
+                               return_dict=False)[0][:, :packed.shape[1]]
         vsf = self.pipe.vae_scale_factor
         return self.pipe._unpack_latents(out, h * vsf, w * vsf, vsf)
 

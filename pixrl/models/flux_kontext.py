@@ -73,19 +73,7 @@ class FluxKontextFamily(FluxFamily):
     def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: FluxKontextConditioning,
                  guidance_scale: float = 1.0, neg: FluxKontextConditioning | None = None) -> torch.Tensor:
         """v_θ over the target tokens of [target; source] sequences, on unpacked latents [B, C, H, W]."""
-        b, c, h, w = x.shape
-        t = timestep.reshape(-1).to(x.device, x.dtype)
-        t = t.expand(b) if t.numel() == 1 else t
-        guidance = (torch.full((b,), float(guidance_scale), device=x.device, dtype=torch.float32)
-                    if self.transformer.config.guidance_embeds else None)
-        packed = self.pipe._pack_latents(x, b, c, h, w)
-        tokens = torch.cat([packed, cond.image_latents.to(packed.dtype)], dim=1)
-        ids = torch.cat([self._image_ids(h, w, x.device, x.dtype), cond.image_ids.to(x.dtype)], dim=0)
-        out = self.transformer(hidden_states=tokens, timestep=t / 1000, guidance=guidance,
-                               pooled_projections=cond.pooled, encoder_hidden_states=cond.prompt_embeds,
-                               txt_ids=cond.text_ids, img_ids=ids, return_dict=False)[0][:, :packed.shape[1]]
-        vsf = self.pipe.vae_scale_factor
-        return self.pipe._unpack_latents(out, h * vsf, w * vsf, vsf)
+        return self.denoise(x, timestep, cond, guidance_scale, cond.image_latents, cond.image_ids)
 
     @classmethod
     def write_tiny(cls, out_dir: Path, seed: int = 0) -> dict:
