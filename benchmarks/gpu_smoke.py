@@ -127,7 +127,7 @@ def _edits(family: str, work: Path) -> list[str]:
     """An editing family's prompt set: 8 instructions on random source images."""
     from pixrl.models.registry import get_family
 
-    if not getattr(get_family(VARIANTS[family][0] if family in VARIANTS else family), "takes_images", False):
+    if not getattr(get_family(VARIANTS[family][0] if family in VARIANTS else family), "needs_images", False):
         return []
     from pixrl.models.flux_kontext import write_edit_prompts
 

@@ -51,7 +51,7 @@ def heldout_reward(cfg_overrides: list[str], run: str | None, workdir: Path) -> 
     items = heldout_items(policy.family, workdir)
     prompts = [p for p, _ in items for _ in SEEDS]
     seeds = [10_000 + s for _ in items for s in SEEDS]
-    sources = [im for _, im in items for _ in SEEDS] if getattr(policy.family, "takes_images", False) else None
+    sources = [im for _, im in items for _ in SEEDS] if getattr(policy.family, "needs_images", False) else None
     imgs = generate_images(policy.family, prompts, seeds, recipe, images=sources)
     scores = RewardSet({"jpeg_compressibility": 1.0}).score(imgs, prompts, [{}] * len(prompts),
                                                             [f"h{i}" for i in range(len(prompts))])
@@ -61,7 +61,7 @@ def heldout_reward(cfg_overrides: list[str], run: str | None, workdir: Path) -> 
 def heldout_items(family, workdir: Path) -> list[tuple[str, bytes | None]]:
     """The held-out (prompt, source image) pairs: the shapes prompts above, or for an editing
     family 8 edits of its own tiny kind on source images never trained on (seed 1)."""
-    if not getattr(family, "takes_images", False):
+    if not getattr(family, "needs_images", False):
         return [(p, None) for p in HELDOUT]
     from pixrl.datasets.prompts import load_prompt_set
     from pixrl.models.flux_kontext import write_edit_prompts
@@ -172,7 +172,7 @@ def readme(name: str, args, s: dict) -> str:
                     *(["--name", name] if args.name else []), *args.overrides])
     from pixrl.models.registry import get_family
 
-    held = "edits (an instruction on a source image)" if getattr(get_family(args.family), "takes_images", False) \
+    held = "edits (an instruction on a source image)" if getattr(get_family(args.family), "needs_images", False) \
         else "prompts"
     return f"""# {name}: does the {args.family} family's RL loop learn? (tiny random checkpoint, CPU)
 

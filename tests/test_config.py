@@ -84,3 +84,13 @@ def test_diffusion_dpo_loss_settings_live_in_the_algorithm_section():
         ExperimentConfig.model_validate(recorded)
     with pytest.raises(ConfigError, match="algorithm.beta: Input should be greater than 0"):
         build_algorithm(load_config("shapes_dpo", ["algorithm.beta=0"]).algorithm)
+
+
+def test_a_group_swap_replaces_the_experiment_s_settings_of_that_group():
+    """The default experiment narrows dataset.categories; swapping the dataset drops that (the new
+    prompt file has its own categories, or none), while a dotted key after the swap still applies."""
+    assert load_config().dataset.categories == ["two_object", "counting", "colors", "color_attr"]
+    cfg = load_config(None, ["dataset=text_prompts", "dataset.path=/p.txt"])
+    assert cfg.dataset.categories is None and cfg.dataset.path == "/p.txt"
+    cfg = load_config(None, ["dataset.categories=[counting]", "dataset=shapes"])
+    assert cfg.dataset.categories == ["counting"]

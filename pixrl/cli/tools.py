@@ -236,7 +236,7 @@ def _source_images(family, paths: Optional[list[str]], n: int) -> Optional[list[
     """Each prompt's source image for an editing family (one path for all, or one per prompt)."""
     takes = getattr(family, "takes_images", False)
     if not paths:
-        if takes:
+        if getattr(family, "needs_images", False):
             _fail(f"the {family.name} family edits images: pass --image PATH (one for every prompt, or one per prompt)")
         return None
     if not takes:

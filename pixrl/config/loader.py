@@ -77,7 +77,9 @@ def _parse_overrides(overrides: list[str]) -> dict:
 
 def compose(experiment: str | None = None, overrides: list[str] | None = None, base: dict | None = None) -> dict:
     """Merged plain dict (not yet validated). `base` (a resolved config, e.g. a parent run's)
-    replaces the experiment preset; a group=name swap then replaces that whole group."""
+    replaces the experiment preset. A group=name swap replaces that whole group: the preset and
+    the experiment's own settings of it (an experiment's `dataset.categories` would otherwise
+    filter a swapped-in prompt file by categories it does not have)."""
     exp = copy.deepcopy(base) if base is not None else _experiment(experiment)
     defaults = exp.pop("defaults", {}) or {}
     unknown_groups = set(defaults) - set(GROUPS)
@@ -91,8 +93,7 @@ def compose(experiment: str | None = None, overrides: list[str] | None = None, b
         if key in GROUPS and val and not val.startswith("{"):
             defaults[key] = val
             overrides.remove(o)
-            if base is not None:
-                exp.pop(key, None)
+            exp.pop(key, None)
     cli = _moved_dpo_loss_keys(_parse_overrides(overrides))
     layers = [OmegaConf.create({g: _preset(g, n)}) for g, n in defaults.items()]
     merged = OmegaConf.merge(*layers, OmegaConf.create(exp), OmegaConf.create(cli))

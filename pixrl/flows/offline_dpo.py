@@ -40,7 +40,7 @@ def open_dpo_run(config: dict, workdir: str, resume_run_id: str | None = None) -
         return reopen_run(cfg, wd, tracker, existing, fr_id), pinned
     tables = resolve_sources(cfg.dpo.source, tracker)
     needs = build_algorithm(cfg.algorithm).needs
-    if getattr(get_family(cfg.model.family), "takes_images", False):  # an editing family trains on its sources
+    if getattr(get_family(cfg.model.family), "needs_images", False):  # an editing-only family trains on its sources
         needs = needs | {"source_image"}
     check_selection(tables, cfg.dpo, needs)  # missing fields, empty selections, all-tied groups: before the run exists
     for t in tables:  # the versions read stay readable through the source runs' store cleanups

@@ -11,6 +11,13 @@ reads (packing is a reshape; the 4-D position ids place each token).
 
 Guidance is FLUX.2-dev's distilled guidance: the scale is a transformer input
 (`guidance_embeds`), no negative prompt is encoded.
+
+FLUX.2 also edits: given a prompt set whose prompts carry source images (docs/editing.md), each
+prompt's image is its reference — VAE-encoded at its mode, patchified and batch-normalised, its
+tokens read after the target's with position ids at time offset 10, as Flux2Pipeline does with one
+`image`. The reference is resized (aspect kept, centre-cropped) to the family's square resolution;
+the pipeline keeps a source's own size (up to 1 MP), so the two agree for sources of that size. A
+prompt set is all edits or all text-to-image; one reference per prompt.
 """
 
 from __future__ import annotations
@@ -30,16 +37,23 @@ __all__ = ["Flux2Conditioning", "Flux2Family"]
 
 @dataclass
 class Flux2Conditioning:
-    """Mistral-3 hidden states (three layers, concatenated per token) and the text position ids."""
+    """Mistral-3 hidden states (three layers, concatenated per token) and the text position ids;
+    for an edit, the reference image's tokens and their position ids."""
 
     prompt_embeds: torch.Tensor  # [B, L, 3·D]
     text_ids: torch.Tensor  # [B, L, 4]
+    image_latents: torch.Tensor | None = None  # [B, L_ref, C]
+    image_ids: torch.Tensor | None = None  # [B, L_ref, 4]
 
     def select(self, idx) -> "Flux2Conditioning":
-        return Flux2Conditioning(self.prompt_embeds[idx], self.text_ids[idx])
+        pick = lambda t: None if t is None else t[idx]  # noqa: E731
+        return Flux2Conditioning(self.prompt_embeds[idx], self.text_ids[idx], pick(self.image_latents),
+                                 pick(self.image_ids))
 
     def expand(self, n: int) -> "Flux2Conditioning":
-        return Flux2Conditioning(self.prompt_embeds.expand(n, -1, -1), self.text_ids.expand(n, -1, -1))
+        grow = lambda t: None if t is None else t.expand(n, -1, -1)  # noqa: E731
+        return Flux2Conditioning(grow(self.prompt_embeds), grow(self.text_ids), grow(self.image_latents),
+                                 grow(self.image_ids))
 
 
 @register_family("flux2")
@@ -49,6 +63,7 @@ class Flux2Family(PipelineFamily):
     semantics = PolicySemantics(regime=Regime.full_sequence, step=PolicyStep.denoise, action=Action.continuous)
     guidance = "embedded"  # the scale is a transformer input; no negative prompt is encoded
     text_tokens = (1, 512)
+    takes_images = True  # a prompt may carry a source image: its reference (an edit)
 
     @property
     def lora_targets(self) -> list[str]:
@@ -82,10 +97,27 @@ class Flux2Family(PipelineFamily):
     # --- conditioning -------------------------------------------------------------------------
     @encodes_text
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str]) -> Flux2Conditioning:
+    def encode_prompts(self, prompts: list[str], images: list[bytes | None] | None = None) -> Flux2Conditioning:
         embeds, text_ids = self.pipe.encode_prompt(prompt=prompts, device=self.device,
                                                    max_sequence_length=self.max_sequence_length)
-        return Flux2Conditioning(embeds, text_ids)
+        if images is None or all(im is None for im in images):
+            return Flux2Conditioning(embeds, text_ids)
+        if any(im is None for im in images):
+            from .source_images import SourceImageError
+
+            raise SourceImageError("these prompts mix edits (with a source image) and text-to-image prompts; a "
+                                   "FLUX.2 prompt set is all one or the other")
+        refs = [self._reference(im) for im in images]
+        return Flux2Conditioning(embeds, text_ids, torch.cat([r for r, _ in refs]), torch.cat([i for _, i in refs]))
+
+    def _reference(self, image: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+        """([1, L, C] tokens, [1, L, 4] ids) of one source image, as Flux2Pipeline's
+        `prepare_image_latents` makes them for a single `image` at the family's resolution."""
+        from .source_images import decode_rgb
+
+        side = self.resolution
+        pixels = self.pipe.image_processor.preprocess(decode_rgb(image), height=side, width=side, resize_mode="crop")
+        return self.pipe.prepare_image_latents([pixels], 1, None, self.device, self.vae.dtype)
 
     # --- dynamics -----------------------------------------------------------------------------
     def latent_shape(self) -> tuple[int, int, int]:
@@ -115,6 +147,9 @@ class Flux2Family(PipelineFamily):
                     if self.transformer.config.guidance_embeds else None)
         tokens = self.pipe._pack_latents(x).to(self.transformer.dtype)
         ids = self.pipe._prepare_latent_ids(x).to(x.device)
+        if cond.image_latents is not None:  # an edit: the reference's tokens after the target's
+            tokens = torch.cat([tokens, cond.image_latents.to(tokens.dtype)], dim=1)
+            ids = torch.cat([ids, cond.image_ids.to(ids.device)], dim=1)
         out = self.transformer(hidden_states=tokens, timestep=t / 1000, guidance=guidance,
                                encoder_hidden_states=cond.prompt_embeds, txt_ids=cond.text_ids, img_ids=ids,
                                return_dict=False)[0][:, : h * w]

@@ -48,6 +48,7 @@ class FluxKontextFamily(FluxFamily):
     name = "flux1_kontext"
     pipeline_class = "FluxKontextPipeline"
     takes_images = True  # encode_prompts(prompts, images): each prompt edits its source image
+    needs_images = True  # and every prompt has one: Kontext only edits
 
     @encodes_text
     @torch.no_grad()

@@ -95,20 +95,22 @@ def check_online_algorithm(cfg: ExperimentConfig, algo, family) -> None:
 
 
 def check_source_images(cfg: ExperimentConfig, family, items) -> None:
-    """An editing family gets a source image with every prompt; a text-to-image family none."""
+    """An editing-only family gets a source image with every prompt, a family that also edits
+    (FLUX.2) all or none, a text-to-image family none."""
     from ..models.source_images import SEP
 
     with_image = sum(it.image is not None for it in items)
     where = f"dataset.path={cfg.dataset.path}"
-    if getattr(family, "takes_images", False):
-        if with_image < len(items):
-            raise ValueError(f"the {family.name} family edits images, and {len(items) - with_image} of the "
-                             f"{len(items)} prompts of {where} have no source image; give each an image "
-                             f"(docs/editing.md)")
-    elif with_image:
+    if getattr(family, "needs_images", False) and with_image < len(items):
+        raise ValueError(f"the {family.name} family edits images, and {len(items) - with_image} of the "
+                         f"{len(items)} prompts of {where} have no source image; give each an image (docs/editing.md)")
+    if with_image and not getattr(family, "takes_images", False):
         raise ValueError(f"{with_image} prompts of {where} carry source images (an editing dataset), and the "
-                         f"{family.name} family generates from text alone; use an editing family (flux1_kontext) "
-                         f"or a prompt set without images")
+                         f"{family.name} family generates from text alone; use an editing family (flux1_kontext, "
+                         f"flux2) or a prompt set without images")
+    if 0 < with_image < len(items):
+        raise ValueError(f"{with_image} of the {len(items)} prompts of {where} carry source images: a prompt set is "
+                         f"all edits or all text-to-image; split it in two")
     bad = next((it.prompt for it in items if SEP in it.prompt), None)
     if bad is not None:
         raise ValueError(f"prompt {bad[:60]!r} of {where} holds the control character U+001F; remove it")
