@@ -374,3 +374,22 @@ def test_an_editing_family_on_the_ray_engine_equals_the_local_engine(ray_cluster
     for col in ("final_latent", "log_probs", "reward"):
         assert it0(remote, col).equals(it0(local, col)), col
     assert remote["advantage"].null_count == 0
+
+
+def test_a_reward_evaluation_is_sharded_and_scored_on_the_reward_workers(ray_cluster, tiny_checkpoint, tmp_path):
+    """A prompt set without its own evaluator: the rollout workers make its 70 images in whole
+    generation batches (worker 1 given worker 0's encodings), the reward workers score them; the
+    result is the local engine's."""
+    from pixrl.engines.ray_engine import RayEngine
+
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text("a yellow star\nthree white circles\na red square\n")
+    cfg = _cfg(tiny_checkpoint, tmp_path, "dataset=text_prompts", f"dataset.path={heldout}",
+               f"dataset.heldout_path={heldout}")
+    engine, local = RayEngine(cfg), LocalEngine(cfg)
+    try:
+        got = engine.evaluate(PolicySource(), "text", "heldout", 70)
+        want = local.evaluate(PolicySource(), "text", "heldout", 70)
+    finally:
+        engine.close()
+    assert got == want and got["n"] == 70 and got["metric"] == "reward"

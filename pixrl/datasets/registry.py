@@ -39,16 +39,22 @@ def evaluates(dataset_cfg) -> bool:
     return dataset_cfg.heldout_path is not None
 
 
+def evaluator_of(dataset: str):
+    """The dataset's own evaluator, or the run's rewards as one (datasets/reward_eval.py)."""
+    from .reward_eval import RewardEvaluator
+
+    return get_evaluator(dataset) if has_evaluator(dataset) else RewardEvaluator()
+
+
 def evaluate_split(family, dataset_cfg, split: str, sampling, per_category: int, rewards) -> dict:
     """The dataset's own evaluator on the split, or — a dataset without one — the run's rewards
     (`rewards`, a RewardSet) on it."""
     from .prompts import split_items
-    from .reward_eval import reward_evaluation
 
     items = split_items(dataset_cfg, split)
     if has_evaluator(dataset_cfg.name):
         return get_evaluator(dataset_cfg.name)(family, items, sampling, per_category)
-    return reward_evaluation(family, items, sampling, per_category, rewards)
+    return evaluator_of(dataset_cfg.name)(family, items, sampling, per_category, rewards)
 
 
 def prompt_parser(dataset: str):

@@ -30,24 +30,59 @@ def reward_eval_pairs(items: list[PromptItem], per_category: int) -> list[tuple[
     return out
 
 
-def reward_evaluation(family, items: list[PromptItem], sampling, per_category: int, rewards) -> dict:
-    """The run's rewards (`rewards`: a RewardSet) on the split: mean total reward per category and
-    over categories (`accuracy`), each component's mean, and the sample count."""
-    from .shapes.evaluate import generate_images
+class RewardEvaluator:
+    """The run's rewards as an evaluator, in the shapes evaluator's three parts — pairs, images
+    (shardable over rollout workers in whole generation batches of `batch`: the images one process
+    makes), and an aggregate that scores them with a given `score` (the reward workers' on Ray)."""
 
-    pairs = reward_eval_pairs(items, per_category)
-    recipe = eval_recipe(sampling, family.semantics.step.value)
+    batch = 64
+
+    def pairs(self, items: list[PromptItem], per_category: int) -> list[tuple[PromptItem, int]]:
+        return reward_eval_pairs(items, per_category)
+
+    def images(self, family, pairs, sampling, encoded: dict | None = None) -> np.ndarray:
+        from .shapes.evaluate import generate_images
+
+        recipe = eval_recipe(sampling, family.semantics.step.value)
+        return generate_images(family, [it.prompt for it, _ in pairs], [s for _, s in pairs], recipe, self.batch,
+                               encoded, images=_sources(pairs))
+
+    def encodings(self, family, pairs, sampling) -> dict | None:
+        """The prompt (and source image) encodings `images` makes, for a worker without text towers."""
+        from ..algorithms.token_sampling import TokenRecipe
+        from .shapes.evaluate import prompt_encodings
+
+        recipe = eval_recipe(sampling, family.semantics.step.value)
+        if isinstance(recipe, TokenRecipe):
+            return None
+        return prompt_encodings(family, [it.prompt for it, _ in pairs], recipe, self.batch, images=_sources(pairs))
+
+    def aggregate(self, pairs, images: np.ndarray, score) -> dict:
+        """`score(images, prompts, metadata, sample_ids)` (a RewardSet's or an engine's) on the
+        images, summarised: mean total reward per category and over categories (`accuracy`), each
+        component's mean, the sample count."""
+        metas = [{**it.meta, **({"source_image": it.image} if it.image is not None else {})} for it, _ in pairs]
+        scores = score(images, [it.prompt for it, _ in pairs], metas, [f"eval-{it.prompt_id}-{s}" for it, s in pairs])
+        cats = [it.meta.get("category", "") for it, _ in pairs]
+        total = np.asarray(scores["reward"], np.float64)
+        per_cat = {c or "all": float(total[[k == c for k in cats]].mean()) for c in sorted(set(cats))}
+        out = {"accuracy": float(np.mean(list(per_cat.values()))), "n": len(pairs), "metric": "reward",
+               **{f"reward/{k}": float(np.mean(v)) for k, v in scores.items() if k != "reward"}}
+        if len(per_cat) > 1:
+            out.update({f"category/{c}": v for c, v in per_cat.items()})
+        return out
+
+    def __call__(self, family, items: list[PromptItem], sampling, per_category: int, rewards) -> dict:
+        pairs = self.pairs(items, per_category)
+        return self.aggregate(pairs, self.images(family, pairs, sampling), rewards.score)
+
+
+def _sources(pairs) -> list[bytes] | None:
+    """The pairs' source images (an editing set), or None when they have none."""
     sources = [it.image for it, _ in pairs]
-    images = generate_images(family, [it.prompt for it, _ in pairs], [s for _, s in pairs], recipe,
-                             images=sources if any(im is not None for im in sources) else None)
-    metas = [{**it.meta, **({"source_image": it.image} if it.image is not None else {})} for it, _ in pairs]
-    scores = rewards.score(images, [it.prompt for it, _ in pairs], metas,
-                           [f"eval-{it.prompt_id}-{s}" for it, s in pairs])
-    cats = [it.meta.get("category", "") for it, _ in pairs]
-    total = np.asarray(scores["reward"], np.float64)
-    per_cat = {c or "all": float(total[[k == c for k in cats]].mean()) for c in sorted(set(cats))}
-    out = {"accuracy": float(np.mean(list(per_cat.values()))), "n": len(pairs), "metric": "reward",
-           **{f"reward/{k}": float(np.mean(v)) for k, v in scores.items() if k != "reward"}}
-    if len(per_cat) > 1:
-        out.update({f"category/{c}": v for c, v in per_cat.items()})
-    return out
+    return sources if any(im is not None for im in sources) else None
+
+
+def reward_evaluation(family, items: list[PromptItem], sampling, per_category: int, rewards) -> dict:
+    """The run's rewards (`rewards`: a RewardSet) on the split (RewardEvaluator, in one process)."""
+    return RewardEvaluator()(family, items, sampling, per_category, rewards)

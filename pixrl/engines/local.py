@@ -20,7 +20,7 @@ from ..algorithms.token_sampling import TokenRecipe, sample_tokens, sample_with_
 from ..artifacts.batch import RolloutBatch
 from ..artifacts.checkpoints import check_trained_part, load_weights
 from ..config.schema import ExperimentConfig
-from ..datasets.registry import evaluate_split, get_evaluator
+from ..datasets.registry import evaluate_split, evaluator_of
 from ..models.base import uses_negative_prompt
 from ..models.source_images import condition_keys
 from ..rewards.compose import RewardSet
@@ -249,10 +249,10 @@ class LocalEngine:
         """A shardable evaluator's images of these (prompt, seed) pairs under `policy`; `encoded`:
         their prompt encodings from a process with text towers (`eval_encodings`)."""
         self.use(policy)
-        return get_evaluator(dataset).images(self.policy.family, pairs, self.cfg.sampling, encoded)
+        return evaluator_of(dataset).images(self.policy.family, pairs, self.cfg.sampling, encoded)
 
     def eval_encodings(self, dataset: str, pairs: list) -> dict | None:
-        return get_evaluator(dataset).encodings(self.policy.family, pairs, self.cfg.sampling)
+        return evaluator_of(dataset).encodings(self.policy.family, pairs, self.cfg.sampling)
 
     def evaluate(self, policy: PolicySource, dataset: str, split: str, per_category: int) -> dict:
         self.use(policy)

@@ -297,14 +297,16 @@ class RayEngine:
     # --- evaluate -----------------------------------------------------------------------------
     def evaluate(self, policy: PolicySource, dataset: str, split: str, per_category: int) -> dict:
         """The dataset's evaluator with its images made in shards over the rollout workers (whole
-        generation batches each: the images one process makes), judged here; an evaluator that
-        cannot be split runs whole on worker 0."""
+        generation batches each: the images one process makes), judged here — a dataset without
+        its own evaluator by the run's rewards on the reward workers; an evaluator that cannot be
+        split runs whole on worker 0."""
         from ..datasets.prompts import split_items
-        from ..datasets.registry import get_evaluator, has_evaluator
+        from ..datasets.registry import evaluator_of
+        from ..datasets.reward_eval import RewardEvaluator
 
-        ev = get_evaluator(dataset) if has_evaluator(dataset) else None  # None: the run's rewards judge (worker 0)
+        ev = evaluator_of(dataset)
         needs = ("pairs", "images", "aggregate", *(("encodings",) if self._shares_encodings else ()))
-        if ev is None or not all(hasattr(ev, part) for part in needs):
+        if not all(hasattr(ev, part) for part in needs):
             ref = self.rollout_workers[0].evaluate.remote(policy, dataset, split, per_category)
             return self._get([ref], "rollout", self.rollout_workers)[0]
         pairs = ev.pairs(split_items(self.cfg.dataset, split), per_category)
@@ -316,7 +318,10 @@ class RayEngine:
                                     "rollout", [first] * (len(shards) - 1))
         refs = [w.eval_images.remote(policy, dataset, pairs[lo:hi], enc)
                 for w, (lo, hi), enc in zip(self.rollout_workers, shards, encoded)]
-        return ev.aggregate(pairs, np.concatenate(self._get(refs, "rollout", self.rollout_workers)))
+        images = np.concatenate(self._get(refs, "rollout", self.rollout_workers))
+        if isinstance(ev, RewardEvaluator):  # the run's rewards, scored on the reward workers
+            return ev.aggregate(pairs, images, self.score)
+        return ev.aggregate(pairs, images)
 
     def close(self) -> None:
         """Stop this engine's workers (and the local Ray it started)."""

@@ -76,12 +76,14 @@ def generate_images(family, prompts: list[str], seeds: list[int], recipe: Sample
     return np.concatenate(imgs)
 
 
-def prompt_encodings(family, prompts: list[str], recipe: SamplerRecipe, batch: int = 64) -> dict:
-    """What `generate_images` encodes for these prompts — each generation batch's conditioning and
-    the negative prompt's — in host memory, for a process that holds no text towers."""
+def prompt_encodings(family, prompts: list[str], recipe: SamplerRecipe, batch: int = 64,
+                     images: list[bytes] | None = None) -> dict:
+    """What `generate_images` encodes for these prompts (with their source images, an editing
+    family's) — each generation batch's conditioning and the negative prompt's — in host memory,
+    for a process that holds no text towers."""
     neg = family.encode_prompts([""]) if uses_negative_prompt(family, recipe.guidance_scale) else None
-    return {"batches": [conditioning_to(family.encode_prompts(prompts[s:s + batch]), "cpu")
-                        for s in range(0, len(prompts), batch)],
+    enc = lambda s: family.encode_prompts(prompts[s:s + batch], *([images[s:s + batch]] if images else []))  # noqa: E731
+    return {"batches": [conditioning_to(enc(s), "cpu") for s in range(0, len(prompts), batch)],
             "negative": None if neg is None else conditioning_to(neg, "cpu")}
 
 
