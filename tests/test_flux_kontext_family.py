@@ -132,6 +132,43 @@ def test_two_rl_iterations_through_the_unchanged_flow(tiny_flux_kontext, tmp_pat
         assert rep.exit_code == 0 and json.loads(rep.stdout.strip().splitlines()[-1])["equal"] is True, rep.output
         _offline_dpo_on_the_archived_edits(tiny_flux_kontext, tmp_path, f"kontext_{mode}", files)
         _generate_edits_from_the_run(tmp_path, f"kontext_{mode}", folder)
+        _export_the_edit_model(tiny_flux_kontext, tmp_path, f"kontext_{mode}", files)
+
+
+def _export_the_edit_model(tiny, tmp_path, run, files):
+    """`pixrl export-model`: the adapter loads into FluxKontextPipeline with `load_lora_weights` and
+    gives the trained velocity; `--merge` makes a whole pipeline directory `pixrl generate --image`
+    edits with."""
+    from diffusers import FluxKontextPipeline
+
+    from pixrl.stages.inference import _from_pixrl_checkpoint
+
+    (ckpt,) = (tmp_path / "checkpoints" / run).glob("*/it_0001")
+    res = CliRunner().invoke(app, ["export-model", "--checkpoint", str(ckpt), "--out", str(tmp_path / "lora")])
+    assert res.exit_code == 0, res.output
+    pipe = FluxKontextPipeline.from_pretrained(str(tiny[0]))
+    pipe.load_lora_weights(str(tmp_path / "lora"))
+    policy, _ = _from_pixrl_checkpoint(ckpt)
+    fam = policy.family
+    prompts, images = list(files), list(files.values())
+    cond = fam.encode_prompts(prompts, images)
+    x = torch.randn((len(prompts), *fam.latent_shape()), generator=torch.Generator().manual_seed(0))
+    t = fam.schedule(4)[1][1].repeat(len(prompts))
+    with torch.no_grad():
+        own = fam.velocity(x, t, cond, 2.5)
+        trained, fam.transformer = fam.transformer, pipe.transformer
+        try:
+            exported = fam.velocity(x, t, cond, 2.5)
+        finally:
+            fam.transformer = trained
+    assert torch.equal(own, exported)
+    res = CliRunner().invoke(app, ["export-model", "--checkpoint", str(ckpt), "--out", str(tmp_path / "merged"),
+                                   "--merge", "--link"])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(app, ["generate", "--checkpoint", str(tmp_path / "merged"), "--prompt", prompts[0],
+                                   "--image", str(tiny[0] / "edits" / "source_0.png"), "--out", str(tmp_path / "m"),
+                                   "--steps", "2"])
+    assert res.exit_code == 0 and (tmp_path / "m" / "0000_00.png").is_file(), res.output
 
 
 def _generate_edits_from_the_run(tmp_path, run, folder):
