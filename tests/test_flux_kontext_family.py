@@ -198,3 +198,12 @@ def _offline_dpo_on_the_archived_edits(tiny, tmp_path, source, files):
     pairs = lance.dataset(str(pairs_dir))
     t = pairs.to_table(columns=["prompt", "source_image"])
     assert t.num_rows > 0 and all(img == files[p] for p, img in zip(t["prompt"].to_pylist(), t["source_image"].to_pylist()))
+
+
+def test_a_non_square_source_is_centre_cropped_not_stretched(family):
+    rng = np.random.default_rng(4)
+    square = rng.integers(0, 256, (32, 32, 3))
+    wide = np.concatenate([rng.integers(0, 256, (32, 16, 3)), square, rng.integers(0, 256, (32, 16, 3))], axis=1)
+    a = family.encode_prompts(["x"], [png_bytes(square)]).image_latents
+    b = family.encode_prompts(["x"], [png_bytes(wide)]).image_latents
+    assert torch.equal(a, b)

@@ -4,9 +4,11 @@ first coordinate 1), and its output over the target tokens is the velocity. Text
 schedule (dynamic shift of the target's sequence length), embedded guidance and decode are
 FLUX.1's (models/flux.py), as FluxKontextPipeline has them.
 
-The source image is resized to the family's square resolution with the pipeline's own image
-processor and encoded by the VAE at its posterior mode, as the pipeline does (`_encode_vae_image`,
-sample_mode="argmax"), so the conditioning is deterministic and replays bit for bit. Rollouts
+The source image is resized to the family's square resolution (aspect kept, centre-cropped) with
+the pipeline's own image processor and encoded by the VAE at its posterior mode, as the pipeline
+does (`_encode_vae_image`, sample_mode="argmax"), so the conditioning is deterministic and replays
+bit for bit. The pipeline keeps a source's aspect at one of Kontext's preferred resolutions; for a
+square source at the family's resolution the two agree. Rollouts
 of a prompt with no image are refused: Kontext edits. (The pipeline's optional IP-adapter image
 encoder is not loaded.) LoRA targets: FLUX.1's, which flow_grpo's Kontext script also trains.
 """
@@ -65,10 +67,10 @@ class FluxKontextFamily(FluxFamily):
         return FluxKontextConditioning(text.prompt_embeds, text.pooled, text.text_ids, packed, ids)
 
     def _image_latents(self, image: bytes) -> torch.Tensor:
-        """[1, C, h, w]: the source image at the family's resolution, VAE-encoded at its mode,
-        shifted and scaled (FluxKontextPipeline's preprocess and `_encode_vae_image`)."""
-        proc, side = self.pipe.image_processor, self.resolution
-        pixels = proc.preprocess(proc.resize(decode_rgb(image), side, side), side, side)
+        """[1, C, h, w]: the source image at the family's resolution (centre-cropped to a square),
+        VAE-encoded at its mode, shifted and scaled (FluxKontextPipeline's `_encode_vae_image`)."""
+        side = self.resolution
+        pixels = self.pipe.image_processor.preprocess(decode_rgb(image), side, side, resize_mode="crop")
         return self.pipe._encode_vae_image(pixels.to(self.device, self.vae.dtype), generator=None)
 
     def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: FluxKontextConditioning,
