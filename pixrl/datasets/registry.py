@@ -39,11 +39,12 @@ def evaluates(dataset_cfg) -> bool:
     return dataset_cfg.heldout_path is not None
 
 
-def evaluator_of(dataset: str):
-    """The dataset's own evaluator, or the run's rewards as one (datasets/reward_eval.py)."""
+def evaluator_of(dataset: str, score=None):
+    """The dataset's own evaluator, or the run's rewards as one (datasets/reward_eval.py), scoring
+    with `score` (a RewardSet's or an engine's; only the aggregate uses it)."""
     from .reward_eval import RewardEvaluator
 
-    return get_evaluator(dataset) if has_evaluator(dataset) else RewardEvaluator()
+    return get_evaluator(dataset) if has_evaluator(dataset) else RewardEvaluator(score)
 
 
 def evaluate_split(family, dataset_cfg, split: str, sampling, per_category: int, rewards) -> dict:
@@ -51,10 +52,8 @@ def evaluate_split(family, dataset_cfg, split: str, sampling, per_category: int,
     (`rewards`, a RewardSet) on it."""
     from .prompts import split_items
 
-    items = split_items(dataset_cfg, split)
-    if has_evaluator(dataset_cfg.name):
-        return get_evaluator(dataset_cfg.name)(family, items, sampling, per_category)
-    return evaluator_of(dataset_cfg.name)(family, items, sampling, per_category, rewards)
+    evaluator = evaluator_of(dataset_cfg.name, rewards.score)
+    return evaluator(family, split_items(dataset_cfg, split), sampling, per_category)
 
 
 def prompt_parser(dataset: str):

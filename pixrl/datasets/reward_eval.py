@@ -16,8 +16,7 @@ import numpy as np
 
 from ..algorithms.recipe import eval_recipe
 from .prompts import PromptItem
-
-EVAL_SEED = 1234  # the shapes evaluator's: sample i of category c has seed EVAL_SEED·1000 + c·100000 + i
+from .shapes.evaluate import EVAL_SEED, generate_images, prompt_encodings  # EVAL_SEED: the shapes evaluator's seeds
 
 
 def reward_eval_pairs(items: list[PromptItem], per_category: int) -> list[tuple[PromptItem, int]]:
@@ -33,16 +32,18 @@ def reward_eval_pairs(items: list[PromptItem], per_category: int) -> list[tuple[
 class RewardEvaluator:
     """The run's rewards as an evaluator, in the shapes evaluator's three parts — pairs, images
     (shardable over rollout workers in whole generation batches of `batch`: the images one process
-    makes), and an aggregate that scores them with a given `score` (the reward workers' on Ray)."""
+    makes), and an aggregate that scores them with `score(images, prompts, metadata, sample_ids)`:
+    a RewardSet's, or on Ray the engine's (its reward workers). Unscored parts need no `score`."""
 
     batch = 64
+
+    def __init__(self, score=None):
+        self.score = score
 
     def pairs(self, items: list[PromptItem], per_category: int) -> list[tuple[PromptItem, int]]:
         return reward_eval_pairs(items, per_category)
 
     def images(self, family, pairs, sampling, encoded: dict | None = None) -> np.ndarray:
-        from .shapes.evaluate import generate_images
-
         recipe = eval_recipe(sampling, family.semantics.step.value)
         return generate_images(family, [it.prompt for it, _ in pairs], [s for _, s in pairs], recipe, self.batch,
                                encoded, images=_sources(pairs))
@@ -50,19 +51,17 @@ class RewardEvaluator:
     def encodings(self, family, pairs, sampling) -> dict | None:
         """The prompt (and source image) encodings `images` makes, for a worker without text towers."""
         from ..algorithms.token_sampling import TokenRecipe
-        from .shapes.evaluate import prompt_encodings
 
         recipe = eval_recipe(sampling, family.semantics.step.value)
         if isinstance(recipe, TokenRecipe):
             return None
         return prompt_encodings(family, [it.prompt for it, _ in pairs], recipe, self.batch, images=_sources(pairs))
 
-    def aggregate(self, pairs, images: np.ndarray, score) -> dict:
-        """`score(images, prompts, metadata, sample_ids)` (a RewardSet's or an engine's) on the
-        images, summarised: mean total reward per category and over categories (`accuracy`), each
-        component's mean, the sample count."""
+    def aggregate(self, pairs, images: np.ndarray) -> dict:
+        """The images scored, summarised: mean total reward per category and over categories
+        (`accuracy`), each component's mean, the sample count."""
         metas = [{**it.meta, **({"source_image": it.image} if it.image is not None else {})} for it, _ in pairs]
-        scores = score(images, [it.prompt for it, _ in pairs], metas, [f"eval-{it.prompt_id}-{s}" for it, s in pairs])
+        scores = self.score(images, [it.prompt for it, _ in pairs], metas, [f"eval-{it.prompt_id}-{s}" for it, s in pairs])
         cats = [it.meta.get("category", "") for it, _ in pairs]
         total = np.asarray(scores["reward"], np.float64)
         per_cat = {c or "all": float(total[[k == c for k in cats]].mean()) for c in sorted(set(cats))}
@@ -72,9 +71,9 @@ class RewardEvaluator:
             out.update({f"category/{c}": v for c, v in per_cat.items()})
         return out
 
-    def __call__(self, family, items: list[PromptItem], sampling, per_category: int, rewards) -> dict:
+    def __call__(self, family, items: list[PromptItem], sampling, per_category: int) -> dict:
         pairs = self.pairs(items, per_category)
-        return self.aggregate(pairs, self.images(family, pairs, sampling), rewards.score)
+        return self.aggregate(pairs, self.images(family, pairs, sampling))
 
 
 def _sources(pairs) -> list[bytes] | None:
@@ -85,4 +84,4 @@ def _sources(pairs) -> list[bytes] | None:
 
 def reward_evaluation(family, items: list[PromptItem], sampling, per_category: int, rewards) -> dict:
     """The run's rewards (`rewards`: a RewardSet) on the split (RewardEvaluator, in one process)."""
-    return RewardEvaluator()(family, items, sampling, per_category, rewards)
+    return RewardEvaluator(rewards.score)(family, items, sampling, per_category)

@@ -167,6 +167,7 @@ class RayEngine:
         prompts, recipe = args[1], args[3]
         shards = _shards(len(prompts), self.cfg.sampling.micro_batch, len(self.rollout_workers))
         given = self._call_encodings(condition_keys(prompts, images), recipe, images) if len(shards) > 1 else None
+        images = None if images is None else self.ray.put(images)  # in the object store once, not once per worker
         refs = [getattr(w, method).remote(*args[:5], rows, *args[5:], None if k == 0 else given, images)
                 for k, (w, rows) in enumerate(zip(self.rollout_workers, shards))]
         return self._get(refs, "rollout", self.rollout_workers)
@@ -302,9 +303,8 @@ class RayEngine:
         split runs whole on worker 0."""
         from ..datasets.prompts import split_items
         from ..datasets.registry import evaluator_of
-        from ..datasets.reward_eval import RewardEvaluator
 
-        ev = evaluator_of(dataset)
+        ev = evaluator_of(dataset, self.score)  # a dataset without its own: the run's rewards, on the reward workers
         needs = ("pairs", "images", "aggregate", *(("encodings",) if self._shares_encodings else ()))
         if not all(hasattr(ev, part) for part in needs):
             ref = self.rollout_workers[0].evaluate.remote(policy, dataset, split, per_category)
@@ -318,10 +318,7 @@ class RayEngine:
                                     "rollout", [first] * (len(shards) - 1))
         refs = [w.eval_images.remote(policy, dataset, pairs[lo:hi], enc)
                 for w, (lo, hi), enc in zip(self.rollout_workers, shards, encoded)]
-        images = np.concatenate(self._get(refs, "rollout", self.rollout_workers))
-        if isinstance(ev, RewardEvaluator):  # the run's rewards, scored on the reward workers
-            return ev.aggregate(pairs, images, self.score)
-        return ev.aggregate(pairs, images)
+        return ev.aggregate(pairs, np.concatenate(self._get(refs, "rollout", self.rollout_workers)))
 
     def close(self) -> None:
         """Stop this engine's workers (and the local Ray it started)."""
