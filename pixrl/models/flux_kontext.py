@@ -18,13 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .flux import FluxConditioning, FluxFamily
 from .pipelines import encodes_text
 from .registry import register_family
-from .source_images import SourceImageError, decode_rgb
+from .source_images import SourceImageError, decode_rgb, write_prompt_images
 
 __all__ = ["FluxKontextConditioning", "FluxKontextFamily"]
 
@@ -91,19 +90,6 @@ class FluxKontextFamily(FluxFamily):
 
 def write_edit_prompts(folder: Path, seed: int = 0, n: int = 4) -> Path:
     """A small editing prompt set: `n` random 32 px source images (PNG) and a JSONL of
-    instructions naming them; returns the JSONL's path."""
-    import json
-
-    from .source_images import png_bytes
-
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
+    instructions naming them (`edits.jsonl`); returns the JSONL's path."""
     verbs = ["make the sky red", "add a blue square", "turn it into a sketch", "remove the circle"]
-    lines = []
-    for i in range(n):
-        name = f"source_{i}.png"
-        (folder / name).write_bytes(png_bytes(rng.integers(0, 256, (32, 32, 3))))
-        lines.append(json.dumps({"prompt": verbs[i % len(verbs)], "image": name, "prompt_id": f"e{i:03d}"}))
-    path = folder / "edits.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_prompt_images(folder, verbs, seed, n, jsonl="edits.jsonl")

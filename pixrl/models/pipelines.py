@@ -30,6 +30,9 @@ class PipelineFamily:
     #: that only trains (a Ray trainer rank) loads the family without them (`text_towers=False`) and
     #: replays with the rollout's own encodings
     separate_text_towers: bool = True
+    #: the frozen components that only encode conditioning (name prefixes): the text encoders, and
+    #: an image-conditioned family's image encoder; treated alike (not read by a trainer rank, offloaded)
+    conditioning_towers: tuple[str, ...] = ("text_encoder",)
     #: the pipeline component that denoises (held as `self.transformer` whatever its kind): a
     #: transformer, or SD1.x/2.x's "unet"
     denoiser: str = "transformer"
@@ -84,7 +87,8 @@ class PipelineFamily:
         index = json.loads((p / "model_index.json").read_text())
         absent = {k: None for k, v in index.items() if isinstance(v, list) and v[0] is None}
         if not text_towers:  # not read at all: a trainer rank replays with the rollout's encodings
-            absent.update({k: None for k, v in index.items() if k.startswith("text_encoder") and isinstance(v, list)})
+            absent.update({k: None for k, v in index.items()
+                           if k.startswith(cls.conditioning_towers) and isinstance(v, list)})
         swapped = cls.swap_components(p)
         trained = cls.trained_component(options)
         try:
@@ -112,10 +116,10 @@ class PipelineFamily:
 
     # --- text towers ----------------------------------------------------------------------------
     def text_towers(self) -> dict[str, torch.nn.Module]:
-        """The pipeline's text encoders (`text_encoder`, `text_encoder_2`, …): frozen, used only to
-        encode prompt sets."""
+        """The pipeline's text encoders (`text_encoder`, `text_encoder_2`, …) and any other
+        conditioning tower (`conditioning_towers`): frozen, used only to encode prompt sets."""
         return {k: m for k, m in self.pipe.components.items()
-                if k.startswith("text_encoder") and isinstance(m, torch.nn.Module)}
+                if k.startswith(self.conditioning_towers) and isinstance(m, torch.nn.Module)}
 
     def offload_text_towers(self) -> None:
         """Keep the text towers in host memory and bring them to their device only while a prompt

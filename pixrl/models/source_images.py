@@ -73,3 +73,25 @@ def png_bytes(array: np.ndarray) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(np.asarray(array, np.uint8)).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def write_prompt_images(folder, prompts: list[str], seed: int = 0, n: int | None = None, stem: str = "source",
+                        jsonl: str = "prompts.jsonl", size: int = 32):
+    """A small prompt set with source images (tiny checkpoints write one beside them; tests and
+    recorded runs use them): `n` random `size` px PNGs and a JSONL of
+    the prompts, cycled, naming them (`jsonl`, in `folder`). Returns the JSONL's path."""
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    lines = []
+    for i in range(n or len(prompts)):
+        name = f"{stem}_{i}.png"
+        (folder / name).write_bytes(png_bytes(rng.integers(0, 256, (size, size, 3))))
+        lines.append(json.dumps({"prompt": prompts[i % len(prompts)], "image": name, "prompt_id": f"e{i:03d}"}))
+    path = folder / jsonl
+    path.write_text("\n".join(lines) + "\n")
+    return path
+

@@ -182,15 +182,21 @@ class WanFamily(PipelineFamily):
     @encodes_text
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> WanConditioning:
+        return self.encode_text(prompts)
+
+    def encode_text(self, prompts: list[str]) -> WanConditioning:
+        """The pipeline's `encode_prompt` (UMT5, zero past each prompt's length); towers resident."""
         embeds, _ = self.pipe.encode_prompt(prompts, do_classifier_free_guidance=False, device=self.device,
                                             max_sequence_length=self.max_sequence_length)
         return WanConditioning(embeds)
 
     # --- dynamics -----------------------------------------------------------------------------
     def latent_shape(self) -> tuple[int, int, int, int]:
+        """[C, F', H', W'] of the VAE's latents (the transformer may read more channels: image-to-video
+        concatenates its condition to them)."""
         side = self.resolution // self.pipe.vae_scale_factor_spatial
         frames = (self.frames - 1) // self.pipe.vae_scale_factor_temporal + 1
-        return self.transformer.config.in_channels, frames, side, side
+        return self.vae.config.z_dim, frames, side, side
 
     def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         return scheduler_grid(self.scheduler, steps, self.device, self.name, self.path)
@@ -235,8 +241,7 @@ class WanFamily(PipelineFamily):
             v = v_u + (scale or guidance_scale) * (v - v_u)
         return v
 
-    @staticmethod
-    def _predict(module, x, t, cond: WanConditioning) -> torch.Tensor:
+    def _predict(self, module, x, t, cond: WanConditioning) -> torch.Tensor:
         dtype = module.dtype
         return module(hidden_states=x.to(dtype), timestep=t, encoder_hidden_states=cond.prompt_embeds.to(dtype),
                       return_dict=False)[0]
@@ -261,42 +266,55 @@ class WanFamily(PipelineFamily):
         the low-noise steps and its boundary_ratio 0.875 (the high-noise expert is trained)."""
         import shutil
 
-        from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
-        from transformers import UMT5Config, UMT5EncoderModel
+        from diffusers import WanPipeline
 
-        from .tiny_parts import t5_tokenizer
-
-        torch.manual_seed(seed)
         build = out_dir.parent / (out_dir.name + "_build")
-        tok = t5_tokenizer(build / "tokenizer", 512)
-        text_encoder = UMT5EncoderModel(UMT5Config(
-            vocab_size=len(tok), d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
-            relative_attention_num_buckets=8, relative_attention_max_distance=32, feed_forward_proj="gated-gelu",
-            is_encoder_decoder=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-            decoder_start_token_id=0))
-        z = 4
-        vae = AutoencoderKLWan(base_dim=8, z_dim=z, dim_mult=[1, 2, 2], num_res_blocks=1,
-                               temperal_downsample=[False, True], latents_mean=[0.1, -0.2, 0.05, 0.0],
-                               latents_std=[1.5, 2.0, 1.2, 1.8], scale_factor_temporal=2, scale_factor_spatial=4)
-        transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8,
-                                            in_channels=z, out_channels=z, text_dim=32, freq_dim=32, ffn_dim=32,
-                                            num_layers=2, rope_max_seq_len=32)
-        sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
-                                        num_train_timesteps=1000)
+        parts = tiny_wan_parts(build, seed)
+        z = parts["vae"].config.z_dim
+        transformer = tiny_wan_transformer(z, z)
         experts = {}
         if two_experts:
             torch.manual_seed(seed + 1)
-            experts = dict(transformer_2=WanTransformer3DModel(
-                patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=z, out_channels=z,
-                text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=32), boundary_ratio=0.875)
-        WanPipeline(tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer,
-                    scheduler=sched, **experts).save_pretrained(str(out_dir), safe_serialization=True)
+            experts = dict(transformer_2=tiny_wan_transformer(z, z), boundary_ratio=0.875)
+        WanPipeline(**parts, transformer=transformer, **experts).save_pretrained(str(out_dir), safe_serialization=True)
         shutil.rmtree(build, ignore_errors=True)
         return {"model.family": cls.name, "model.path": str(out_dir), "model.resolution": 32, "model.frames": 5,
                 "model.max_sequence_length": 64,
                 # the high-noise expert trains; the SDE window on its steps (t ≥ 875: the first 2 of 4, 4 of 10)
                 **({"model.expert": "high", "sampling.window_size": 2, "sampling.window_range": "[0,2]"}
                    if two_experts else {})}
+
+
+def tiny_wan_parts(build: Path, seed: int) -> dict:
+    """The shared tiny parts of a Wan pipeline (seeded): tokenizer, UMT5, the causal video VAE
+    (×2 in time, ×4 in space, 4 latent channels with mean/std) and UniPC with flow sigmas."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from .tiny_parts import t5_tokenizer
+
+    torch.manual_seed(seed)
+    tok = t5_tokenizer(build / "tokenizer", 512)
+    text_encoder = UMT5EncoderModel(UMT5Config(
+        vocab_size=len(tok), d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+        relative_attention_num_buckets=8, relative_attention_max_distance=32, feed_forward_proj="gated-gelu",
+        is_encoder_decoder=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        decoder_start_token_id=0))
+    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1,
+                           temperal_downsample=[False, True], latents_mean=[0.1, -0.2, 0.05, 0.0],
+                           latents_std=[1.5, 2.0, 1.2, 1.8], scale_factor_temporal=2, scale_factor_spatial=4)
+    sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
+                                    num_train_timesteps=1000)
+    return dict(tokenizer=tok, text_encoder=text_encoder, vae=vae, scheduler=sched)
+
+
+def tiny_wan_transformer(in_channels: int, out_channels: int, **extra):
+    """A 2-block WanTransformer3DModel with 16-wide attention (`extra`: image-to-video's image inputs)."""
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8,
+                                 in_channels=in_channels, out_channels=out_channels, text_dim=32, freq_dim=32,
+                                 ffn_dim=32, num_layers=2, rope_max_seq_len=32, **extra)
 
 
 def _rows(cond: WanConditioning | None, rows: torch.Tensor) -> WanConditioning | None:
