@@ -24,6 +24,9 @@ images/s and peak memory.
 - `--family wan_a14b`: Wan2.2-T2V-A14B — two experts of the real width (40×128 heads, FFN 13824)
   switched at boundary_ratio 0.875, CFG 5 / 3; the high-noise expert trains (LoRA r32) with the SDE
   window on its steps. `--layers N` blocks per expert (40 in the real one).
+- `--family wan_i2v`: Wan2.1-I2V-14B-480P — the real-width transformer (40×128 heads, FFN 13824,
+  36 input channels, CLIP image cross-attention), CLIP ViT-H/14, the causal video VAE, 33 frames
+  animating 8 random first frames, CFG 5; LoRA r32. `--layers N` blocks (40 in the real one).
 - `--family sd15`: Stable Diffusion 1.5 — the real UNet (860M), SD VAE and CLIP-L; DDPO's recipe
   (DDIM-η with η = 1 at every step, CFG 5) with its LoRA (rank 4).
 - `--family sdxl`: SDXL base — the real UNet (2.6B), VAE, CLIP-L and OpenCLIP-bigG; Flow-GRPO
@@ -71,6 +74,9 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
                               "model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
                               "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=5.0",
                               *([] if tiny else ["algorithm=flow_grpo_wan"])],
+    "wan_i2v": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
+                             "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=5.0",
+                             *([] if tiny else ["algorithm=flow_grpo_wan"])],
     "sd15": lambda tiny: ["algorithm=ddpo", "sampling.sde_type=ddim", "sampling.noise_level=1.0",
                           "sampling.window_size=null", "sampling.window_range=null", "sampling.timestep_fraction=1.0",
                           "sampling.guidance_scale=5.0", "algorithm.min_count=4"],
@@ -124,7 +130,7 @@ def _cot(args) -> list[str]:
 
 
 def _edits(family: str, work: Path) -> list[str]:
-    """An editing family's prompt set: 8 instructions on random source images."""
+    """An image-conditioned family's prompt set: 8 prompts on random source images (edits, first frames)."""
     from pixrl.models.registry import get_family
 
     if not getattr(get_family(VARIANTS[family][0] if family in VARIANTS else family), "needs_images", False):

@@ -202,6 +202,33 @@ def wan22_a14b_pipeline(layers: int | None, device: str, workdir: Path):
                        transformer=expert(), transformer_2=expert(), boundary_ratio=0.875, scheduler=sched)
 
 
+def wan21_i2v_14b_pipeline(layers: int | None, device: str, workdir: Path):
+    """A random WanImageToVideoPipeline with Wan2.1-I2V-14B-480P's shapes: the transformer (40 blocks,
+    40×128 heads, FFN 13824, 36 input channels: latents + first-frame mask + first-frame latents;
+    CLIP image states through 5120-wide added key/value projections), CLIP ViT-H/14's vision tower
+    (32 × 1280, 224²), the Wan2.1 VAE; UMT5-XXL at its real width with 2 of its 24 layers.
+    `--layers N`: N blocks (40 in the real one)."""
+    import torch
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    base = wan21_1_3b_pipeline(1, "cpu", workdir)  # its tokenizer and UMT5 (the transformer is replaced)
+    with torch.device(device):
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=36, out_channels=16,
+            text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=layers or 40, image_dim=1280,
+            added_kv_proj_dim=5120).to(torch.bfloat16)
+    clip = CLIPVisionModel(CLIPVisionConfig(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+                                            num_attention_heads=16, image_size=224, patch_size=14, hidden_act="gelu"))
+    processor = CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224},
+                                   image_mean=[0.48145466, 0.4578275, 0.40821073],
+                                   image_std=[0.26862954, 0.26130258, 0.27577711])
+    sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    return WanImageToVideoPipeline(tokenizer=base.tokenizer, text_encoder=base.text_encoder, vae=AutoencoderKLWan(),
+                                   image_encoder=clip, image_processor=processor, transformer=transformer,
+                                   scheduler=sched)
+
+
 def janus_pro_1b_checkpoint(layers: int | None, device: str, out: Path) -> Path:
     """A random JanusForConditionalGeneration with Janus-Pro-1B's shapes — the DeepSeek-LLM 1.5B
     decoder (24 layers of width 2048, 16 heads, FFN 5632, vocabulary 102400), the SigLIP-L vision
@@ -296,4 +323,5 @@ def sdxl_pipeline(layers: int | None, device: str, workdir: Path):
 
 BUILDERS = {"sd15": sd15_pipeline, "sdxl": sdxl_pipeline, "flux1": flux1_dev_pipeline,
             "flux1_kontext": flux1_kontext_dev_pipeline, "qwen_image": qwen_image_pipeline, "sana": sana_1600m_pipeline,
-            "flux2": flux2_dev_pipeline, "wan": wan21_1_3b_pipeline, "wan_a14b": wan22_a14b_pipeline}
+            "flux2": flux2_dev_pipeline, "wan": wan21_1_3b_pipeline, "wan_a14b": wan22_a14b_pipeline,
+            "wan_i2v": wan21_i2v_14b_pipeline}

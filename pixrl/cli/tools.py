@@ -68,8 +68,8 @@ def tiny(
     family: str = typer.Argument(..., help="model family (see `pixrl tiny --help`): sd3, flux1, …"),
     out: str = typer.Option(..., "--out", help="new directory for the checkpoint (must not exist)"),
     seed: int = typer.Option(0),
-    two_experts: bool = typer.Option(False, "--two-experts", help="wan: Wan2.2-T2V-A14B's layout (a high- and a "
-                                                                   "low-noise transformer)"),
+    two_experts: bool = typer.Option(False, "--two-experts", help="wan, wan_i2v: Wan2.2-A14B's layout (a high- "
+                                                                   "and a low-noise transformer)"),
 ) -> None:
     """Write a tiny random checkpoint of FAMILY in its real on-disk layout (real classes, small
     configs, tokenizers built offline) — to try a family without its weights, and for tests."""
@@ -85,7 +85,7 @@ def tiny(
     if not hasattr(fam, "write_tiny"):
         _fail(f"family {family!r} has no tiny checkpoint writer")
     if two_experts and "two_experts" not in inspect.signature(fam.write_tiny).parameters:
-        _fail(f"--two-experts: the {family} family has no two-expert layout (wan has: Wan2.2-T2V-A14B)")
+        _fail(f"--two-experts: the {family} family has no two-expert layout (wan and wan_i2v have: Wan2.2-A14B)")
     dest = Path(out)
     if dest.exists():
         _fail(f"{dest} already exists; pass a new --out directory (nothing is overwritten)")
@@ -237,7 +237,8 @@ def _source_images(family, paths: Optional[list[str]], n: int) -> Optional[list[
     takes = getattr(family, "takes_images", False)
     if not paths:
         if getattr(family, "needs_images", False):
-            _fail(f"the {family.name} family edits images: pass --image PATH (one for every prompt, or one per prompt)")
+            _fail(f"the {family.name} family {family.image_use}: pass --image PATH (one for every prompt, or one per "
+                  "prompt)")
         return None
     if not takes:
         _fail(f"--image: the {family.name} family generates from text alone; drop --image")

@@ -64,8 +64,8 @@ class PromptCache:
             return self.family.encode_prompts(keys)
         if not getattr(self.family, "takes_images", False):
             raise SourceImageError(f"the {self.family.name} family generates from text alone, and these prompts carry "
-                                   f"source images (an editing dataset); use an editing family (flux1_kontext) or a "
-                                   f"dataset without images")
+                                   f"source images (an editing dataset); use a family that takes them (flux1_kontext, "
+                                   f"flux2, wan_i2v) or a dataset without images")
         lost = sorted({dig for _, dig in parts if dig and dig not in bank})
         if lost:
             raise RuntimeError(f"no source image with digest {lost[0]} was given with the prompts to encode")

@@ -50,6 +50,7 @@ class FluxKontextFamily(FluxFamily):
     pipeline_class = "FluxKontextPipeline"
     takes_images = True  # encode_prompts(prompts, images): each prompt edits its source image
     needs_images = True  # and every prompt has one: Kontext only edits
+    image_use = "edits images"  # what it does with them (errors say it)
 
     @encodes_text
     @torch.no_grad()

@@ -65,6 +65,7 @@ class WanI2VFamily(WanFamily):
     pipeline_class = "WanImageToVideoPipeline"
     takes_images = True  # encode_prompts(prompts, images): each prompt's first frame
     needs_images = True  # image-to-video: every prompt has one
+    image_use = "animates a first frame"  # what it does with them (errors say it)
     conditioning_towers = ("text_encoder", "image_encoder")
     # flow_grpo's Wan targets: the attention projections, and the image cross-attention's added
     # key/value projections where the transformer has them (Wan2.1-I2V)

@@ -102,12 +102,12 @@ def check_source_images(cfg: ExperimentConfig, family, items) -> None:
     with_image = sum(it.image is not None for it in items)
     where = f"dataset.path={cfg.dataset.path}"
     if getattr(family, "needs_images", False) and with_image < len(items):
-        raise ValueError(f"the {family.name} family edits images, and {len(items) - with_image} of the "
+        raise ValueError(f"the {family.name} family {family.image_use}, and {len(items) - with_image} of the "
                          f"{len(items)} prompts of {where} have no source image; give each an image (docs/editing.md)")
     if with_image and not getattr(family, "takes_images", False):
         raise ValueError(f"{with_image} prompts of {where} carry source images (an editing dataset), and the "
-                         f"{family.name} family generates from text alone; use an editing family (flux1_kontext, "
-                         f"flux2) or a prompt set without images")
+                         f"{family.name} family generates from text alone; use a family that takes them (flux1_kontext, "
+                         f"flux2, wan_i2v) or a prompt set without images")
     if 0 < with_image < len(items):
         raise ValueError(f"{with_image} of the {len(items)} prompts of {where} carry source images: a prompt set is "
                          f"all edits or all text-to-image; split it in two")
