@@ -172,3 +172,19 @@ def test_image_similarity_is_the_cosine_of_the_edit_and_its_source(tiny_clip):
     assert wired == metas
     with pytest.raises(ScoringError, match=r"samples \[1\] carry none"):
         rs.score(imgs[:2], PROMPTS[:2], [metas[0], {"category": "edit"}], ["a", "b"])
+
+
+def test_image_similarity_of_a_clip_is_the_mean_over_its_frames_against_its_first_frame(tiny_clip):
+    """Image-to-video (wan_i2v): each frame of a clip is compared with the clip's one source image
+    (its first frame) and the clip scores the mean."""
+    from pixrl.models.source_images import png_bytes
+
+    path, _ = tiny_clip
+    rs = RewardSet({"image_similarity": 1.0}, {"image_similarity": {"path": str(path)}})
+    clips = _images(6, seed=2).reshape(2, 3, 48, 40, 3)
+    sources = _images(2, seed=3)
+    metas = [{"source_image": png_bytes(s)} for s in sources]
+    got = rs.score(clips, PROMPTS[:2], metas, ["a", "b"])["image_similarity"]
+    per_frame = rs.score(clips.reshape(6, 48, 40, 3), [p for p in PROMPTS[:2] for _ in range(3)],
+                         [m for m in metas for _ in range(3)], list("abcdef"))["image_similarity"]
+    assert np.allclose(got, per_frame.reshape(2, 3).mean(axis=1), atol=1e-6)
