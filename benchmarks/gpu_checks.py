@@ -70,6 +70,8 @@ CHECKS = {
     "wan_a14b": ([SMOKE, "--family", "wan_a14b", "--layers", "8"], 240, "video"),
     # Wan2.1-I2V-14B (image-to-video, new since): 8 of 40 blocks at the real width, CLIP ViT-H/14
     "wan_i2v": ([SMOKE, "--family", "wan_i2v", "--layers", "8"], 240, "video"),
+    # Z-Image-Turbo (new since): the full 6.2B transformer, without CFG as the Turbo samples
+    "z_image": ([SMOKE, "--family", "z_image"], 180, None),
     # passed there: sd3 (issue 14's line) 144 s, sana 68 s, qwen_image (12 blocks) 79 s
     "sd3": ([SMOKE, "--family", "sd3"], 240, None),
     # new since: SD1.5's UNet with DDPO's recipe (860M, every step of DDIM-η stored)

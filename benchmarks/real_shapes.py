@@ -229,6 +229,35 @@ def wan21_i2v_14b_pipeline(layers: int | None, device: str, workdir: Path):
                                    scheduler=sched)
 
 
+def z_image_turbo_pipeline(layers: int | None, device: str, workdir: Path):
+    """A random ZImagePipeline with Z-Image-Turbo's shapes: the transformer (ZImageTransformer2DModel's
+    defaults are the released model's: 30 blocks of width 3840, 30 heads, 2 noise and 2 caption
+    refiner blocks, caption width 2560), the FLUX.1 VAE (16 channels, scale 0.3611, shift 0.1159)
+    and the Turbo's static-shift scheduler; Qwen3-4B at its real width with 2 of its 36 layers and
+    the ChatML template. `--layers N`: N main blocks."""
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    from pixrl.models.tiny_parts import qwen2_tokenizer
+    from pixrl.models.z_image import QWEN3_CHAT_TEMPLATE
+
+    tok = qwen2_tokenizer(workdir / "tokenizer")
+    tok.chat_template = QWEN3_CHAT_TEMPLATE
+    text = Qwen3Model(Qwen3Config(vocab_size=len(tok), hidden_size=2560, intermediate_size=9728, num_hidden_layers=2,
+                                  num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                  max_position_embeddings=4096, pad_token_id=tok.pad_token_id,
+                                  eos_token_id=tok.eos_token_id))
+    with torch.device(device):
+        transformer = ZImageTransformer2DModel(n_layers=layers or 30).to(torch.bfloat16)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512),
+                        layers_per_block=2, latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159,
+                        use_quant_conv=False, use_post_quant_conv=False)
+    sched = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
+    return ZImagePipeline(scheduler=sched, vae=vae, text_encoder=text, tokenizer=tok, transformer=transformer)
+
+
 def janus_pro_1b_checkpoint(layers: int | None, device: str, out: Path) -> Path:
     """A random JanusForConditionalGeneration with Janus-Pro-1B's shapes — the DeepSeek-LLM 1.5B
     decoder (24 layers of width 2048, 16 heads, FFN 5632, vocabulary 102400), the SigLIP-L vision
@@ -324,4 +353,4 @@ def sdxl_pipeline(layers: int | None, device: str, workdir: Path):
 BUILDERS = {"sd15": sd15_pipeline, "sdxl": sdxl_pipeline, "flux1": flux1_dev_pipeline,
             "flux1_kontext": flux1_kontext_dev_pipeline, "qwen_image": qwen_image_pipeline, "sana": sana_1600m_pipeline,
             "flux2": flux2_dev_pipeline, "wan": wan21_1_3b_pipeline, "wan_a14b": wan22_a14b_pipeline,
-            "wan_i2v": wan21_i2v_14b_pipeline}
+            "wan_i2v": wan21_i2v_14b_pipeline, "z_image": z_image_turbo_pipeline}

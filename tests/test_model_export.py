@@ -89,7 +89,8 @@ def _velocities(fam, module):
     return own, other
 
 
-@pytest.mark.parametrize("family", ["sd3", "sd15", "sdxl", "flux1", "flux2", "qwen_image", "sana", "wan", "wan_a14b"])
+@pytest.mark.parametrize("family", ["sd3", "sd15", "sdxl", "flux1", "flux2", "qwen_image", "sana", "wan", "wan_a14b",
+                                    "z_image"])
 def test_a_lora_version_loads_into_the_diffusers_pipeline(family, tiny_dirs, tmp_path):
     overrides = tiny_dirs(family)
     ckpt = _trained(overrides, tmp_path, LORA)
