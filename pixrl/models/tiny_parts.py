@@ -109,16 +109,22 @@ _QWEN_TEMPLATE_WORDS = ["the", "image", "by", "detailing", "color", "shape", "si
                         "spatial", "relationships", "objects", "background"]
 
 
-def qwen2_tokenizer(out_dir: Path):
+def qwen2_tokenizer(out_dir: Path, extra_pieces: list[str] = (), extra_pairs: list[tuple[str, str]] = ()):
     """A Qwen2 byte-level BPE tokenizer (`Qwen2Tokenizer`, the 256 byte symbols plus merges that
     make each tiny-vocabulary word with its leading space one token) with Qwen's chat tokens
-    (`<|im_start|>`, `<|im_end|>`, `<|endoftext|>` as pad/eos), as Qwen2.5-VL checkpoints ship it."""
+    (`<|im_start|>`, `<|im_end|>`, `<|endoftext|>` as pad/eos), as Qwen2.5-VL checkpoints ship it.
+    `extra_pieces` (whole tokens, "Ġ" for a space) and `extra_pairs` (merges of two symbols) come
+    after the others, so the tokenizers without them keep their ids."""
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import Qwen2Tokenizer
 
     vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
     merges = whole_word_merges(vocab, ["Ġ" + w for w in tiny_vocabulary() + _QWEN_TEMPLATE_WORDS]  # "Ġ": a space
                                + ["system", "Describe", "user", "assistant"])
+    merges += [m for m in whole_word_merges(vocab, list(extra_pieces)) if m not in merges]
+    for a, b in extra_pairs:
+        vocab.setdefault(a + b, len(vocab))
+        merges.append((a, b))
     tok = Qwen2Tokenizer(vocab=vocab, merges=merges)
     tok.add_special_tokens({"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
                             "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
