@@ -30,6 +30,9 @@ images/s and peak memory.
 - `--family z_image`: Z-Image-Turbo — the real single-stream transformer (30 blocks of width 3840,
   30 heads, its 2 + 2 refiner blocks; 6.2B), the FLUX.1 VAE; Qwen3-4B at its real width (2560)
   with 2 of its 36 layers; the Turbo's sampling without CFG; LoRA r64.
+- `--family hunyuan_video15`: HunyuanVideo-1.5 — the real 8.3B transformer (54 blocks) and causal
+  video VAE, 33 frames, CFG 6; Qwen2.5-VL and ByT5 at their real widths with 2 layers each;
+  LoRA r32. `--layers N` blocks.
 - `--family sd15`: Stable Diffusion 1.5 — the real UNet (860M), SD VAE and CLIP-L; DDPO's recipe
   (DDIM-η with η = 1 at every step, CFG 5) with its LoRA (rank 4).
 - `--family sdxl`: SDXL base — the real UNet (2.6B), VAE, CLIP-L and OpenCLIP-bigG; Flow-GRPO
@@ -82,6 +85,9 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
                              *([] if tiny else ["algorithm=flow_grpo_wan"])],
     "z_image": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
                              "sampling.guidance_scale=1.0", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
+    "hunyuan_video15": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=1000",
+                                     "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=6.0",
+                                     *([] if tiny else ["algorithm=flow_grpo_wan"])],
     "sd15": lambda tiny: ["algorithm=ddpo", "sampling.sde_type=ddim", "sampling.noise_level=1.0",
                           "sampling.window_size=null", "sampling.window_range=null", "sampling.timestep_fraction=1.0",
                           "sampling.guidance_scale=5.0", "algorithm.min_count=4"],

@@ -4,7 +4,8 @@ pixrl trained is used without pixrl (`pixrl export-model`):
 - a diffusers family under LoRA: `pytorch_lora_weights.safetensors` as diffusers' LoRA loaders
   write it (`<Pipeline>.save_lora_weights`, the adapter's LoraConfig in the file's metadata):
   `pipe.load_lora_weights(OUT)` on the base pipeline (a two-expert Wan2.2's low-noise expert:
-  `load_into_transformer_2=True`);
+  `load_into_transformer_2=True`); a pipeline without LoRA loaders (HunyuanVideo-1.5): the same
+  file written by the model's `save_lora_adapter`, `pipe.transformer.load_lora_adapter(OUT, weight_name=…, prefix=None)`;
 - a diffusers family fully fine-tuned, or with `merge`: a whole pipeline directory — the base's
   components copied (or hard-linked), the trained one (`transformer`, or `transformer_2`) written
   by its own `save_pretrained`: `<Pipeline>.from_pretrained(OUT)`;
@@ -93,6 +94,12 @@ def _export_pipeline(policy, cfg, stage: Path, merge: bool, link: bool) -> dict:
     base = Path(fam.path)
     component = type(fam).trained_component(cfg.model.family_options())
     pipeline = type(fam.pipe).__name__
+    if policy.lora and not merge and not hasattr(type(fam.pipe), "save_lora_weights"):
+        # a pipeline without diffusers' LoRA loaders (HunyuanVideo-1.5): the model's own adapter file
+        module.save_lora_adapter(str(stage), adapter_name="default", safe_serialization=True)
+        return {"format": "diffusers-lora", "files": [LORA_FILE], "component": component, "lora": _lora_config(module),
+                "load": f"pipe = diffusers.{pipeline}.from_pretrained(BASE); "
+                        f"pipe.{component}.load_lora_adapter(OUT, weight_name=\"{LORA_FILE}\", prefix=None)"}
     if policy.lora and not merge:
         layers, lora = get_peft_model_state_dict(module), _lora_config(module)
         target = "unet" if component == "unet" else "transformer"  # the keyword the pipeline's LoRA loader takes
