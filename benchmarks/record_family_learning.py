@@ -172,7 +172,8 @@ def readme(name: str, args, s: dict) -> str:
                     *(["--name", name] if args.name else []), *args.overrides])
     from pixrl.models.registry import get_family
 
-    held = "edits (an instruction on a source image)" if getattr(get_family(args.family), "needs_images", False) \
+    fam = get_family(args.family)
+    held = f"prompts, each with a source image (the family {fam.image_use})" if getattr(fam, "needs_images", False) \
         else "prompts"
     return f"""# {name}: does the {args.family} family's RL loop learn? (tiny random checkpoint, CPU)
 
