@@ -33,6 +33,8 @@ images/s and peak memory.
 - `--family hunyuan_video15`: HunyuanVideo-1.5 — the real 8.3B transformer (54 blocks) and causal
   video VAE, 33 frames, CFG 6; Qwen2.5-VL and ByT5 at their real widths with 2 layers each;
   LoRA r32. `--layers N` blocks.
+- `--family hunyuan_video15_i2v`: its image-to-video — the same shapes with SigLIP so400m (729
+  image tokens), animating 8 random first frames.
 - `--family sd15`: Stable Diffusion 1.5 — the real UNet (860M), SD VAE and CLIP-L; DDPO's recipe
   (DDIM-η with η = 1 at every step, CFG 5) with its LoRA (rank 4).
 - `--family sdxl`: SDXL base — the real UNet (2.6B), VAE, CLIP-L and OpenCLIP-bigG; Flow-GRPO
@@ -86,6 +88,9 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
     "z_image": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
                              "sampling.guidance_scale=1.0", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
     "hunyuan_video15": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=1000",
+                                     "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=6.0",
+                                     *([] if tiny else ["algorithm=flow_grpo_wan"])],
+    "hunyuan_video15_i2v": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=1000",
                                      "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=6.0",
                                      *([] if tiny else ["algorithm=flow_grpo_wan"])],
     "sd15": lambda tiny: ["algorithm=ddpo", "sampling.sde_type=ddim", "sampling.noise_level=1.0",

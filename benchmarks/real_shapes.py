@@ -288,6 +288,20 @@ def hunyuan_video15_pipeline(layers: int | None, device: str, workdir: Path):
                                   text_encoder_2=glyph, tokenizer_2=tok2, guider=ClassifierFreeGuidance(guidance_scale=6.0))
 
 
+def hunyuan_video15_i2v_pipeline(layers: int | None, device: str, workdir: Path):
+    """HunyuanVideo-1.5's image-to-video: the text-to-video builder's parts (transformer as an i2v
+    one) with SigLIP so400m's vision tower (27 × 1152, 384² in 14-px patches: 729 tokens)."""
+    from diffusers import HunyuanVideo15ImageToVideoPipeline
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    parts = hunyuan_video15_pipeline(layers, device, workdir).components
+    parts["transformer"].register_to_config(task_type="i2v")
+    siglip = SiglipVisionModel(SiglipVisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                                                  num_attention_heads=16, image_size=384, patch_size=14))
+    return HunyuanVideo15ImageToVideoPipeline(**parts, image_encoder=siglip,
+                                              feature_extractor=SiglipImageProcessor(size={"height": 384, "width": 384}))
+
+
 def janus_pro_1b_checkpoint(layers: int | None, device: str, out: Path) -> Path:
     """A random JanusForConditionalGeneration with Janus-Pro-1B's shapes — the DeepSeek-LLM 1.5B
     decoder (24 layers of width 2048, 16 heads, FFN 5632, vocabulary 102400), the SigLIP-L vision
@@ -384,4 +398,4 @@ BUILDERS = {"sd15": sd15_pipeline, "sdxl": sdxl_pipeline, "flux1": flux1_dev_pip
             "flux1_kontext": flux1_kontext_dev_pipeline, "qwen_image": qwen_image_pipeline, "sana": sana_1600m_pipeline,
             "flux2": flux2_dev_pipeline, "wan": wan21_1_3b_pipeline, "wan_a14b": wan22_a14b_pipeline,
             "wan_i2v": wan21_i2v_14b_pipeline, "z_image": z_image_turbo_pipeline,
-            "hunyuan_video15": hunyuan_video15_pipeline}
+            "hunyuan_video15": hunyuan_video15_pipeline, "hunyuan_video15_i2v": hunyuan_video15_i2v_pipeline}

@@ -100,6 +100,10 @@ class HunyuanVideo15Family(PipelineFamily):
     @encodes_text
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> HunyuanVideo15Conditioning:
+        return self.encode_text(prompts)
+
+    def encode_text(self, prompts: list[str]) -> HunyuanVideo15Conditioning:
+        """The pipeline's `encode_prompt`: both towers' states and masks (towers resident)."""
         embeds, mask, glyphs, glyph_mask = self.pipe.encode_prompt(list(prompts), device=self.device,
                                                                    batch_size=len(prompts))
         return HunyuanVideo15Conditioning(embeds, mask, glyphs, glyph_mask)
@@ -126,10 +130,7 @@ class HunyuanVideo15Family(PipelineFamily):
         b = x.shape[0]
         t = timestep.reshape(-1).to(x.device)
         t = t.expand(b) if t.numel() == 1 else t
-        dtype = self.transformer.dtype
-        hidden = torch.cat([x, torch.zeros_like(x), torch.zeros_like(x[:, :1])], dim=1).to(dtype)
-        image = torch.zeros(b, self.pipe.vision_num_semantic_tokens, self.transformer.config.image_embed_dim,
-                            device=x.device, dtype=dtype)
+        hidden, image = self._inputs(x, cond)
         v = self._predict(hidden, t.to(hidden.dtype), cond, image)
         if guidance_scale > 1.0:
             if neg is None:
@@ -142,6 +143,15 @@ class HunyuanVideo15Family(PipelineFamily):
                 guided = rescale_noise_cfg(guided, v, self.guidance_rescale)
             v = guided
         return v
+
+    def _inputs(self, x: torch.Tensor, cond) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the transformer's hidden states, its image embeddings): text-to-video's are the latents
+        beside a zero first-frame condition and mask, and zero image embeddings (read as absent)."""
+        dtype = self.transformer.dtype
+        hidden = torch.cat([x, torch.zeros_like(x), torch.zeros_like(x[:, :1])], dim=1).to(dtype)
+        image = torch.zeros(x.shape[0], self.pipe.vision_num_semantic_tokens, self.transformer.config.image_embed_dim,
+                            device=x.device, dtype=dtype)
+        return hidden, image
 
     def _predict(self, hidden, t, cond: HunyuanVideo15Conditioning, image) -> torch.Tensor:
         dtype = hidden.dtype
@@ -162,44 +172,49 @@ class HunyuanVideo15Family(PipelineFamily):
     # --- a tiny random checkpoint in the real layout --------------------------------------------
     @classmethod
     def write_tiny(cls, out_dir: Path, seed: int = 0) -> dict:
-        """A random HunyuanVideo-1.5-shaped pipeline: a tiny Qwen2.5-VL language model with a byte-level
-        Qwen2 tokenizer and a ChatML template, a tiny ByT5 encoder, the causal video VAE (×4 in
-        time, ×16 in space here as there, 4 latent channels), a 2-block DiT with its token refiner
-        and image embedder, the Euler scheduler (shift 7) and its CFG guider. Returns the overrides
-        that run it (64 px — 4 × 4 latents — and 5 frames)."""
+        """A random HunyuanVideo-1.5-shaped pipeline (`tiny_parts`) saved in the diffusers layout.
+        Returns the overrides that run it (64 px — 4 × 4 latents — and 5 frames)."""
         import shutil
 
-        from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler,
-                               HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel)
-        from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+        from diffusers import HunyuanVideo15Pipeline
 
-        torch.manual_seed(seed)
         build = out_dir.parent / (out_dir.name + "_build")
-        tok = template_tokenizer(build / "tokenizer")
-        text = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
-            vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-            num_key_value_heads=1, max_position_embeddings=2048, pad_token_id=tok.pad_token_id,
-            bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}))
-        tok2 = ByT5Tokenizer()
-        glyph = T5EncoderModel(T5Config(vocab_size=len(tok2), d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
-                                        relative_attention_num_buckets=8, relative_attention_max_distance=32,
-                                        is_encoder_decoder=False, pad_token_id=tok2.pad_token_id,
-                                        eos_token_id=tok2.eos_token_id, decoder_start_token_id=0))
-        vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8, 8, 16, 16, 16), layers_per_block=1,
-                                          spatial_compression_ratio=16, temporal_compression_ratio=4)
-        transformer = HunyuanVideo15Transformer3DModel(
-            in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2,
-            num_refiner_layers=1, text_embed_dim=32, text_embed_2_dim=16, image_embed_dim=16,
-            rope_axes_dim=(4, 6, 6), task_type="t2v")
-        sched = FlowMatchEulerDiscreteScheduler(shift=7.0)
-        HunyuanVideo15Pipeline(text_encoder=text, tokenizer=tok, transformer=transformer, vae=vae, scheduler=sched,
-                               text_encoder_2=glyph, tokenizer_2=tok2,
-                               guider=ClassifierFreeGuidance(guidance_scale=6.0)).save_pretrained(
-            str(out_dir), safe_serialization=True)
+        HunyuanVideo15Pipeline(**tiny_parts(build, seed)).save_pretrained(str(out_dir), safe_serialization=True)
         shutil.rmtree(build, ignore_errors=True)
         return {"model.family": cls.name, "model.path": str(out_dir), "model.resolution": 64, "model.frames": 5,
                 "model.max_sequence_length": 64}
+
+
+def tiny_parts(build: Path, seed: int, **transformer) -> dict:
+    """Seeded tiny HunyuanVideo-1.5 components: a tiny Qwen2.5-VL language model with the template
+    tokenizer, a tiny ByT5 encoder, the causal video VAE (×4 in time, ×16 in space here as there, 4
+    latent channels), a 2-block DiT with its token refiner and image embedder (`transformer`:
+    further config), the Euler scheduler (shift 7) and a CFG guider (6)."""
+    from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler,
+                           HunyuanVideo15Transformer3DModel)
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    tok = template_tokenizer(build / "tokenizer")
+    text = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=2048, pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}))
+    tok2 = ByT5Tokenizer()
+    glyph = T5EncoderModel(T5Config(vocab_size=len(tok2), d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+                                    relative_attention_num_buckets=8, relative_attention_max_distance=32,
+                                    is_encoder_decoder=False, pad_token_id=tok2.pad_token_id,
+                                    eos_token_id=tok2.eos_token_id, decoder_start_token_id=0))
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8, 8, 16, 16, 16), layers_per_block=1,
+                                      spatial_compression_ratio=16, temporal_compression_ratio=4)
+    dit = HunyuanVideo15Transformer3DModel(**{
+        **dict(in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2,
+               num_refiner_layers=1, text_embed_dim=32, text_embed_2_dim=16, image_embed_dim=16,
+               rope_axes_dim=(4, 6, 6), task_type="t2v"), **transformer})
+    return dict(text_encoder=text, tokenizer=tok, transformer=dit, vae=vae,
+                scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder_2=glyph, tokenizer_2=tok2,
+                guider=ClassifierFreeGuidance(guidance_scale=6.0))
 
 
 def template_tokenizer(out_dir: Path):
