@@ -237,17 +237,11 @@ def z_image_turbo_pipeline(layers: int | None, device: str, workdir: Path):
     the ChatML template. `--layers N`: N main blocks."""
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
-    from transformers import Qwen3Config, Qwen3Model
 
-    from pixrl.models.tiny_parts import qwen2_tokenizer
-    from pixrl.models.z_image import QWEN3_CHAT_TEMPLATE
+    from pixrl.models.z_image import qwen3_text_tower
 
-    tok = qwen2_tokenizer(workdir / "tokenizer")
-    tok.chat_template = QWEN3_CHAT_TEMPLATE
-    text = Qwen3Model(Qwen3Config(vocab_size=len(tok), hidden_size=2560, intermediate_size=9728, num_hidden_layers=2,
-                                  num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                                  max_position_embeddings=4096, pad_token_id=tok.pad_token_id,
-                                  eos_token_id=tok.eos_token_id))
+    tok, text = qwen3_text_tower(workdir / "tokenizer", hidden=2560, ffn=9728, layers=2, heads=32, kv_heads=8,
+                                 head_dim=128)
     with torch.device(device):
         transformer = ZImageTransformer2DModel(n_layers=layers or 30).to(torch.bfloat16)
     vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,

@@ -128,18 +128,12 @@ class ZImageFamily(PipelineFamily):
         import shutil
 
         from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
-        from transformers import Qwen3Config, Qwen3Model
 
-        from .tiny_parts import image_vae, qwen2_tokenizer
+        from .tiny_parts import image_vae
 
         torch.manual_seed(seed)
         build = out_dir.parent / (out_dir.name + "_build")
-        tok = qwen2_tokenizer(build / "tokenizer")
-        tok.chat_template = QWEN3_CHAT_TEMPLATE
-        text = Qwen3Model(Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                      max_position_embeddings=1024, pad_token_id=tok.pad_token_id,
-                                      eos_token_id=tok.eos_token_id))
+        tok, text = qwen3_text_tower(build / "tokenizer", hidden=32, ffn=64, layers=3, heads=2, kv_heads=1, head_dim=16)
         transformer = ZImageTransformer2DModel(in_channels=4, dim=32, n_layers=2, n_refiner_layers=1, n_heads=2,
                                                n_kv_heads=2, cap_feat_dim=32, axes_dims=[4, 6, 6],
                                                axes_lens=[256, 64, 64])
@@ -150,6 +144,22 @@ class ZImageFamily(PipelineFamily):
         shutil.rmtree(build, ignore_errors=True)
         return {"model.family": cls.name, "model.path": str(out_dir), "model.resolution": 32,
                 "model.max_sequence_length": 64}
+
+
+def qwen3_text_tower(tokenizer_dir: Path, hidden: int, ffn: int, layers: int, heads: int, kv_heads: int,
+                     head_dim: int):
+    """(a tiny Qwen2 BPE tokenizer with Qwen3's chat template, a random Qwen3Model of these shapes)."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    from .tiny_parts import qwen2_tokenizer
+
+    tok = qwen2_tokenizer(tokenizer_dir)
+    tok.chat_template = QWEN3_CHAT_TEMPLATE
+    model = Qwen3Model(Qwen3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=ffn,
+                                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                   head_dim=head_dim, max_position_embeddings=4096, pad_token_id=tok.pad_token_id,
+                                   eos_token_id=tok.eos_token_id))
+    return tok, model
 
 
 # Qwen3's ChatML turns; with the generation prompt, an empty thinking block when thinking is off
