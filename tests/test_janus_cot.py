@@ -165,3 +165,34 @@ def test_token_grpo_with_a_chain_of_thought_resumes_bit_identical(tiny_janus, tm
     res = CliRunner().invoke(app, ["dpo", "--from", "ref", "-n", "1", "--run", "jdpo", "--workdir", str(tmp_path / "ref"),
                                    "model.family=janus_pro", f"model.path={path}", "algorithm=token_dpo"])
     assert res.exit_code != 0 and "chain of thought" in res.output, res.output  # token DPO scores plain prompts
+
+
+def test_rollout_correction_weights_only_the_text_tokens_a_server_sampled(family):
+    """With the server's log-probs 0.5 nats below the policy's on every text token (ρ = e^0.5 ≈ 1.65,
+    under the cap 2), token_truncate weights each text token's PPO term by ρ and each image token's
+    by 1; the loss equals that weighted masked token mean, written out."""
+    import numpy as np
+
+    from pixrl.algorithms.base import build_algorithm
+    from pixrl.algorithms.token_grpo import token_ppo_loss
+    from pixrl.artifacts.batch import RolloutBatch
+    from pixrl.config.schema import AlgorithmConfig
+
+    recipe, cot, traj = _cot(family)
+    cond = family.cot_image_prompts(cot, [0, 1, 2], traj.cot_tokens, traj.cot_mask)
+    policy = TokenReplayPolicy(family, None, cond, recipe, family.device, cot.text.select([0, 1, 2]))
+    behavior = (traj.cot_log_probs - 0.5) * traj.cot_mask
+    batch = RolloutBatch({"tokens": traj.tokens.numpy().astype(np.int32), "log_probs": traj.log_probs.numpy(),
+                          "cot_tokens": traj.cot_tokens.numpy().astype(np.int32),
+                          "cot_mask": traj.cot_mask.numpy().astype(np.int8), "cot_log_probs": traj.cot_log_probs.numpy(),
+                          "cot_behavior_log_probs": behavior.numpy(), "advantage": np.array([1.0, -0.5, 2.0], np.float32)})
+    algo = build_algorithm(AlgorithmConfig(name="token_grpo", rollout_correction="token_truncate"))
+    with torch.no_grad():
+        ((loss, m),) = list(algo.losses(batch, policy))
+    new = torch.cat([traj.cot_log_probs, traj.log_probs], 1)  # on-policy: the replay equals the rollout
+    weights = torch.cat([torch.full_like(traj.cot_log_probs, float(np.exp(0.5))), torch.ones_like(traj.log_probs)], 1)
+    mask = torch.cat([traj.cot_mask, torch.ones_like(traj.tokens)], 1)
+    want, _ = token_ppo_loss(new, new, torch.tensor([1.0, -0.5, 2.0]), 0.2, 0.2, mask, weights)
+    assert float(loss) == pytest.approx(float(want), rel=1e-5)
+    assert float(m["rollout_is/ratio_mean"]) == pytest.approx(float(np.exp(0.5)), rel=1e-5)
+    assert float(m["rollout_is/corrected_frac"]) == 0.0

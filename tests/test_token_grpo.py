@@ -175,3 +175,37 @@ def test_a_ratio_to_the_current_policy_is_one_and_never_clipped(tiny_janus):
                 assert float(m["ratio_max"]) == float(m["ratio_min"]) == 1.0
     finally:
         fam.model.requires_grad_(False)
+
+
+def test_rollout_weights_truncate_or_mask_per_token_and_per_sequence():
+    """ρ = π_old/μ from the stored policy log-probs and the text server's; padding never counts."""
+    from pixrl.algorithms.rollout_correction import rollout_weights
+
+    behavior = torch.zeros(2, 3)
+    old = torch.log(torch.tensor([[3.0, 0.25, 1.5], [1.2, 1.0, 7.0]]))
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])  # row 1's last position is padding
+    w, kept, m = rollout_weights(old, behavior, mask, "token_truncate", 2.0)
+    assert torch.allclose(w[0], torch.tensor([2.0, 0.25, 1.5])) and torch.allclose(w[1, :2], torch.tensor([1.2, 1.0]))
+    assert kept.tolist() == mask.tolist() and float(m["rollout_is/corrected_frac"]) == pytest.approx(1 / 5)
+    w, kept, m = rollout_weights(old, behavior, mask, "token_mask", 2.0)  # kept within [1/2, 2]
+    assert kept.tolist() == [[0, 0, 1], [1, 1, 0]] and torch.allclose(w[0, 2], torch.tensor(1.5))
+    assert float(m["rollout_is/corrected_frac"]) == pytest.approx(2 / 5)
+    w, kept, _ = rollout_weights(old, behavior, mask, "sequence_truncate", 2.0)  # ρ_0 = 1.125, ρ_1 = 1.2
+    assert torch.allclose(w[0], torch.full((3,), 1.125)) and torch.allclose(w[1, :2], torch.full((2,), 1.2))
+    w, kept, _ = rollout_weights(old, behavior, mask, "sequence_mask", 1.15, low=0.9)  # ρ_1 = 1.2 > 1.15
+    assert kept.tolist() == [[1, 1, 1], [0, 0, 0]] and torch.allclose(w[0], torch.full((3,), 1.125))
+
+
+def test_weighted_ppo_loss_is_the_weighted_masked_token_mean():
+    old, new = torch.zeros(1, 3), torch.log(torch.tensor([[1.1, 0.9, 1.0]]))
+    weights, mask = torch.tensor([[2.0, 0.5, 1.0]]), torch.tensor([[1, 0, 1]])
+    loss, _ = token_ppo_loss(new, old, torch.tensor([1.0]), 0.2, 0.2, mask, weights)
+    assert float(loss) == pytest.approx((2.0 * -1.1 + 1.0 * -1.0) / 2, abs=1e-6)
+
+
+def test_rollout_correction_needs_a_text_server():
+    algo = build_algorithm(AlgorithmConfig(name="token_grpo", rollout_correction="token_truncate"))
+    assert "cot_behavior_log_probs" in algo.needs
+    with pytest.raises(ValueError, match="sampling.cot_backend=vllm"):
+        algo.check_sampling(type("S", (), {"cot_tokens": 8, "cot_backend": "policy"})(), "token")
+    assert "cot_behavior_log_probs" not in build_algorithm(AlgorithmConfig(name="token_grpo")).needs

@@ -16,7 +16,8 @@ With a chain of thought (sampling.cot_tokens > 0) the text tokens are actions to
 trains them: the loss and the KL are token means over [text ; image] with the text's own mask
 (nothing after its end-of-sentence token), one advantage per sequence; the entropy terms are
 separate — α_image·H_image + α_text·H_text, each α fixed or adaptive towards its own target
-(ReasonGen-R1: text 2.0, image 7.0 nats).
+(ReasonGen-R1: text 2.0, image 7.0 nats). A chain of thought sampled by a text server can be
+importance-corrected towards the policy (`rollout_correction`: algorithms/rollout_correction.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .advantages import GroupAdvantages, checked_rewards
 from .base import Algorithm, register_algorithm
 from .entropy_control import AdaptiveEntropyCoefficient
+from .rollout_correction import Mode, rollout_weights
 
 
 class TokenGRPOSettings(BaseModel):
@@ -53,6 +55,12 @@ class TokenGRPOSettings(BaseModel):
         "rollout", description="ρ against the rollout's stored log-probs (PPO), or against the current policy "
                                "detached — T2I-R1's exp(logp − logp.detach()): 1 in value, gradient A·∇logp, never "
                                "clipped; for one update per rollout, e.g. with train_cfg false")
+    rollout_correction: Mode = Field(
+        "none", description="importance-correct a chain of thought sampled by a text server (sampling.cot_backend="
+                            "vllm) towards the policy: token_truncate (min(ρ, C)), token_mask (drop ρ outside "
+                            "[C_low, C]), or the same per sequence")
+    rollout_is_threshold: float = Field(2.0, gt=1, description="C: the truncation cap, and the mask's upper bound")
+    rollout_is_threshold_low: float | None = Field(None, gt=0, lt=1, description="the mask's lower bound (None: 1/C)")
 
 
 def token_group_advantages(rewards: np.ndarray, group_ids: np.ndarray, eps: float) -> GroupAdvantages:
@@ -81,13 +89,14 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 
 
 def token_ppo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
-                   clip_low: float, clip_high: float,
-                   mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Token-mean of max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high)) over [B, N] (with `mask`: over its
-    1-positions); A [B] broadcast."""
+                   clip_low: float, clip_high: float, mask: torch.Tensor | None = None,
+                   weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-mean of w·max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high)) over [B, N] (with `mask`: over its
+    1-positions); A [B] broadcast; w: per-token importance weights (rollout correction), else 1."""
     adv = advantages.float()[:, None]
     ratio = torch.exp(log_prob - old_log_prob)
-    loss = token_mean(torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)), mask)
+    per_token = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high))
+    loss = token_mean(per_token if weights is None else per_token * weights, mask)
     with torch.no_grad():
         diff = log_prob - old_log_prob
         valid = ratio if mask is None else ratio[mask.bool()]
@@ -106,7 +115,18 @@ def k3_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
 @register_algorithm("token_grpo")
 class TokenGRPO(Algorithm):
     Settings = TokenGRPOSettings
-    needs = frozenset({"tokens", "log_probs"})
+
+    @property
+    def needs(self) -> frozenset:
+        """The image tokens and their log-probs; with rollout correction, the text server's log-probs too."""
+        base = frozenset({"tokens", "log_probs"})
+        return base | {"cot_behavior_log_probs"} if self.settings.rollout_correction != "none" else base
+
+    def check_sampling(self, sampling, step: str) -> None:
+        if self.settings.rollout_correction != "none" and not (sampling.cot_tokens and sampling.cot_backend == "vllm"):
+            raise ValueError(f"algorithm.rollout_correction={self.settings.rollout_correction} corrects a chain of "
+                             "thought sampled by a text server: set sampling.cot_tokens > 0 and "
+                             "sampling.cot_backend=vllm, or algorithm.rollout_correction=none")
 
     @property
     def needs_reference(self) -> bool:
@@ -179,16 +199,26 @@ class TokenGRPO(Algorithm):
         tokens = policy.tensor(batch["tokens"]).long()
         new, entropy = policy.log_probs(tokens)
         old = policy.tensor(batch["log_probs"])
-        mask = text_entropy = None
+        mask = text_entropy = weights = None
+        correction = {}
         if "cot_tokens" in batch:
             cot, cot_mask = policy.tensor(batch["cot_tokens"]).long(), policy.tensor(batch["cot_mask"]).long()
             new_text, text_entropy = policy.text_log_probs(cot, cot_mask)
-            new, old = torch.cat([new_text, new], 1), torch.cat([policy.tensor(batch["cot_log_probs"]), old], 1)
-            mask = torch.cat([cot_mask, torch.ones_like(tokens)], 1)
+            old_text = policy.tensor(batch["cot_log_probs"])
+            new, old = torch.cat([new_text, new], 1), torch.cat([old_text, old], 1)
+            kept = cot_mask
+            if c.rollout_correction != "none":
+                w, kept, correction = rollout_weights(old_text, policy.tensor(batch["cot_behavior_log_probs"]), cot_mask,
+                                                      c.rollout_correction, c.rollout_is_threshold,
+                                                      c.rollout_is_threshold_low)
+                weights = torch.cat([w, torch.ones_like(tokens, dtype=w.dtype)], 1)
+            mask = torch.cat([kept, torch.ones_like(tokens)], 1)
         if c.ratio_to == "current":
             old = new.detach()
         loss, metrics = token_ppo_loss(new, old, policy.tensor(batch["advantage"]), c.clip_range,
-                                       c.clip_range_high if c.clip_range_high is not None else c.clip_range, mask)
+                                       c.clip_range_high if c.clip_range_high is not None else c.clip_range, mask,
+                                       weights)
+        metrics.update(correction)
         metrics["entropy"] = entropy.detach().mean()
         alpha = self.entropy_coeff
         if alpha != 0:
