@@ -129,6 +129,12 @@ def test_refusals_name_the_fix(tiny_i2v, family, tiny_wan, tmp_path):
         family.pipe.register_to_config(expand_timesteps=False)
     with pytest.raises(ModelLoadError, match="Wan2.2-TI2V-5B's image-to-video.*model.family=wan"):
         WanI2VFamily.load(tmp_path / "ti2v", max_sequence_length=64, resolution=32, frames=5)
+    from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+
+    flf2v = WanTransformer3DModel.from_config({**family.transformer.config, "pos_embed_seq_len": 2 * 17})
+    WanImageToVideoPipeline(**{**family.pipe.components, "transformer": flf2v}).save_pretrained(str(tmp_path / "flf"))
+    with pytest.raises(ModelLoadError, match="first-last-frame checkpoint"):
+        WanI2VFamily.load(tmp_path / "flf", max_sequence_length=64, resolution=32, frames=5)
 
 
 @pytest.fixture(scope="module")

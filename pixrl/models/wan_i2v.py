@@ -77,6 +77,10 @@ class WanI2VFamily(WanFamily):
                                  "frame is overwritten at every step), which the wan_i2v family does not step; train "
                                  "its text-to-video with model.family=wan")
         super().__init__(pipe, *args, **kwargs)
+        if self.transformer.config.pos_embed_seq_len is not None:
+            raise ModelLoadError(f"{self.path!r} is a first-last-frame checkpoint (Wan2.1-FLF2V: its image embedder reads "
+                                 "two frames' CLIP states), which the wan_i2v family does not condition; use an "
+                                 "image-to-video checkpoint (Wan2.1-I2V, Wan2.2-I2V-A14B)")
         vae, t = pipe.vae.config, pipe.vae_scale_factor_temporal
         want = 2 * vae.z_dim + t
         if self.transformer.config.in_channels != want:
