@@ -112,21 +112,16 @@ class WanI2VFamily(WanFamily):
 
     def _first_frame(self, image: bytes) -> tuple[torch.Tensor, torch.Tensor | None]:
         """([1, T + C, F', H', W'] mask and latents, [1, N, D] CLIP states or None) of one source
-        image, as WanImageToVideoPipeline's `prepare_latents` and `encode_image` compute them."""
+        image, from WanImageToVideoPipeline's own `prepare_latents` (given zero noise, which it
+        returns untouched) and `encode_image`."""
         side, proc = self.resolution, self.pipe.video_processor
         picture = proc.resize(decode_rgb(image), side, side, resize_mode="crop")
         pixels = proc.preprocess(picture, height=side, width=side).to(self.device, torch.float32)
-        black = pixels.new_zeros(1, 3, self.frames - 1, side, side)
-        video = torch.cat([pixels.unsqueeze(2), black], dim=2).to(self.vae.dtype)
-        latents = self.vae.encode(video).latent_dist.mode().float()
-        cfg = self.vae.config
-        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(latents)
-        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(latents)
-        latents = (latents - mean) * inv_std
-        mask = torch.zeros(1, self.pipe.vae_scale_factor_temporal, *latents.shape[2:]).to(latents)
-        mask[:, :, 0] = 1  # the first latent frame is given, in each of its T temporal slots
+        noise = torch.zeros(1, *self.latent_shape(), device=self.device)
+        _, condition = self.pipe.prepare_latents(pixels, 1, noise.shape[1], side, side, self.frames, torch.float32,
+                                                 self.device, None, noise)
         embeds = self.pipe.encode_image(picture, self.device) if self.reads_clip else None
-        return torch.cat([mask, latents], dim=1), embeds
+        return condition, embeds
 
     # --- dynamics -----------------------------------------------------------------------------
     def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: WanI2VConditioning,
