@@ -12,7 +12,7 @@ from pixrl.algorithms.base import build_algorithm
 from pixrl.algorithms.token_grpo import k3_kl, token_group_advantages, token_ppo_loss
 from pixrl.algorithms.token_sampling import TokenRecipe, log_probs_and_entropy, transform_logits
 from pixrl.config.loader import ConfigError
-from pixrl.config.schema import AlgorithmConfig
+from pixrl.config.schema import AlgorithmConfig, SamplingConfig
 
 
 def test_logit_transform_is_guidance_then_temperature_then_top_k():
@@ -207,5 +207,5 @@ def test_rollout_correction_needs_a_text_server():
     algo = build_algorithm(AlgorithmConfig(name="token_grpo", rollout_correction="token_truncate"))
     assert "cot_behavior_log_probs" in algo.needs
     with pytest.raises(ValueError, match="sampling.cot_backend=vllm"):
-        algo.check_sampling(type("S", (), {"cot_tokens": 8, "cot_backend": "policy"})(), "token")
+        algo.check_sampling(SamplingConfig(cot_tokens=8, cot_backend="policy"), "token")
     assert "cot_behavior_log_probs" not in build_algorithm(AlgorithmConfig(name="token_grpo")).needs
