@@ -244,11 +244,13 @@ CASES = {
     "grpo_guard": ["algorithm.lora.enabled=false", "algorithm.clip_range=1e-4"],
     "flow_dppo": ["algorithm.num_sde_steps=1", "algorithm.lora.enabled=false"],
     "diffusion_nft": ["algorithm.lora.rank=4", "algorithm.lora.alpha=8"],
+    "tempflow_grpo": ["algorithm.children=2", "algorithm.branch_steps=[0,2]", "algorithm.beta=0.01"],
 }
 METRICS = {"dance_grpo": ["clipfrac"], "mix_grpo": ["clipfrac"], "mix_grpo_flash": ["clipfrac"],
            "grpo_guard": ["clipfrac_gt_one", "clipfrac_lt_one"],
            "flow_dppo": ["masked_fraction", "kl_mask_fraction", "pos_rm_fraction", "neg_rm_fraction"],
-           "diffusion_nft": ["nft/old_decay", "old_deviate", "unweighted_policy_loss"]}
+           "diffusion_nft": ["nft/old_decay", "old_deviate", "unweighted_policy_loss"],
+           "tempflow_grpo": ["noise_weight", "kl", "part/0/reward_std", "part/1/reward_std"]}
 
 
 def _train(tiny_checkpoint, wd, run, name):
@@ -291,7 +293,8 @@ def test_two_iterations_then_resume_after_a_fault_in_update(name, tiny_checkpoin
     assert res.exit_code == 0, res.output + repr(res.exception)
     out = json.loads(res.stdout.strip().splitlines()[-1])
     t = _rows(ref, "ref")
-    assert t.num_rows == 16 and all(t[c].null_count == 0 for c in ("image", "reward", "advantage"))
+    parts = 2 if name == "tempflow_grpo" else 1  # its two branch steps: one group per prompt and step
+    assert t.num_rows == 16 * parts and all(t[c].null_count == 0 for c in ("image", "reward", "advantage"))
     client = MlflowClient(f"sqlite:///{ref / 'mlflow.db'}")
     versions = client.search_model_versions(f"name='{out['model_name']}'")
     assert sorted(int(v.version) for v in versions) == [1, 2]
@@ -331,6 +334,8 @@ def test_two_iterations_then_resume_after_a_fault_in_update(name, tiny_checkpoin
         assert np.all(lat[g0] == lat[g0][0])  # the group starts from one latent (ODE before the window)
     if name == "dance_grpo":
         assert all(r["sde_type"] == "dance" and r["train_steps"] == [0, 1, 2] for r in recipes)
+    if name == "tempflow_grpo":
+        _check_branches(t, recipes)
 
     monkeypatch.setenv(ENV, "update@1:raise")
     wd = tmp_path / "A"
@@ -351,6 +356,26 @@ def test_two_iterations_then_resume_after_a_fault_in_update(name, tiny_checkpoin
         (ref_ck,) = (ref / "checkpoints" / "ref").glob("*/it_0001")
         b = load_optimizer_state(ref_ck)[ALGORITHM_STATE]
         assert a["step"] == b["step"] == 2 and all(a["old"][k].equal(b["old"][k]) for k in b["old"])
+
+
+def _check_branches(t, recipes):
+    """TempFlow's rows: each group one prompt at one branch step, the step stored and the only
+    stochastic one; a base's two children start from one latent, the same in both parts, so they
+    agree up to the branch (x_0 equal at step 0's group; x_2 equal at step 2's)."""
+    groups, it = np.array(t["group_id"].to_pylist()), np.array(t["iteration"].to_pylist())
+    members, seeds = np.array(t["sample_index"].to_pylist()), np.array(t["noise_seed"].to_pylist())
+    steps = t["stored_steps"].combine_chunks().flatten().to_numpy()
+    assert all(r["sde_steps"] == r["train_steps"] == [k] for r, k in zip(recipes, steps))
+    assert set(groups) == {0, 1, 2, 3} and np.all(steps == np.where(groups >= 2, 2, 0))  # P = 2 prompts a part
+    prompts = np.array(t["prompt"].to_pylist())
+    for i in (0, 1):
+        for g in range(4):
+            same = (it == i) & (groups % 2 == g % 2) & (members // 2 == g // 2)
+            assert len(set(seeds[same])) == 1 and len(set(prompts[same])) == 1  # base g//2 of one prompt
+    lat = t["latents"].combine_chunks().to_numpy_ndarray()[:, 0]
+    nxt = t["next_latents"].combine_chunks().to_numpy_ndarray()[:, 0]
+    a, b = (it == 0) & (groups == 2) & (members == 0), (it == 0) & (groups == 2) & (members == 1)
+    assert np.array_equal(lat[a], lat[b]) and not np.array_equal(nxt[a], nxt[b])  # the branch: x_j shared
 
 
 def test_a_setting_of_another_algorithm_is_refused_naming_the_valid_ones():

@@ -88,3 +88,37 @@ def unbiased_group_advantages(rewards: np.ndarray, group_ids: np.ndarray, eps: f
         adv[idx] = (r - r.mean()) / (std + eps)
     adv = np.clip(adv, -clip, clip).astype(np.float32)
     return GroupAdvantages(advantages=adv, zero_std_ratio=flat / max(1, len(groups)), keep=adv != 0)
+
+
+def per_part(estimate, parts: np.ndarray):
+    """An estimator `estimate(rewards, group_ids)` applied to each part of an iteration in parts
+    on its own (Algorithm.rollout_parts): a part's rewards come from its own recipe — TempFlow-GRPO
+    branches at one step per part, and its global std is the std over that step's children
+    (PerPromptStatTracker's axis-0 std of a [samples, steps] reward array)."""
+    parts = np.asarray(parts)
+
+    def estimate_by_part(rewards: np.ndarray, group_ids: np.ndarray) -> GroupAdvantages:
+        rewards, group_ids = np.asarray(rewards), np.asarray(group_ids)
+        adv = np.zeros(len(rewards), np.float32)
+        groups = flat = 0.0
+        for p in dict.fromkeys(parts.tolist()):
+            rows = parts == p
+            got = estimate(rewards[rows], group_ids[rows])
+            adv[rows] = got.advantages
+            n = len(np.unique(group_ids[rows]))
+            groups, flat = groups + n, flat + got.zero_std_ratio * n
+        return GroupAdvantages(advantages=adv, zero_std_ratio=flat / max(1.0, groups), keep=adv != 0)
+
+    return estimate_by_part
+
+
+def part_reward_spread(rewards: np.ndarray, group_ids: np.ndarray, parts: np.ndarray) -> dict[str, float]:
+    """`part/<i>/reward_std`: the mean within-group reward std of each part — with TempFlow-GRPO,
+    how much the final reward depends on the noise of that part's branch step."""
+    rewards, group_ids, parts = np.asarray(rewards, np.float64), np.asarray(group_ids), np.asarray(parts)
+    out = {}
+    for p in dict.fromkeys(parts.tolist()):
+        rows = parts == p
+        stds = [np.std(rewards[rows & (group_ids == g)]) for g in np.unique(group_ids[rows])]
+        out[f"part/{p}/reward_std"] = float(np.mean(stds))
+    return out

@@ -71,6 +71,14 @@ class Algorithm(ABC):
         iteration's own (a pure function of the run seed and the iteration)."""
         return rollout_recipe(sampling, rng, step)
 
+    def rollout_parts(self, sampling: SamplingConfig, rng: np.random.Generator, step: str,
+                      iteration: int) -> list[SamplerRecipe | TokenRecipe]:
+        """The iteration's rollouts in parts, each over every prompt of the iteration with its own
+        recipe (one part by default: `rollout_recipe`). Each part gives each prompt a group of its
+        own, sampled, planned into micro-batches and normalised on its own, so the rows of an
+        iteration may store transitions at different steps (TempFlow-GRPO's branch steps)."""
+        return [self.rollout_recipe(sampling, rng, step, iteration)]
+
     #: rollouts sample with the algorithm's own sampling policy (its state), not the published weights
     separate_sampler: bool = False
 
@@ -145,7 +153,8 @@ def _own_settings(model: type[BaseModel], name: str, values: dict) -> BaseModel:
 
 def _builtin() -> None:
     from . import (dance_grpo, ddpo, diffusion_dpo, diffusion_nft, diffusion_sft, flow_dppo, flow_grpo,  # noqa: F401
-                   grpo_guard, mix_grpo, online_dpo, token_dpo, token_grpo, token_sft)  # (importing registers them)
+                   grpo_guard, mix_grpo, online_dpo, tempflow_grpo, token_dpo, token_grpo,
+                   token_sft)  # (importing registers them)
 
 
 ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm", "algorithms", _builtin)

@@ -10,6 +10,9 @@ replay and evaluation.
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import numpy as np
 
 from ..config.schema import SamplingConfig
@@ -63,5 +66,27 @@ def stored_recipe(rec: dict, step: str, train_cfg: bool = True) -> SamplerRecipe
     return SamplerRecipe(rec["steps"], rec["noise_level"], rec["sde_type"],
                          rec["guidance_scale"] if train_cfg else 1.0,
                          tuple(rec["sde_steps"]) if rec["sde_steps"] is not None else None,
-                         tuple(rec["train_steps"]), rec.get("shared_noise", False), rec.get("ode_solver", "euler"),
-                         rec.get("tail_compress", 1.0), rec.get("stored_width", 0))
+                         tuple(rec["train_steps"]), shared_noise=rec.get("shared_noise", False),
+                         shared_members=rec.get("shared_members", 0), ode_solver=rec.get("ode_solver", "euler"),
+                         tail_compress=rec.get("tail_compress", 1.0), stored_width=rec.get("stored_width", 0))
+
+
+def replay_recipe(recipe_jsons, step: str, train_cfg: bool = True) -> SamplerRecipe | TokenRecipe:
+    """The recipe an update replays an iteration's rows with: their recorded recipe, or, for an
+    iteration sampled in parts (`Algorithm.rollout_parts`, e.g. TempFlow-GRPO's branch steps),
+    the union of the parts' stochastic and stored steps. The replay step reads only the kernel,
+    noise level and guidance, and whether a row's stored step is stochastic, so the union replays
+    every part's rows exactly; parts that differ in anything else are refused."""
+    recs = [stored_recipe(json.loads(r), step, train_cfg) for r in dict.fromkeys(recipe_jsons)]
+    if len(recs) == 1 or step == "token":
+        if len(recs) > 1:
+            raise ValueError(f"an iteration's token rollouts carry {len(recs)} different recipes; they share one")
+        return recs[0]
+    bare = {replace(r, sde_steps=None, train_steps=(), stored_width=0) for r in recs}
+    if len(bare) > 1:
+        raise ValueError(f"the rows of one iteration were sampled with recipes that differ beyond their stochastic "
+                         f"and stored steps ({len(bare)} kinds); an update replays one kernel, noise level and "
+                         f"guidance")
+    sde = None if any(r.sde_steps is None for r in recs) else tuple(sorted({k for r in recs for k in r.sde_steps}))
+    train = tuple(sorted({k for r in recs for k in r.train_steps}))
+    return replace(recs[0], sde_steps=sde, train_steps=train, stored_width=0)

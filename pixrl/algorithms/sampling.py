@@ -27,6 +27,8 @@ class SamplerRecipe:
     sde_steps: tuple[int, ...] | None = None  # stochastic steps; None = all
     train_steps: tuple[int, ...] = ()  # stored transitions (subset of sde_steps)
     shared_noise: bool = False  # one initial latent per group (DanceGRPO's init_same_noise)
+    shared_members: int = 0  # with shared_noise: members g of a group with equal g // shared_members share
+    # it, keyed by prompt across the iteration's parts (TempFlow's bases); 0: the whole group, one latent
     ode_solver: str = "euler"  # the deterministic steps after the last stochastic one: "euler" | "dpm2"
     tail_compress: float = 1.0  # MixGRPO-Flash: those steps re-spaced onto this fraction of the points
     stored_width: int = 0  # rows hold this many transitions (padded, step −1), so a run's windows that

@@ -91,8 +91,11 @@ class RunStores:
     def latest(self) -> TableRef:
         return TableRef(self.table.uri, self.table.latest_version())
 
-    def round_scope(self, rnd: int) -> str:
-        return round_scope(self.spec.cfg.sampling.prompts_per_iteration, rnd)
+    def round_scope(self, rnd: int) -> str | None:
+        """The rows of sampling round `rnd`; None (the whole iteration) when a run samples one
+        round, whose groups may also be an algorithm's several parts (Algorithm.rollout_parts)."""
+        s = self.spec.cfg.sampling
+        return None if s.max_rounds == 1 else round_scope(s.prompts_per_iteration, rnd)
 
     def complete(self, stage: str, iteration: int, rnd: int = 0) -> bool:
         """`rnd`: the sampling round, for generate, decode and score (the later stages take

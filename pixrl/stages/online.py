@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ..algorithms.advantages import aggregated_advantages
+from ..algorithms.advantages import aggregated_advantages, part_reward_spread, per_part
 from ..algorithms.base import build_algorithm
 from ..algorithms.dynamic_sampling import batch_full, groups_with_signal, trained_mask
-from ..algorithms.recipe import stored_recipe
+from ..algorithms.recipe import replay_recipe
 from ..algorithms.token_sampling import behavior_gap
 from ..artifacts.batch import COT_FIELDS, RolloutBatch
-from ..artifacts.rollout_rows import RowSink, rows_table
+from ..artifacts.rollout_rows import rows_table
 from ..artifacts.checkpoints import CheckpointRef, save_checkpoint
 from ..artifacts.retention import RunRetention
 from ..artifacts.store_maintenance import maintain_store
@@ -40,6 +40,7 @@ from .plan import BatchPlan, make_plan, seed_of
 from .profiling import StageProfiler
 from .publish import evaluate_policy, evaluated_weights, publish_checkpoint
 from .records import StageRecords, timed_stage
+from .rollout_calls import RolloutCalls
 from .reward_history import reward_history
 
 
@@ -103,89 +104,109 @@ class OnlineStages(DecodeScoreStages):
         return self._timed(self.stage_name("generate", rnd), iteration, lambda: self._generate(iteration, policy, rnd))
 
     def _draws(self, iteration: int, rnd: int):
-        """The prompts of sampling round `rnd` and the iteration's sampler recipe (round 0's
-        draw: every row of an iteration is replayed with one recipe)."""
+        """The prompts of sampling round `rnd` and the iteration's sampler recipes, one per part
+        (round 0's draw: every row of an iteration is replayed with its part's recipe)."""
         cfg, s = self.cfg, self.cfg.sampling
         rng = np.random.default_rng(seed_of(cfg.run.seed, iteration, 0))
         prompts = choose_prompts(self.prompt_items, s.prompts_per_iteration, rng)
-        recipe = self.algorithm.rollout_recipe(s, rng, self.step_kind, iteration)
+        parts = self.algorithm.rollout_parts(s, rng, self.step_kind, iteration)
         if rnd:
             rng = np.random.default_rng(seed_of(cfg.run.seed, iteration, 0, rnd))
             prompts = choose_prompts(self.prompt_items, s.prompts_per_iteration, rng)
-        return prompts, recipe
+        return prompts, parts
+
+    def _layout(self, rnd: int, prompts, parts: list) -> tuple[list, list[tuple]]:
+        """Rows (group slot, member, prompt) in generation order, and (recipe, first row, end) per
+        part: part i's group of prompt k is slot r·P + i·P + k (round r holds slots [r·P, (r+1)·P)
+        with one part; an algorithm in parts samples one round)."""
+        P, G = self.cfg.sampling.prompts_per_iteration, self.cfg.sampling.group_size
+        first = rnd * P
+        rows = [(first + i * P + k, g, p) for i in range(len(parts)) for k, p in enumerate(prompts) for g in range(G)]
+        n = len(prompts) * G
+        return rows, [(rec, i * n, (i + 1) * n) for i, rec in enumerate(parts)]
+
+    def _noise_seeds(self, iteration: int, rnd: int, rows, recipe) -> list[int] | None:
+        """The seeds of shared initial latents (recipe.shared_noise): one per group, or with
+        `shared_members` one per prompt and member block, the same in every part."""
+        if not getattr(recipe, "shared_noise", False):
+            return None
+        P, K, first = self.cfg.sampling.prompts_per_iteration, recipe.shared_members, rnd * self.cfg.sampling.prompts_per_iteration
+        at = lambda slot, g: (first + (slot - first) % P, *((g // K,) if K else ()))  # noqa: E731
+        return [seed_of(self.cfg.run.seed, iteration, 3, *at(slot, g)) for slot, g, _ in rows]
 
     def _generate(self, iteration: int, policy: PolicyRef, rnd: int):
         if self.stores.complete("generate", iteration, rnd):
             return self.stores.latest(), None
-        cfg, s = self.cfg, self.cfg.sampling
         if self.table.exists() and rnd == 0:  # index new fragments, drop stale versions: stage cost stays flat
             maintain_store(self.table, iteration)
-        prompts, recipe = self._draws(iteration, rnd)
-        first = rnd * s.prompts_per_iteration  # round r holds group slots [r·P, (r+1)·P)
-        rows = [(first + k, g, p) for k, p in enumerate(prompts) for g in range(s.group_size)]
-        seeds = [seed_of(cfg.run.seed, iteration, 1, slot, g) for slot, g, _ in rows]
-        shared = getattr(recipe, "shared_noise", False)  # a group's members start from one latent
-        noise_seeds = [seed_of(cfg.run.seed, iteration, 3, slot) for slot, _, _ in rows] if shared else None
+        prompts, parts = self._draws(iteration, rnd)
+        rows, calls = self._layout(rnd, prompts, parts)
+        seeds = [seed_of(self.cfg.run.seed, iteration, 1, slot, g) for slot, g, _ in rows]
+        noise_seeds = self._noise_seeds(iteration, rnd, rows, parts[0])  # a group's members start from one latent
         info = self.engine.describe()
-        columns = self._row_columns(iteration, policy, rows, seeds, recipe, info)
-        if shared:
+        columns = self._row_columns(iteration, policy, rows, seeds, calls, info)
+        if noise_seeds:
             columns["noise_seed"] = noise_seeds
         images = [p.image for _, _, p in rows] if any(p.image is not None for _, _, p in rows) else None
         if images is not None:  # an editing dataset: each row keeps the source image it was conditioned on
             columns["source_image"] = images
-        args = (self.source(policy), [p.prompt for _, _, p in rows], seeds, recipe)
+        call = RolloutCalls(self.source(policy), [p.prompt for _, _, p in rows], seeds, noise_seeds, images, calls)
         scope, video = self.stores.round_scope(rnd), bool(info.get("video"))
         to_store = getattr(self.engine, "rollout_to_store", None)  # workers write their rows themselves
         in_process = self.overlap is not None or to_store is None  # this process stores the rows
         extra = {}
         if in_process:
-            hook = {}
-            if self.overlap is not None:  # decode and score each micro-batch while the next one generates
-                metas = [json.loads(m) for m in columns["prompt_meta"]]  # as score reads them
-                for meta, image in zip(metas, images or ()):
-                    meta["source_image"] = image
-                hook["on_chunk"] = self.overlap.begin((iteration, rnd), columns["sample_id"], columns["prompt"], metas)
-            try:
-                batch, seconds = self.engine.rollout(*args, noise_seeds=noise_seeds, **hook,
-                                                     **({"images": images} if images is not None else {}))
-            except BaseException:
-                if self.overlap is not None:
-                    self.overlap.discard((iteration, rnd))
-                raise
+            batch, seconds = self._rollout_here((iteration, rnd), call, columns)
             table = rows_table(batch, columns, video, self.step_kind)
             if "cot_behavior_log_probs" in batch:  # the text came from a server: how far it is from the policy
                 extra = behavior_gap(batch["cot_log_probs"], batch["cot_behavior_log_probs"], batch["cot_mask"])
         else:
             self.table.ensure_absent(self.spec.run_id, iteration, scope)  # before any worker writes
-            sink = RowSink(self.table.uri, columns, video, self.step_kind, create=not self.table.exists())
-            fragments, schema, seconds = to_store(*args, noise_seeds=noise_seeds, sink=sink,
-                                                  **({"images": images} if images is not None else {}))
-        n = len(rows)
+            create = not self.table.exists()
+            fragments, schema, seconds = call.to_store(to_store, self.table.uri, columns, video, self.step_kind, create)
         metrics = self._commit_record("generate", iteration, rnd,
-                                      {"images_per_s": n / seconds, "generate_compute_s": seconds, **extra})
+                                      {"images_per_s": len(rows) / seconds, "generate_compute_s": seconds, **extra})
         if in_process:
             ref = self.table.append(table, where=scope)
         else:
-            ref = self.table.commit_appended(fragments, schema, sink.create, self.spec.run_id, iteration, scope)
+            ref = self.table.commit_appended(fragments, schema, create, self.spec.run_id, iteration, scope)
         if self.overlap is not None:
             self.overlap.committed((iteration, rnd), ref.version)
         self.table.tag(f"{self.spec.run_name}-it{iteration}-{self.stage_name('generate', rnd)}", ref.version)
         return ref, metrics
 
-    def _row_columns(self, iteration: int, policy: PolicyRef, rows, seeds: list[int], recipe, info: dict) -> dict:
+    def _rollout_here(self, key, call: RolloutCalls, columns: dict):
+        """The rollout in this process; with reward.overlap each micro-batch is decoded and scored
+        while the next one generates (a failed rollout discards what was begun)."""
+        hook = None
+        if self.overlap is not None:
+            metas = [json.loads(m) for m in columns["prompt_meta"]]  # as score reads them
+            for meta, image in zip(metas, call.images or ()):
+                meta["source_image"] = image
+            hook = self.overlap.begin(key, columns["sample_id"], columns["prompt"], metas)
+        try:
+            return call.rollout(self.engine, hook)
+        except BaseException:
+            if self.overlap is not None:
+                self.overlap.discard(key)
+            raise
+
+    def _row_columns(self, iteration: int, policy: PolicyRef, rows, seeds: list[int], calls, info: dict) -> dict:
         """The stage's per-row columns of generate: keys, prompt, group, seed, policy version,
-        family facts and the sampler recipe (JSON)."""
+        family facts and the sampler recipe of the row's part (JSON)."""
         cfg, s = self.cfg, self.cfg.sampling
         n, sem = len(rows), info["semantics"]
         if self.step_kind == "token":
             geometry = {"resolution": info["resolution"], "image_tokens": info["image_tokens"]}
         else:
             geometry = {"resolution": list(info["latent_shape"])}
-        recipe_json = json.dumps({**recipe.to_dict(), **geometry, "dtype": cfg.model.dtype,
-                                  "engine": cfg.run.engine, "torch": info["torch"], "micro_batch": s.micro_batch,
-                                  "shift": info.get("shift"), **({"frames": info["frames"]} if info.get("video") else {}),
-                                  **({"cot_backend": "vllm", "cot_server": s.cot_vllm_url}
-                                     if s.cot_tokens and s.cot_backend == "vllm" else {})})
+        recipes = []
+        for recipe, lo, hi in calls:
+            recipes += [json.dumps({**recipe.to_dict(), **geometry, "dtype": cfg.model.dtype,
+                                    "engine": cfg.run.engine, "torch": info["torch"], "micro_batch": s.micro_batch,
+                                    "shift": info.get("shift"), **({"frames": info["frames"]} if info.get("video") else {}),
+                                    **({"cot_backend": "vllm", "cot_server": s.cot_vllm_url}
+                                       if s.cot_tokens and s.cot_backend == "vllm" else {})})] * (hi - lo)
         return dict(
             run_id=[self.spec.run_id] * n, iteration=[iteration] * n,
             sample_id=[f"{iteration:05d}-{slot:03d}-{g:02d}" for slot, g, _ in rows],
@@ -193,7 +214,7 @@ class OnlineStages(DecodeScoreStages):
             prompt_meta=[meta_json(p.meta) for _, _, p in rows], group_id=[slot for slot, _, _ in rows],
             sample_index=[g for _, g, _ in rows], seed=seeds, policy_version=[policy.version] * n,
             family=[info["family"]] * n, regime=[sem.regime.value] * n, step_kind=[sem.step.value] * n,
-            recipe=[recipe_json] * n)
+            recipe=recipes)
 
     # --- replay -------------------------------------------------------------------------------
     def replay(self, iteration: int, ref: TableRef) -> tuple[TableRef, BatchPlan]:
@@ -205,16 +226,16 @@ class OnlineStages(DecodeScoreStages):
         """The update's micro-batches from the iteration's stored rows (PLAN_COLUMNS): the samples
         the algorithm trains on — with dynamic sampling, of the first P groups with signal."""
         adv = t["advantage"].to_numpy() if advantages is None else advantages
-        keep, rounds = self.algorithm.trains_on(adv), None
+        keep = self.algorithm.trains_on(adv)
         if self.cfg.sampling.max_rounds > 1:
             keep = keep & trained_mask(t["reward"].to_numpy(), t["group_id"].to_numpy(),
                                        self.cfg.sampling.prompts_per_iteration)
-            rounds = self._rounds(t["group_id"].to_numpy())
         return make_plan(t["sample_id"].to_pylist(), keep, self.cfg.sampling.micro_batch,
-                         self.cfg.algorithm.optimizer_steps_per_iteration, rounds)
+                         self.cfg.algorithm.optimizer_steps_per_iteration, self._rounds(t["group_id"].to_numpy()))
 
     def _rounds(self, group_ids: np.ndarray) -> np.ndarray:
-        """Each sample's dynamic-sampling round (its prompts' encoding set at rollout)."""
+        """Each sample's engine call at rollout — its dynamic-sampling round, or its part of an
+        iteration in parts: one prompt encoding set, and no micro-batch spans two."""
         return np.asarray(group_ids, dtype=np.int64) // self.cfg.sampling.prompts_per_iteration
 
     # --- dynamic sampling (sampling.max_rounds > 1) -------------------------------------------
@@ -248,17 +269,19 @@ class OnlineStages(DecodeScoreStages):
         rewards = t["reward"].to_numpy(zero_copy_only=False)
         if np.any(np.isnan(rewards)) or t["reward"].null_count:
             raise RuntimeError(f"iteration {iteration} has unscored samples; run score first")
-        r = self.cfg.reward
+        r, group_ids = self.cfg.reward, t["group_id"].to_numpy()
+        parts = len(self._draws(iteration, 0)[1])  # each part normalised on its own
+        estimate = per_part(self.algorithm.advantages, self._rounds(group_ids)) if parts > 1 else self.algorithm.advantages
         if r.aggregate == "advantage" and len(r.weights) > 1:
             comps = [{c["name"]: c["value"] for c in row} for row in t["rewards"].to_pylist()]
             components = {name: np.array([c[name] for c in comps], np.float64) for name in r.weights}
-            adv = aggregated_advantages(self.algorithm.advantages, components, r.weights, t["group_id"].to_numpy())
+            adv = aggregated_advantages(estimate, components, r.weights, group_ids)
         elif self.algorithm.reward_history:
             adv = self.algorithm.advantages(rewards, t["group_id"].to_numpy(), prompts=t["prompt"].to_pylist(),
                                             history=reward_history(self.table, ref.version, self.tracker, self.spec.run_id,
                                                                    iteration))
         else:
-            adv = self.algorithm.advantages(rewards, t["group_id"].to_numpy())
+            adv = estimate(rewards, group_ids)
         upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"],
                         "advantage": pa.array(adv.advantages, pa.float32())})
         plan = self._plan(t, adv.advantages)
@@ -267,6 +290,8 @@ class OnlineStages(DecodeScoreStages):
                    "samples_trained": float(sum(len(mb) for step in plan.steps for mb in step))}
         if self.cfg.sampling.max_rounds > 1:
             metrics.update(self._sampling_metrics(t, plan))
+        if parts > 1:
+            metrics.update(part_reward_spread(rewards, group_ids, self._rounds(group_ids)))
         self.records.before_commit("replay", iteration, metrics)
         return (self.table.merge(upd), plan), metrics
 
@@ -291,7 +316,7 @@ class OnlineStages(DecodeScoreStages):
         batch = RolloutBatch.from_arrow(self._read(ref, iteration, list(dict.fromkeys(cols))))
         row = {sid: i for i, sid in enumerate(batch["sample_id"])}
         rows = [[[row[sid] for sid in mb] for mb in step] for step in plan.steps]
-        recipe = stored_recipe(json.loads(batch["recipe"][0]), self.step_kind, a.train_cfg)
+        recipe = replay_recipe(batch["recipe"], self.step_kind, a.train_cfg)
         result = self.engine.train(self.source(policy), batch, rows, recipe, seed=seed_of(self.cfg.run.seed, iteration, 2),
                                    prompt_sets=self._rounds(batch["group_id"]))  # as the rollout encoded them
         counters = {"iteration": iteration, "optimizer_steps": len(plan.steps), "policy_version_in": policy.version,

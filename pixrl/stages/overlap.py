@@ -111,7 +111,7 @@ class ScoringOverlap:
             return ch
 
         def on_chunk(lo: int, hi: int, decode_input: np.ndarray) -> None:
-            if lo % self.micro_batch or (hi - lo) > self.micro_batch:
+            if hi <= lo or hi - lo > self.micro_batch:  # (a part of the rollout starts its own micro-batches)
                 raise RuntimeError(f"rows [{lo}, {hi}) are not one micro-batch of {self.micro_batch}")
             pend.futures.append(self._pool.submit(job, decode_input, lo, hi))
 
