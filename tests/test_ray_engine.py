@@ -393,3 +393,30 @@ def test_a_reward_evaluation_is_sharded_and_scored_on_the_reward_workers(ray_clu
     finally:
         engine.close()
     assert got == want and got["n"] == 70 and got["metric"] == "reward"
+
+
+def test_an_iteration_in_parts_on_the_ray_engine_equals_the_local_engine(ray_cluster, prefect_harness, tiny_checkpoint,
+                                                                        tmp_path):
+    """TempFlow-GRPO's branch steps through the Ray engine: each part is its own sharded call whose
+    workers write fragments, committed as one version; iteration 0's rows equal the local
+    engine's bit for bit (each part's stored step, shared base latents, log-probs, rewards) and
+    the trainer ranks replay every part."""
+    extra = ["--config", "shapes_tempflow_grpo", "algorithm.children=2", "algorithm.branch_steps=[0,2]"]
+    unwindowed = {"sampling.window_size": "null", "sampling.window_range": "null"}
+    runs = {}
+    for engine, args in (("local", ["run.threads=1"]), ("ray", RAY_RUN)):
+        res = CliRunner().invoke(app, ["train", "--iterations", "2", "--run", f"t_{engine}", "reward=jpeg_compressibility",
+                                       *extra, *tiny_overrides(tiny_checkpoint, tmp_path / engine, **unwindowed),
+                                       *args])
+        assert res.exit_code == 0, res.output + repr(res.exception)
+        runs[engine] = lance.dataset(json.loads(res.stdout.strip().splitlines()[-1])["table_uri"]).to_table().sort_by(
+            [("iteration", "ascending"), ("sample_id", "ascending")])
+    local, remote = runs["local"], runs["ray"]
+    import pyarrow.compute as pc
+
+    it0 = lambda t, c: t.filter(pc.equal(t["iteration"], 0))[c].combine_chunks()  # noqa: E731
+    assert remote.num_rows == local.num_rows == 32
+    for col in ("stored_steps", "noise_seed", "latents", "log_probs", "final_latent", "reward", "advantage"):
+        assert it0(remote, col).equals(it0(local, col)), col
+    assert set(pc.unique(it0(remote, "group_id")).to_pylist()) == {0, 1, 2, 3}
+    assert remote["advantage"].null_count == 0
