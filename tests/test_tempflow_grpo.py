@@ -112,3 +112,42 @@ def test_settings_it_cannot_train_on_are_refused(sampling, algo, match):
     s = SamplingConfig(**{"steps": 10, "group_size": 12, **sampling})
     with pytest.raises(ValueError, match=match):
         _algo(**{"children": 6, **algo}).check_sampling(s, "denoise")
+
+
+def test_a_shared_prefix_is_sampled_once_per_base_and_matches_each_rows_own(tiny_checkpoint):
+    """Rows with one prompt and one initial latent take the steps before their branch once (as
+    upstream's sampler shares a base's prefix): fewer transformer rows, x_j equal within a base
+    and within 1e-5 of sampling each row's prefix itself; the branch noise is each row's own, so
+    the children differ; a stored transition replays to its own log-prob exactly."""
+    from pixrl.algorithms.sampling import generators, replay_step, sample
+    from pixrl.models.sd3 import SD3Family
+
+    fam = SD3Family.load(tiny_checkpoint, max_sequence_length=0)
+    prompts = ["a red circle"] * 4 + ["two blue squares"] * 4
+    cond = fam.encode_prompts(prompts)
+    seeds, bases = list(range(8)), [100, 100, 101, 101, 100, 100, 101, 101]  # 2 prompts × 2 bases × 2 children
+    same = [0, 0, 2, 2, 4, 4, 6, 6]
+    recipe = SamplerRecipe(4, 0.7, "sde", 1.0, (2,), (2,), shared_noise=True, shared_members=2)
+    rows = []
+    velocity = fam.velocity
+
+    def counted(x, *a, **k):
+        rows.append(len(x))
+        return velocity(x, *a, **k)
+
+    fam.velocity = counted
+    try:
+        shared = sample(fam, cond, None, generators(seeds), recipe, generators(bases), same)
+        n_shared, rows[:] = sum(rows), []
+        alone = sample(fam, cond, None, generators(seeds), recipe, generators(bases))
+        n_alone = sum(rows)
+    finally:
+        del fam.velocity
+    assert n_shared == 2 * 4 + 2 * 8 and n_alone == 4 * 8  # steps 0, 1 on the 4 bases; 2, 3 on every row
+    x_j = shared.latents[:, 0]
+    assert all(torch.equal(x_j[i], x_j[same[i]]) for i in range(8))
+    assert torch.allclose(x_j, alone.latents[:, 0], atol=1e-5) and torch.allclose(shared.final, alone.final, atol=1e-4)
+    assert not torch.equal(shared.next_latents[0, 0], shared.next_latents[1, 0])  # each child's own branch noise
+    sig, ts = fam.schedule(4)
+    out = replay_step(fam, x_j, shared.next_latents[:, 0], 2, sig, ts, cond, None, recipe)
+    assert torch.equal(out.log_prob, shared.log_probs[:, 0])

@@ -115,10 +115,12 @@ def tail_start(recipe: SamplerRecipe) -> int:
 
 @torch.no_grad()
 def sample(policy, cond, neg, generators: list[torch.Generator], recipe: SamplerRecipe,
-           noise_generators: list[torch.Generator] | None = None) -> Trajectory:
+           noise_generators: list[torch.Generator] | None = None, same_prefix: list[int] | None = None) -> Trajectory:
     """Run the whole schedule for one micro-batch; store the recipe's train_steps transitions.
     `noise_generators` draw the initial latents instead of `generators` (a group's shared seed
     when recipe.shared_noise); the step noise always comes from each sample's own generator.
+    `same_prefix[i]`: the first row with row i's prompt and initial latent — such rows take their
+    steps before the first stochastic one once (`_shared_prefix`).
     With ode_solver "dpm2" the steps after the last stochastic one are DPM-Solver++(2M) steps
     (on a compressed grid when tail_compress < 1), continuing the data-prediction history."""
     sigmas, timesteps = policy.schedule(recipe.steps)
@@ -130,7 +132,8 @@ def sample(policy, cond, neg, generators: list[torch.Generator], recipe: Sampler
     stored_x, stored_next, stored_lp, stored_mean = [], [], [], []
     tail = tail_start(recipe)
     prev_x0 = None
-    for k in range(tail):
+    first, x = _shared_prefix(policy, x, sigmas, timesteps, cond, neg, recipe, same_prefix, tail)
+    for k in range(first, tail):
         noise = _step_noise(generators, shape) if recipe.is_sde(k) else None
         out = denoise_step(policy, x, k, sigmas, timesteps, cond, neg, recipe, noise=noise)
         if k in recipe.train_steps:
@@ -155,6 +158,27 @@ def sample(policy, cond, neg, generators: list[torch.Generator], recipe: Sampler
         log_probs=torch.stack(stored_lp, 1) if stored_lp else torch.zeros((b, 0), device=x.device),
         means=torch.stack(stored_mean, 1) if stored_mean else empty,
         sigmas=sigmas, timesteps=timesteps, stored_steps=list(recipe.train_steps))
+
+
+def _shared_prefix(policy, x, sigmas, timesteps, cond, neg, recipe: SamplerRecipe, same_prefix: list[int] | None,
+                   tail: int) -> tuple[int, torch.Tensor]:
+    """(k, x_k): rows that start from one latent with one prompt agree until the first stochastic
+    step, so those deterministic steps are taken once per such set, on its first row, and the
+    result is given to each of its rows — TempFlow-GRPO's branch prefix, shared as its sampler
+    shares it, and the ODE steps before MixGRPO's window. (0, x_0) when no row repeats another.
+    (The velocity of a smaller batch can differ from the full batch's in the last bits; the
+    rollout stores x_k, and replay reads it, so the ratio stays exactly 1.)"""
+    first = next((k for k in range(tail) if recipe.is_sde(k)), 0)
+    if same_prefix is None or first == 0 or min(recipe.train_steps, default=first) < first:
+        return 0, x
+    reps = list(dict.fromkeys(same_prefix))
+    if len(reps) == len(same_prefix):
+        return 0, x
+    xs, cond_r, neg_r = x[reps], cond.select(reps), neg.select(reps) if neg is not None else None
+    for k in range(first):
+        xs = denoise_step(policy, xs, k, sigmas, timesteps, cond_r, neg_r, recipe).prev_sample.float()
+    at = {r: i for i, r in enumerate(reps)}
+    return first, xs[[at[r] for r in same_prefix]]
 
 
 class UnstorableStep(ExpectedError, ValueError):

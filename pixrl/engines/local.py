@@ -101,7 +101,8 @@ class LocalEngine:
             cond = cond_all.select([pos[p] for p in chunk])
             gens = generators(seeds[start:start + len(chunk)], fam.device)
             shared = generators(noise_seeds[start:start + len(chunk)], fam.device) if noise_seeds else None
-            trajs.append(sample(model, cond, neg.expand(len(chunk)) if neg else None, gens, recipe, shared))
+            same = _same_prefix(chunk, noise_seeds[start:start + len(chunk)]) if noise_seeds else None
+            trajs.append(sample(model, cond, neg.expand(len(chunk)) if neg else None, gens, recipe, shared, same))
             if on_chunk is not None:
                 on_chunk(start, start + len(chunk), _host(trajs[-1].final).astype(np.float32))
         seconds = time.perf_counter() - t0
@@ -260,3 +261,9 @@ class LocalEngine:
             raise ValueError(f"this engine evaluates its run's dataset {self.cfg.dataset.name!r}, not {dataset!r}")
         return evaluate_split(self.policy.family, self.cfg.dataset, split, self.cfg.sampling, per_category,
                               self.rewards)
+
+
+def _same_prefix(keys: list[str], noise_seeds: list[int]) -> list[int]:
+    """Per row, the first row of the micro-batch with its condition key and initial-latent seed."""
+    first: dict = {}
+    return [first.setdefault((k, s), i) for i, (k, s) in enumerate(zip(keys, noise_seeds))]
