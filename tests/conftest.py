@@ -158,6 +158,12 @@ def tiny_flux2(tmp_path_factory) -> tuple[Path, dict]:
 
 
 @pytest.fixture(scope="session")
+def tiny_flux2_klein(tmp_path_factory) -> tuple[Path, dict]:
+    """FLUX.2-klein-base-shaped (Qwen3 encoder, true CFG)."""
+    return _tiny_family(tmp_path_factory, "flux2_klein")
+
+
+@pytest.fixture(scope="session")
 def tiny_sd15(tmp_path_factory) -> tuple[Path, dict]:
     """Stable-Diffusion-1.5-shaped (ε-prediction UNet, DDPM schedule)."""
     return _tiny_family(tmp_path_factory, "sd15")

@@ -17,10 +17,9 @@ trajectory branching, and a noise-aware weight on each step's policy loss.
   s_t·sqrt(−Δ) the step's noise (`train_sd3_pr.py`: −2.25·std_dev_t·A·ρ), so early, noisy
   steps learn most; KL β·mean(μθ − μref)²/(2·std_j²) on the same std.
 
-The reference shares the branch prefix across a base's children (B·(T + K·Σ_j(T − j − 1))
-velocities per prompt); pixrl samples each row's ODE prefix itself, as any rollout row (T per
-row), so that every row is an ordinary, seed-reproducible rollout — up to about twice the
-reference's compute.
+The reference branches its K children off one ODE backbone per base; here each row is an
+ordinary rollout of its own, and the children of a base (one prompt, one initial latent, one
+micro-batch) take the steps before their branch once (`sampling._shared_prefix`).
 """
 
 from __future__ import annotations
