@@ -94,3 +94,37 @@ def test_a_group_swap_replaces_the_experiment_s_settings_of_that_group():
     assert cfg.dataset.categories is None and cfg.dataset.path == "/p.txt"
     cfg = load_config(None, ["dataset.categories=[counting]", "dataset=shapes"])
     assert cfg.dataset.categories == ["counting"]
+
+
+def test_a_scattered_window_draws_its_steps_anywhere_in_its_range():
+    """UniRL's AllSDEScheduler with num_sde_steps: W distinct steps of window_range, sorted, drawn
+    from the iteration's generator (the same iteration, the same steps), stochastic and stored."""
+    import numpy as np
+
+    from pixrl.algorithms.recipe import rollout_recipe
+
+    cfg = load_config("flux2_klein_pickscore", ["model.path=/x"])
+    s = cfg.sampling
+    assert (s.window_size, s.window_range, s.window_shape) == (3, (0, 5), "scattered")
+    draws = {rollout_recipe(s, np.random.default_rng(seed)).train_steps for seed in range(40)}
+    assert all(len(set(w)) == 3 and list(w) == sorted(w) and set(w) <= set(range(5)) for w in draws)
+    assert any(w[-1] - w[0] > 2 for w in draws) and len(draws) > 5  # not one contiguous window
+    one = rollout_recipe(s, np.random.default_rng(7))
+    assert one == rollout_recipe(s, np.random.default_rng(7)) and one.sde_steps == one.train_steps
+    contiguous = load_config(None, ["sampling.steps=10", "sampling.window_size=3", "sampling.window_range=[0,5]"])
+    w = rollout_recipe(contiguous.sampling, np.random.default_rng(0)).train_steps
+    assert list(w) == list(range(w[0], w[0] + 3))
+
+
+def test_flow_grpo_can_start_each_group_from_one_latent():
+    import numpy as np
+
+    from pixrl.algorithms.base import build_algorithm
+
+    cfg = load_config("flux2_klein_pickscore", ["model.path=/x"])
+    assert cfg.algorithm.name == "flow_grpo" and cfg.algorithm.lora.rank == 16
+    recipe = build_algorithm(cfg.algorithm).rollout_recipe(cfg.sampling, np.random.default_rng(0), "denoise", 0)
+    assert recipe.shared_noise and recipe.sde_type == "dance" and len(recipe.train_steps) == 3
+    plain = load_config(None, [])
+    assert not build_algorithm(plain.algorithm).rollout_recipe(plain.sampling, np.random.default_rng(0), "denoise",
+                                                               0).shared_noise

@@ -3,7 +3,7 @@ per-step SDE log-prob ratio, optional KL to the reference on the step means."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -37,6 +37,7 @@ class FlowGRPOSettings(BaseModel):
     global_std: bool = True
     filter_zero_advantage: bool = True
     beta: float = Field(0.0, ge=0, description="KL-to-reference weight")
+    shared_noise: bool = Field(False, description="init_same_noise: one initial latent per group (UniRL's recipes)")
 
 
 @register_algorithm("flow_grpo")
@@ -47,6 +48,13 @@ class FlowGRPO(Algorithm):
     @property
     def needs_reference(self) -> bool:
         return self.settings.beta > 0
+
+    def rollout_recipe(self, sampling, rng, step: str, iteration: int):
+        """The sampling config's recipe; with `shared_noise` a group's members start from one latent."""
+        recipe = super().rollout_recipe(sampling, rng, step, iteration)
+        if step == "denoise" and getattr(self.settings, "shared_noise", False):
+            return replace(recipe, shared_noise=True)
+        return recipe
 
     def advantages(self, rewards: np.ndarray, group_ids: np.ndarray) -> GroupAdvantages:
         c = self.settings

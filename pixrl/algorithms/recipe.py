@@ -3,7 +3,9 @@
 Plain Flow-GRPO: every step is stochastic and the first int(T · timestep_fraction) transitions
 are trained (9 of 10: the last step to σ = 0 is excluded — its Gaussian is very sharp).
 Flow-GRPO-Fast: one window of W SDE steps inside window_range, drawn once per iteration from
-the run seed (so all members of a group share it); the other steps are ODE.
+the run seed (so all members of a group share it); the other steps are ODE. With
+window_shape=scattered the W steps are drawn anywhere in window_range (UniRL's FLUX.2-klein recipe:
+3 of the first 5 of 10 steps).
 Token families: the logit transform (guidance weight, temperature, top-k), the same in rollout,
 replay and evaluation.
 """
@@ -42,8 +44,11 @@ def rollout_recipe(s: SamplingConfig, rng: np.random.Generator, step: str = "den
         return token_recipe(s)
     if s.window_size:
         lo, hi = window_bounds(s)
-        start = int(rng.integers(lo, hi - s.window_size + 1))
-        window = tuple(range(start, start + s.window_size))
+        if s.window_shape == "scattered":
+            window = tuple(sorted(int(k) for k in rng.choice(np.arange(lo, hi), s.window_size, replace=False)))
+        else:
+            start = int(rng.integers(lo, hi - s.window_size + 1))
+            window = tuple(range(start, start + s.window_size))
         return SamplerRecipe(s.steps, s.noise_level, s.sde_type, s.guidance_scale, window, window)
     return SamplerRecipe(s.steps, s.noise_level, s.sde_type, s.guidance_scale, None,
                          tuple(range(trained_step_count(s))))
