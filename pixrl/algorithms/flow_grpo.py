@@ -95,6 +95,14 @@ class FlowGRPO(Algorithm):
                 ref = policy.step(tr.x, tr.x_next, tr.k, reference=True)
         return self.transition_loss(tr.new, policy.tensor(batch["log_probs"][:, tr.j]), adv, ref)
 
+    @staticmethod
+    def reference_kl(tr: Transition, policy, std: torch.Tensor) -> torch.Tensor:
+        """mean (μθ − μref)² / (2·std²) of the transition against the reference's step on it, with
+        `std` flow_grpo's s_t (std_dev_t) or the step's own std (TempFlow-GRPO's)."""
+        with torch.no_grad():
+            ref = policy.step(tr.x, tr.x_next, tr.k, reference=True)
+        return kl_to_reference(tr.new.mean, ref.mean, std).mean()
+
     def transition_loss(self, new: StepOut, old_log_prob: torch.Tensor, advantages: torch.Tensor,
                         reference: StepOut | None = None):
         c = self.settings

@@ -24,7 +24,6 @@ from ..config.schema import SamplingConfig
 from .advantages import GroupAdvantages, group_advantages
 from .base import register_algorithm
 from .flow_grpo import FlowGRPO, Transition
-from .flow_sde import kl_to_reference
 
 
 class GRPOGuardSettings(BaseModel):
@@ -78,9 +77,7 @@ class GRPOGuard(FlowGRPO):
                        "ratio_mean": ratio.mean(), "ratio_min": ratio.min(), "ratio_max": ratio.max(),
                        "policy_loss": loss.detach()}
         if c.beta > 0:
-            with torch.no_grad():
-                ref = policy.step(tr.x, tr.x_next, tr.k, reference=True)
-            kl = kl_to_reference(tr.new.mean, ref.mean, tr.new.std_dev_t).mean()
+            kl = self.reference_kl(tr, policy, tr.new.std_dev_t)
             loss = loss + c.beta * kl
             metrics["kl"] = kl.detach()
         return loss, metrics

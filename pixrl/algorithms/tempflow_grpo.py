@@ -27,14 +27,12 @@ from __future__ import annotations
 from typing import Literal
 
 import numpy as np
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..config.schema import SamplingConfig
 from .advantages import GroupAdvantages, group_advantages
 from .base import register_algorithm
 from .flow_grpo import FlowGRPO
-from .flow_sde import kl_to_reference
 from .losses import ppo_clip_loss
 from .recipe import trained_step_count
 from .sampling import SamplerRecipe
@@ -119,9 +117,7 @@ class TempFlowGRPO(FlowGRPO):
         if weight is not None:
             metrics["noise_weight"] = weight.mean()
         if c.beta > 0:
-            with torch.no_grad():
-                ref = policy.step(tr.x, tr.x_next, tr.k, reference=True)
-            kl = kl_to_reference(tr.new.mean, ref.mean, tr.new.std).mean()
+            kl = self.reference_kl(tr, policy, tr.new.std)
             loss = loss + c.beta * kl
             metrics["kl"] = kl.detach()
         return loss, metrics

@@ -70,9 +70,8 @@ class SamplingConfig(_Section):
     timestep_fraction: float = Field(0.99, gt=0, le=1.0)
     window_size: int | None = Field(None, ge=1, description="Flow-GRPO-Fast: SDE only in a window of this size")
     window_range: tuple[int, int] | None = None
-    window_shape: Literal["contiguous", "scattered"] = Field(
-        "contiguous", description="the window's steps: contiguous (Flow-GRPO-Fast), or window_size steps drawn "
-        "without replacement from window_range (UniRL's AllSDEScheduler with num_sde_steps)")
+    window_shape: Literal["contiguous", "scattered"] = Field("contiguous", description="the window's steps: contiguous "
+                                                             "(Flow-GRPO-Fast), or drawn anywhere in window_range (UniRL)")
     eval_steps: int = Field(20, ge=1)
     temperature: float = Field(1.0, gt=0, description="token families: softmax temperature of the image tokens")
     top_k: int = Field(0, ge=0, description="token families: sample among the k likeliest tokens (0: all)")

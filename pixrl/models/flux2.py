@@ -175,7 +175,7 @@ class Flux2Family(PipelineFamily):
         import re
         import shutil
 
-        from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+        from diffusers import Flux2Pipeline
         from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
         from .tiny_parts import as_pixtral_processor, mistral3_text_encoder, mistral3_tokenizer
@@ -184,22 +184,32 @@ class Flux2Family(PipelineFamily):
         build = out_dir.parent / (out_dir.name + "_build")
         tok = mistral3_tokenizer(build / "tokenizer", re.findall(r"[A-Za-z]+", SYSTEM_MESSAGE))
         text_encoder = mistral3_text_encoder(tok)
-        z = 4
-        vae = AutoencoderKLFlux2(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
-                                 up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=z,
-                                 norm_num_groups=8, mid_block_add_attention=False)
-        with torch.no_grad():  # non-trivial statistics, so decode exercises the de-normalisation
-            vae.bn.running_mean.copy_(torch.randn(4 * z) * 0.3)
-            vae.bn.running_var.copy_(torch.rand(4 * z) + 0.5)
-        transformer = Flux2Transformer2DModel(in_channels=4 * z, num_layers=1, num_single_layers=2,
-                                              attention_head_dim=16, num_attention_heads=2,
-                                              joint_attention_dim=3 * 16, timestep_guidance_channels=32,
-                                              axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True)
-        sched = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-                                                base_image_seq_len=256, max_image_seq_len=4096)
+        vae, transformer, sched = tiny_flux2_parts(text_hidden=16, guidance_embeds=True)
         Flux2Pipeline(scheduler=sched, vae=vae, text_encoder=text_encoder, tokenizer=tok,
                       transformer=transformer).save_pretrained(str(out_dir), safe_serialization=True)
         as_pixtral_processor(out_dir)
         shutil.rmtree(build, ignore_errors=True)
         return {"model.family": cls.name, "model.path": str(out_dir), "model.resolution": 32,
                 "model.max_sequence_length": 96}
+
+
+def tiny_flux2_parts(text_hidden: int, guidance_embeds: bool):
+    """(VAE, transformer, scheduler) of a tiny FLUX.2-shaped pipeline: a 2×2-patchified 4-channel
+    VAE with non-trivial batch-norm statistics (so decode exercises the de-normalisation), one
+    double and two single blocks reading three stacked text layers of width `text_hidden`."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+
+    z = 4
+    vae = AutoencoderKLFlux2(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                             up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=z,
+                             norm_num_groups=8, mid_block_add_attention=False)
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(torch.randn(4 * z) * 0.3)
+        vae.bn.running_var.copy_(torch.rand(4 * z) + 0.5)
+    transformer = Flux2Transformer2DModel(in_channels=4 * z, num_layers=1, num_single_layers=2, attention_head_dim=16,
+                                          num_attention_heads=2, joint_attention_dim=3 * text_hidden,
+                                          timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
+                                          guidance_embeds=guidance_embeds)
+    sched = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                            base_image_seq_len=256, max_image_seq_len=4096)
+    return vae, transformer, sched
