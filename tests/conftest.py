@@ -164,6 +164,12 @@ def tiny_flux2_klein(tmp_path_factory) -> tuple[Path, dict]:
 
 
 @pytest.fixture(scope="session")
+def tiny_lumina2(tmp_path_factory) -> tuple[Path, dict]:
+    """Lumina-Image-2.0-shaped (Gemma-2 captions under the system prompt, next-DiT, −v at 1 − σ)."""
+    return _tiny_family(tmp_path_factory, "lumina2")
+
+
+@pytest.fixture(scope="session")
 def tiny_sd15(tmp_path_factory) -> tuple[Path, dict]:
     """Stable-Diffusion-1.5-shaped (ε-prediction UNet, DDPM schedule)."""
     return _tiny_family(tmp_path_factory, "sd15")

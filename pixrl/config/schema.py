@@ -35,11 +35,12 @@ class ModelConfig(_Section):
     guidance_scale_2: float | None = Field(
         None, ge=1.0, description="two-expert checkpoints: the low-noise expert's CFG scale (the pipeline's "
         "guidance_scale_2; Wan2.2-T2V-A14B ships 3.0 beside 4.0); None: sampling.guidance_scale")
+    cfg_normalization: bool | None = Field(None, description="Lumina-2: CFG rescaled to the conditional output's norm")
 
     def family_options(self) -> dict:
         """The settings only some families read, as `Family.load` keywords: those that are set."""
-        return {k: v for k, v in (("expert", self.expert), ("guidance_scale_2", self.guidance_scale_2))
-                if v is not None}
+        return {k: getattr(self, k) for k in ("expert", "guidance_scale_2", "cfg_normalization")
+                if getattr(self, k) is not None}
 
 
 #: T2I-R1's reasoning prompt (data/prompt/reasoning_prompt.txt), with {prompt} for its "{}"
@@ -338,8 +339,7 @@ class DPOConfig(_Section):
                                                 "e.g. 'shapes.correct' to pair exactly-right against wrong")
     margin: float = Field(0.0, ge=0, description="minimum pair_on difference of a pair (ties are always dropped)")
     balance: Literal["none", "category"] = Field("none", description="'category': every step draws pairs from the "
-                                                                     "prompt categories in turn, so no category's "
-                                                                     "pairs drown the others")
+                                                 "prompt categories in turn, so no category's pairs drown the others")
     steps: int = Field(200, ge=1, description="optimizer steps")
     pairs_per_step: int = Field(32, ge=1)
     reference: str = Field("base", description="'base' (adapters off / base weights) or models:/NAME/VERSION")
