@@ -25,6 +25,7 @@ ROWS = {
     "diffusion_nft": "cmp_diffusion_nft",
     "online_dpo": "cmp_online_dpo",
     "ddpo": "cmp_ddpo",
+    "tempflow_grpo": "cmp_tempflow_grpo",
 }
 
 HEADER = ("| algorithm | held-out before → after (95% CI of after) | rose? | best in-run held-out, 24 per category (iteration) | "
