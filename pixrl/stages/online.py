@@ -130,8 +130,8 @@ class OnlineStages(DecodeScoreStages):
         `shared_members` one per prompt and member block, the same in every part."""
         if not getattr(recipe, "shared_noise", False):
             return None
-        P, K, first = self.cfg.sampling.prompts_per_iteration, recipe.shared_members, rnd * self.cfg.sampling.prompts_per_iteration
-        at = lambda slot, g: (first + (slot - first) % P, *((g // K,) if K else ()))  # noqa: E731
+        P, K = self.cfg.sampling.prompts_per_iteration, recipe.shared_members
+        at = lambda slot, g: (rnd * P + (slot - rnd * P) % P, *((g // K,) if K else ()))  # noqa: E731  (prompt, block)
         return [seed_of(self.cfg.run.seed, iteration, 3, *at(slot, g)) for slot, g, _ in rows]
 
     def _generate(self, iteration: int, policy: PolicyRef, rnd: int):
