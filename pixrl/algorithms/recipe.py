@@ -83,10 +83,10 @@ def replay_recipe(recipe_jsons, step: str, train_cfg: bool = True) -> SamplerRec
     noise level and guidance, and whether a row's stored step is stochastic, so the union replays
     every part's rows exactly; parts that differ in anything else are refused."""
     recs = [stored_recipe(json.loads(r), step, train_cfg) for r in dict.fromkeys(recipe_jsons)]
-    if len(recs) == 1 or step == "token":
-        if len(recs) > 1:
-            raise ValueError(f"an iteration's token rollouts carry {len(recs)} different recipes; they share one")
+    if len(recs) == 1:
         return recs[0]
+    if step == "token":
+        raise ValueError(f"an iteration's token rollouts carry {len(recs)} different recipes; they share one")
     bare = {replace(r, sde_steps=None, train_steps=(), stored_width=0) for r in recs}
     if len(bare) > 1:
         raise ValueError(f"the rows of one iteration were sampled with recipes that differ beyond their stochastic "

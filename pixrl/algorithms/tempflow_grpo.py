@@ -82,13 +82,6 @@ class TempFlowGRPO(FlowGRPO):
         if not steps or bad or len(set(steps)) != len(steps):
             raise ValueError(f"algorithm.branch_steps={list(steps)} must be distinct steps of 0..{sampling.steps - 1}")
 
-    def rollout_recipe(self, sampling: SamplingConfig, rng: np.random.Generator, step: str,
-                       iteration: int) -> SamplerRecipe:
-        """The union of the parts: what the update replays every part's rows with."""
-        j = self.branches(sampling)
-        return SamplerRecipe(sampling.steps, sampling.noise_level, sampling.sde_type, sampling.guidance_scale, j, j,
-                             shared_noise=True, shared_members=self.settings.children)
-
     def rollout_parts(self, sampling: SamplingConfig, rng: np.random.Generator, step: str,
                       iteration: int) -> list[SamplerRecipe]:
         """One part per branch step j: SDE at j only, the transition at j stored, the prompt's
