@@ -36,10 +36,11 @@ class ModelConfig(_Section):
         None, ge=1.0, description="two-expert checkpoints: the low-noise expert's CFG scale (the pipeline's "
         "guidance_scale_2; Wan2.2-T2V-A14B ships 3.0 beside 4.0); None: sampling.guidance_scale")
     cfg_normalization: bool | None = Field(None, description="Lumina-2: CFG rescaled to the conditional output's norm")
+    shift: float | None = Field(None, gt=0, description="fixed-shift flow schedulers: the sampling grid's shift instead of the checkpoint's")
 
     def family_options(self) -> dict:
         """The settings only some families read, as `Family.load` keywords: those that are set."""
-        return {k: getattr(self, k) for k in ("expert", "guidance_scale_2", "cfg_normalization")
+        return {k: getattr(self, k) for k in ("expert", "guidance_scale_2", "cfg_normalization", "shift")
                 if getattr(self, k) is not None}
 
 
@@ -64,9 +65,8 @@ class SamplingConfig(_Section):
     guidance_scale: float = Field(1.0, ge=1.0)
     group_size: int = Field(8, ge=2, description="G samples per prompt")
     prompts_per_iteration: int = Field(8, ge=1)
-    max_rounds: int = Field(1, ge=1, description="DAPO dynamic sampling: generate further rounds of "
-                            "prompts_per_iteration groups until that many groups have unequal rewards, "
-                            "at most this many rounds; then train on the first of them (1: one round)")
+    max_rounds: int = Field(1, ge=1, description="DAPO dynamic sampling: further rounds of prompts_per_iteration "
+                            "groups until that many have unequal rewards, at most this many; train on the first (1: one)")
     micro_batch: int = Field(16, ge=1, description="rollout and replay batch (same geometry → ratio 1)")
     timestep_fraction: float = Field(0.99, gt=0, le=1.0)
     window_size: int | None = Field(None, ge=1, description="Flow-GRPO-Fast: SDE only in a window of this size")

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from .base import ModelLoadError
+from .hunyuan_video import shifted_linspace_grid
 from .pipelines import PipelineFamily, encodes_text
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
@@ -65,8 +66,12 @@ class HunyuanVideo15Family(PipelineFamily):
     default_frames = 121  # the pipeline's num_frames
     decode_batch = 1  # clips per VAE decode: 121 frames at 480p hold gigabytes of activations
 
-    def __init__(self, pipe, *args, **kwargs):
+    options = {"shift": "the flow-matching shift of the sampling grid, in place of the checkpoint's"}
+
+    def __init__(self, pipe, *args, shift: float | None = None, **kwargs):
         super().__init__(pipe, *args, **kwargs)
+        if shift is not None:
+            self.set_shift(shift)
         path = self.path
         if self.transformer.config.use_meanflow:
             raise ModelLoadError(f"{path!r} is a step-distilled HunyuanVideo-1.5 (use_meanflow: a second timestep "
@@ -117,11 +122,7 @@ class HunyuanVideo15Family(PipelineFamily):
     def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(σ [T+1] ending at 0, timesteps [T]) as the pipeline sets them: linspace(1, 0, T+1)[:-1],
         shifted by the scheduler."""
-        from copy import deepcopy
-
-        sched = deepcopy(self.scheduler)
-        sched.set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1], device=self.device)
-        return sched.sigmas.float().clone(), sched.timesteps.float().clone()
+        return shifted_linspace_grid(self.scheduler, steps, self.device)
 
     def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: HunyuanVideo15Conditioning,
                  guidance_scale: float = 1.0, neg: HunyuanVideo15Conditioning | None = None) -> torch.Tensor:

@@ -114,6 +114,16 @@ class PipelineFamily:
                                  f"{step} (the VAE's downsampling times the transformer's patch size)")
         return fam
 
+    def set_shift(self, shift: float) -> None:
+        """`model.shift`: the checkpoint's flow-matching grid under another fixed shift (DanceGRPO
+        samples HunyuanVideo with 5, whose scheduler ships 7); `describe` records the one used."""
+        cfg = self.scheduler.config
+        if "shift" not in cfg or cfg.get("use_dynamic_shifting", False):
+            why = "a resolution-dependent (dynamic) shift" if "shift" in cfg else "no shift setting"
+            raise ModelLoadError(f"model.shift={shift}: the {type(self.scheduler).__name__} of {self.path!r} has "
+                                 f"{why}; unset model.shift")
+        self.scheduler = self.pipe.scheduler = type(self.scheduler).from_config(cfg, shift=float(shift))
+
     # --- text towers ----------------------------------------------------------------------------
     def text_towers(self) -> dict[str, torch.nn.Module]:
         """The pipeline's text encoders (`text_encoder`, `text_encoder_2`, …) and any other

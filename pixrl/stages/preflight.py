@@ -10,7 +10,7 @@ from ..config.schema import ExperimentConfig
 from ..datasets.prompts import load_prompt_set, select_categories
 from ..errors import ExpectedError
 from ..models.base import ModelLoadError, check_layout
-from ..models.registry import get_family
+from ..models.registry import get_family, registered_families
 from ..rewards.compose import RewardSet
 from ..engines.assets import resolve_asset, resolve_model_path
 
@@ -38,8 +38,9 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
         options = cfg.model.family_options()
         unread = sorted(set(options) - set(getattr(family, "options", {})))
         if unread:
+            readers = [n for n in registered_families() if unread[0] in getattr(get_family(n), "options", {})]
             raise ValueError(f"model.{unread[0]}={options[unread[0]]}: the {family.name} family does not read it "
-                             "(two-expert Wan2.2 checkpoints do); unset it")
+                             f"({', '.join(readers)} do); unset it")
         path = resolve_model_path(cfg.model.path)
         if hasattr(family, "check_checkpoint"):  # not a diffusers pipeline (a transformers model)
             family.check_checkpoint(path)
