@@ -30,6 +30,9 @@ images/s and peak memory.
 - `--family z_image`: Z-Image-Turbo — the real single-stream transformer (30 blocks of width 3840,
   30 heads, its 2 + 2 refiner blocks; 6.2B), the FLUX.1 VAE; Qwen3-4B at its real width (2560)
   with 2 of its 36 layers; the Turbo's sampling without CFG; LoRA r64.
+- `--family hunyuan_video`: HunyuanVideo — the real 13B transformer (20 dual + 40 single blocks,
+  guidance embedding) and causal video VAE, 33 frames, embedded guidance 6; llava-llama-3's
+  language model at its real width with 3 layers, CLIP-L; LoRA r32. `--layers N`: N + 2N blocks.
 - `--family hunyuan_video15`: HunyuanVideo-1.5 — the real 8.3B transformer (54 blocks) and causal
   video VAE, 33 frames, CFG 6; Qwen2.5-VL and ByT5 at their real widths with 2 layers each;
   LoRA r32. `--layers N` blocks.
@@ -42,7 +45,7 @@ images/s and peak memory.
 - `--family janus_pro`: Janus-Pro-1B — the real decoder, vision tower, VQ-VAE and generation
   head (576 image tokens, 384²), Token-GRPO with CFG 5 on the logits, full fine-tune; `--cot N`
   first samples a chain of thought of up to N text tokens (T2I-R1's reasoning prompt).
-  Builders: benchmarks/real_shapes.py.
+  Builders: benchmarks/real_shapes.py (video: real_shapes_video.py).
 
     python benchmarks/gpu_smoke.py [--family F]                       # the check a GPU machine runs
     python benchmarks/gpu_smoke.py --family F --tiny --device cpu     # the same path, tiny (tests run it)
@@ -87,6 +90,9 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
                              *([] if tiny else ["algorithm=flow_grpo_wan"])],
     "z_image": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
                              "sampling.guidance_scale=1.0", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
+    "hunyuan_video": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=256",
+                                   "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=6.0",
+                                   *([] if tiny else ["algorithm=flow_grpo_wan"])],
     "hunyuan_video15": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=1000",
                                      "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=6.0",
                                      *([] if tiny else ["algorithm=flow_grpo_wan"])],

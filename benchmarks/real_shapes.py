@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from real_shapes_video import hunyuan_video15_i2v_pipeline, hunyuan_video15_pipeline, hunyuan_video_pipeline
+
 
 def sd35_medium_pipeline(resolution: int, seed: int, workdir: Path, layers: int | None = None):
     """A random StableDiffusion3Pipeline with SD3.5-Medium's transformer, VAE and CLIP shapes
@@ -252,50 +254,6 @@ def z_image_turbo_pipeline(layers: int | None, device: str, workdir: Path):
     return ZImagePipeline(scheduler=sched, vae=vae, text_encoder=text, tokenizer=tok, transformer=transformer)
 
 
-def hunyuan_video15_pipeline(layers: int | None, device: str, workdir: Path):
-    """A random HunyuanVideo15Pipeline with HunyuanVideo-1.5's shapes: the transformer (its diffusers
-    defaults are the released 8.3B: 54 blocks of 16×128 heads, 65 input channels, token refiner,
-    image embedder), the causal video VAE (32 channels, ×16 in space, ×4 in time), Qwen2.5-VL's
-    language model at its real width (3584) with 2 of its 28 layers and ByT5's width (1472) with 2
-    of its layers, the 108-token template tokenizer, CFG 6. `--layers N`: N blocks."""
-    import torch
-    from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler,
-                           HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel)
-    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
-
-    from pixrl.models.hunyuan_video15 import template_tokenizer
-
-    tok, tok2 = template_tokenizer(workdir / "tokenizer"), ByT5Tokenizer()
-    text = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
-        vocab_size=len(tok), hidden_size=3584, intermediate_size=18944, num_hidden_layers=2, num_attention_heads=28,
-        num_key_value_heads=4, max_position_embeddings=4096, pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}))
-    glyph = T5EncoderModel(T5Config(vocab_size=len(tok2), d_model=1472, d_kv=64, d_ff=3584, num_layers=2,
-                                    num_heads=6, is_encoder_decoder=False, feed_forward_proj="gated-gelu",
-                                    pad_token_id=tok2.pad_token_id, eos_token_id=tok2.eos_token_id,
-                                    decoder_start_token_id=0))
-    with torch.device(device):
-        transformer = HunyuanVideo15Transformer3DModel(num_layers=layers or 54, task_type="t2v").to(torch.bfloat16)
-    return HunyuanVideo15Pipeline(text_encoder=text, tokenizer=tok, transformer=transformer,
-                                  vae=AutoencoderKLHunyuanVideo15(), scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
-                                  text_encoder_2=glyph, tokenizer_2=tok2, guider=ClassifierFreeGuidance(guidance_scale=6.0))
-
-
-def hunyuan_video15_i2v_pipeline(layers: int | None, device: str, workdir: Path):
-    """HunyuanVideo-1.5's image-to-video: the text-to-video builder's parts (transformer as an i2v
-    one) with SigLIP so400m's vision tower (27 × 1152, 384² in 14-px patches: 729 tokens)."""
-    from diffusers import HunyuanVideo15ImageToVideoPipeline
-    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
-
-    parts = hunyuan_video15_pipeline(layers, device, workdir).components
-    parts["transformer"].register_to_config(task_type="i2v")
-    siglip = SiglipVisionModel(SiglipVisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
-                                                  num_attention_heads=16, image_size=384, patch_size=14))
-    return HunyuanVideo15ImageToVideoPipeline(**parts, image_encoder=siglip,
-                                              feature_extractor=SiglipImageProcessor(size={"height": 384, "width": 384}))
-
-
 def janus_pro_1b_checkpoint(layers: int | None, device: str, out: Path) -> Path:
     """A random JanusForConditionalGeneration with Janus-Pro-1B's shapes — the DeepSeek-LLM 1.5B
     decoder (24 layers of width 2048, 16 heads, FFN 5632, vocabulary 102400), the SigLIP-L vision
@@ -392,4 +350,5 @@ BUILDERS = {"sd15": sd15_pipeline, "sdxl": sdxl_pipeline, "flux1": flux1_dev_pip
             "flux1_kontext": flux1_kontext_dev_pipeline, "qwen_image": qwen_image_pipeline, "sana": sana_1600m_pipeline,
             "flux2": flux2_dev_pipeline, "wan": wan21_1_3b_pipeline, "wan_a14b": wan22_a14b_pipeline,
             "wan_i2v": wan21_i2v_14b_pipeline, "z_image": z_image_turbo_pipeline,
-            "hunyuan_video15": hunyuan_video15_pipeline, "hunyuan_video15_i2v": hunyuan_video15_i2v_pipeline}
+            "hunyuan_video": hunyuan_video_pipeline, "hunyuan_video15": hunyuan_video15_pipeline,
+            "hunyuan_video15_i2v": hunyuan_video15_i2v_pipeline}

@@ -1,0 +1,84 @@
+"""Random pipelines of the HunyuanVideo families' real shapes for `gpu_smoke.py` (beside
+real_shapes.py): nothing is downloaded; where a text encoder would dominate memory without
+mattering to the RL step it is shortened (fewer layers), and the docstring says so."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def hunyuan_video_pipeline(layers: int | None, device: str, workdir: Path):
+    """A random HunyuanVideoPipeline with HunyuanVideo's shapes: the transformer (its diffusers
+    defaults are the released 13B: 20 dual- and 40 single-stream blocks of 24×128 heads, token
+    refiner, guidance embedding), the causal video VAE (16 channels, ×8 in space, ×4 in time),
+    llava-llama-3-8b's language model at its real width (4096, 32 heads, 8 KV) with 3 of its 32
+    layers (the pipeline reads the third from the top), CLIP-L, the 95-token template tokenizer.
+    `--layers N`: N dual- and 2N single-stream blocks."""
+    import torch
+    from diffusers import (AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline,
+                           HunyuanVideoTransformer3DModel)
+    from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
+
+    from pixrl.models.hunyuan_video import template_tokenizer
+    from pixrl.models.tiny_parts import clip_tokenizer
+
+    tok, tok2 = template_tokenizer(workdir / "tokenizer"), clip_tokenizer(workdir / "tokenizer_2")
+    text = LlamaModel(LlamaConfig(vocab_size=len(tok), hidden_size=4096, intermediate_size=14336, num_hidden_layers=3,
+                                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                                  pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                                  eos_token_id=tok.eos_token_id, rope_parameters={"rope_type": "default",
+                                                                                  "rope_theta": 5e5}))
+    clip = CLIPTextModel(CLIPTextConfig(vocab_size=len(tok2), hidden_size=768, intermediate_size=3072,
+                                        num_hidden_layers=12, num_attention_heads=12, max_position_embeddings=77,
+                                        bos_token_id=tok2.bos_token_id, eos_token_id=tok2.eos_token_id,
+                                        pad_token_id=tok2.pad_token_id))
+    with torch.device(device):  # 13B parameters: created where they run
+        transformer = HunyuanVideoTransformer3DModel(
+            num_layers=layers or 20, num_single_layers=40 if layers is None else 2 * layers).to(torch.bfloat16)
+    return HunyuanVideoPipeline(text_encoder=text, tokenizer=tok, transformer=transformer,
+                                vae=AutoencoderKLHunyuanVideo(), scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+                                text_encoder_2=clip, tokenizer_2=tok2)
+
+
+def hunyuan_video15_pipeline(layers: int | None, device: str, workdir: Path):
+    """A random HunyuanVideo15Pipeline with HunyuanVideo-1.5's shapes: the transformer (its diffusers
+    defaults are the released 8.3B: 54 blocks of 16×128 heads, 65 input channels, token refiner,
+    image embedder), the causal video VAE (32 channels, ×16 in space, ×4 in time), Qwen2.5-VL's
+    language model at its real width (3584) with 2 of its 28 layers and ByT5's width (1472) with 2
+    of its layers, the 108-token template tokenizer, CFG 6. `--layers N`: N blocks."""
+    import torch
+    from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler,
+                           HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel)
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+    from pixrl.models.hunyuan_video15 import template_tokenizer
+
+    tok, tok2 = template_tokenizer(workdir / "tokenizer"), ByT5Tokenizer()
+    text = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+        vocab_size=len(tok), hidden_size=3584, intermediate_size=18944, num_hidden_layers=2, num_attention_heads=28,
+        num_key_value_heads=4, max_position_embeddings=4096, pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}))
+    glyph = T5EncoderModel(T5Config(vocab_size=len(tok2), d_model=1472, d_kv=64, d_ff=3584, num_layers=2,
+                                    num_heads=6, is_encoder_decoder=False, feed_forward_proj="gated-gelu",
+                                    pad_token_id=tok2.pad_token_id, eos_token_id=tok2.eos_token_id,
+                                    decoder_start_token_id=0))
+    with torch.device(device):
+        transformer = HunyuanVideo15Transformer3DModel(num_layers=layers or 54, task_type="t2v").to(torch.bfloat16)
+    return HunyuanVideo15Pipeline(text_encoder=text, tokenizer=tok, transformer=transformer,
+                                  vae=AutoencoderKLHunyuanVideo15(), scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+                                  text_encoder_2=glyph, tokenizer_2=tok2, guider=ClassifierFreeGuidance(guidance_scale=6.0))
+
+
+def hunyuan_video15_i2v_pipeline(layers: int | None, device: str, workdir: Path):
+    """HunyuanVideo-1.5's image-to-video: the text-to-video builder's parts (transformer as an i2v
+    one) with SigLIP so400m's vision tower (27 × 1152, 384² in 14-px patches: 729 tokens)."""
+    from diffusers import HunyuanVideo15ImageToVideoPipeline
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    parts = hunyuan_video15_pipeline(layers, device, workdir).components
+    parts["transformer"].register_to_config(task_type="i2v")
+    siglip = SiglipVisionModel(SiglipVisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                                                  num_attention_heads=16, image_size=384, patch_size=14))
+    return HunyuanVideo15ImageToVideoPipeline(**parts, image_encoder=siglip,
+                                              feature_extractor=SiglipImageProcessor(size={"height": 384, "width": 384}))
