@@ -55,6 +55,33 @@ def test_unbiased_group_advantages():
     assert flat.zero_std_ratio == 1.0 and not flat.advantages.any()
 
 
+def test_dance_best_of_n_trains_each_groups_extremes():
+    """train_grpo_hunyuan.py's best-of-N, written out: argsort of a group's advantages, its last
+    and first bestofn/2 kept; the others do not enter the update."""
+    import torch as t
+
+    from pixrl.algorithms.base import build_algorithm
+    from pixrl.config.loader import load_config
+    from pixrl.stages.preflight import PreflightError, preflight
+
+    rng = np.random.default_rng(0)
+    r, g = rng.normal(size=24 * 2), np.repeat([3, 7], 24)
+    algo = build_algorithm(load_config("shapes_dance_grpo", ["algorithm.best_of=8"]).algorithm)
+    adv = algo.advantages(r, g).advantages
+    keep = algo.trains_on(adv, g)
+    for grp in (3, 7):
+        scores = t.tensor(adv[g == grp])
+        order = t.argsort(scores)
+        want = np.zeros(24, dtype=bool)
+        want[t.cat([order[-4:], order[:4]]).numpy()] = True
+        assert keep[g == grp].tolist() == want.tolist()
+    assert keep.sum() == 16
+    plain = build_algorithm(load_config("shapes_dance_grpo").algorithm)
+    assert plain.trains_on(adv, g).all()
+    with pytest.raises(PreflightError, match="best_of=32.*group_size=16"):
+        preflight(load_config("shapes_dance_grpo", ["algorithm.best_of=32"]))
+
+
 # --- MixGRPO --------------------------------------------------------------------------------------
 def test_mix_window_progressive_schedule_follows_grpo_training_states():
     """T = 10 (max_t 8), W = 4, 2 iterations per window, stride 1, roll back: upstream's sequence,

@@ -103,8 +103,9 @@ class Algorithm(ABC):
     def advantages(self, rewards: np.ndarray, group_ids: np.ndarray) -> GroupAdvantages:
         raise TypeError(f"algorithm {self.name!r} computes no rollout advantages (offline: {self.offline})")
 
-    def trains_on(self, advantages: np.ndarray) -> np.ndarray:
-        """Which samples enter the update (a boolean mask); all by default."""
+    def trains_on(self, advantages: np.ndarray, group_ids: np.ndarray | None = None) -> np.ndarray:
+        """Which samples enter the update (a boolean mask, from the stored advantages and group
+        ids); all by default."""
         return np.ones(len(advantages), dtype=bool)
 
     @abstractmethod

@@ -1,6 +1,8 @@
 """DanceGRPO (Xue et al. 2025; algorithms.md §4): the Dance SDE (Flow-GRPO's drift with a
 constant diffusion coefficient η), one initial latent per group, a random subset of the stored
-steps trained per micro-batch, per-group advantages with the unbiased std, PPO-clip, no KL.
+steps trained per micro-batch, per-group advantages with the unbiased std, PPO-clip, no KL;
+with `best_of` (its HunyuanVideo recipe, `train_grpo_hunyuan.py`) only each group's best_of/2
+highest- and best_of/2 lowest-advantage samples are trained.
 
 The last step is deterministic: an Euler step to σ = 0 lands on x̂0 = x − σ·v, which is the
 image DanceGRPO decodes ("latents = pred_original"), and is never trained (it drops it too).
@@ -33,6 +35,8 @@ class DanceGRPOSettings(BaseModel):
                                   "the T − 1 stochastic steps trained")
     shared_noise: bool = Field(True, description="init_same_noise: one initial latent per group")
     filter_zero_advantage: bool = True
+    best_of: int | None = Field(None, ge=2, multiple_of=2, description="bestofn: train only each group's best_of/2 "
+                                "highest- and best_of/2 lowest-advantage samples (its HunyuanVideo recipe: 8 of 24)")
 
 
 @register_algorithm("dance_grpo")
@@ -52,6 +56,9 @@ class DanceGRPO(FlowGRPO):
                              "sampling.window_size (Flow-GRPO-Fast's window)")
         if sampling.steps < 2:
             raise ValueError("algorithm 'dance_grpo' needs sampling.steps ≥ 2")
+        if self.settings.best_of and self.settings.best_of > sampling.group_size:
+            raise ValueError(f"algorithm.best_of={self.settings.best_of} selects from each group of "
+                             f"sampling.group_size={sampling.group_size}: set best_of ≤ group_size (DanceGRPO: 8 of 24)")
 
     def rollout_recipe(self, sampling: SamplingConfig, rng: np.random.Generator, step: str,
                        iteration: int) -> SamplerRecipe:
@@ -61,6 +68,20 @@ class DanceGRPO(FlowGRPO):
 
     def advantages(self, rewards: np.ndarray, group_ids: np.ndarray) -> GroupAdvantages:
         return unbiased_group_advantages(rewards, group_ids, self.settings.std_eps, self.settings.adv_clip_max)
+
+    def trains_on(self, advantages: np.ndarray, group_ids: np.ndarray | None = None) -> np.ndarray:
+        """FlowGRPO's mask; with best_of, only each group's extremes by advantage (DanceGRPO's
+        best-of-N: argsort, the last and the first best_of/2)."""
+        keep = super().trains_on(advantages, group_ids)
+        k = (self.settings.best_of or 0) // 2
+        if not k:
+            return keep
+        chosen = np.zeros(len(advantages), dtype=bool)
+        for g in dict.fromkeys(np.asarray(group_ids).tolist()):
+            idx = np.flatnonzero(np.asarray(group_ids) == g)
+            order = idx[np.argsort(np.asarray(advantages)[idx], kind="stable")]
+            chosen[order[:k]] = chosen[order[-k:]] = True
+        return keep & chosen
 
     def _count(self, stored: int) -> int:
         return max(1, int(stored * self.settings.train_fraction))

@@ -60,7 +60,7 @@ class FlowGRPO(Algorithm):
         c = self.settings
         return group_advantages(rewards, group_ids, c.global_std, c.std_eps, c.adv_clip_max)
 
-    def trains_on(self, advantages: np.ndarray) -> np.ndarray:
+    def trains_on(self, advantages: np.ndarray, group_ids: np.ndarray | None = None) -> np.ndarray:
         """Zero-advantage samples carry no gradient (filter_zero_advantage drops them)."""
         return (advantages != 0) | (not self.settings.filter_zero_advantage)
 

@@ -86,7 +86,7 @@ class OnlineDPO(Algorithm):
     def advantages(self, rewards: np.ndarray, group_ids: np.ndarray) -> GroupAdvantages:
         return best_worst_advantages(rewards, group_ids, self.settings.min_margin)
 
-    def trains_on(self, advantages: np.ndarray) -> np.ndarray:
+    def trains_on(self, advantages: np.ndarray, group_ids: np.ndarray | None = None) -> np.ndarray:
         return np.asarray(advantages) != 0
 
     def losses(self, batch, policy):

@@ -161,7 +161,7 @@ class TokenGRPO(Algorithm):
     def text_entropy_coeff(self) -> float:
         return self.text_controller.alpha if self.text_controller else self.settings.text_entropy_coeff
 
-    def trains_on(self, advantages: np.ndarray) -> np.ndarray:
+    def trains_on(self, advantages: np.ndarray, group_ids: np.ndarray | None = None) -> np.ndarray:
         return (advantages != 0) | (not self.settings.filter_groups)
 
     def after_optimizer_step(self, metrics: dict[str, float]) -> dict[str, float]:

@@ -226,7 +226,7 @@ class OnlineStages(DecodeScoreStages):
         """The update's micro-batches from the iteration's stored rows (PLAN_COLUMNS): the samples
         the algorithm trains on — with dynamic sampling, of the first P groups with signal."""
         adv = t["advantage"].to_numpy() if advantages is None else advantages
-        keep = self.algorithm.trains_on(adv)
+        keep = self.algorithm.trains_on(adv, t["group_id"].to_numpy())
         if self.cfg.sampling.max_rounds > 1:
             keep = keep & trained_mask(t["reward"].to_numpy(), t["group_id"].to_numpy(),
                                        self.cfg.sampling.prompts_per_iteration)
