@@ -174,6 +174,8 @@ def readme(name: str, args, s: dict) -> str:
 
     fam = get_family(args.family)
     side = next((c.split("=", 1)[1] for c in s["command"] if c.startswith("model.resolution=")), "32")
+    swapped = next((c.split("=", 1)[1] for c in s["command"] if c.startswith("algorithm=")), None)
+    algo = f"`{swapped}` (the algorithm preset)" if swapped else "Flow-GRPO"
     held = f"prompts, each with a source image (the family {fam.image_use})" if getattr(fam, "needs_images", False) \
         else "prompts"
     return f"""# {name}: does the {args.family} family's RL loop learn? (tiny random checkpoint, CPU)
@@ -183,7 +185,7 @@ def readme(name: str, args, s: dict) -> str:
 ```
 
 `pixrl tiny {args.family}{' --two-experts' if args.two_experts else ''}` (the real diffusers classes and layout, tiny widths, random weights, {side} px),
-Flow-GRPO as the default recipe sets it but for the overrides above, the JPEG-compressibility
+{algo} as the default recipe sets it but for the overrides above, the JPEG-compressibility
 reward, {s['iterations']} iterations through the real flow (Prefect, Lance, MLflow) in {s['minutes']} minutes on
 2 CPU cores, {time.strftime('%Y-%m-%d')}. Held-out: {len(s['heldout']['prompts'])} {held} never trained on × {len(SEEDS)} seeds, the eval
 (ODE) sampler, the base checkpoint against the run's last published version.

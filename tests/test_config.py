@@ -128,3 +128,22 @@ def test_flow_grpo_can_start_each_group_from_one_latent():
     plain = load_config(None, [])
     assert not build_algorithm(plain.algorithm).rollout_recipe(plain.sampling, np.random.default_rng(0), "denoise",
                                                                0).shared_noise
+
+
+def test_the_hunyuan_video_experiment_is_dancegrpos_video_recipe():
+    """finetune_hunyuan_grpo.sh: 480² × 53 frames, 16 steps, η 0.25, shift 5, guidance 6018/1000,
+    24 clips per prompt from one latent, best-of-8, timestep_fraction 0.6, clip 1e-4, lr 1e-5."""
+    import numpy as np
+
+    from pixrl.algorithms.base import build_algorithm
+
+    cfg = load_config("hunyuan_video_dance_grpo", ["model.path=/x"])
+    m, s, a = cfg.model, cfg.sampling, cfg.algorithm
+    assert (m.family, m.resolution, m.frames, m.shift, m.family_options()) == ("hunyuan_video", 480, 53, 5.0,
+                                                                                {"shift": 5.0})
+    assert (s.steps, s.noise_level, s.sde_type, s.guidance_scale, s.group_size) == (16, 0.25, "dance", 6.0, 24)
+    algo = build_algorithm(a)
+    assert (algo.settings.best_of, algo.settings.train_fraction, algo.settings.clip_range, a.lr) == (8, 0.6, 1e-4, 1e-5)
+    recipe = algo.rollout_recipe(s, np.random.default_rng(0), "denoise", 0)
+    assert recipe.shared_noise and recipe.train_steps == tuple(range(15)) and not a.lora.enabled
+    assert cfg.reward.weights == {"hpsv2": 1.0, "temporal_consistency": 0.5}
