@@ -76,6 +76,7 @@ CHECKS = {
     "hunyuan_video15": ([SMOKE, "--family", "hunyuan_video15", "--layers", "16"], 240, "video"),
     # HunyuanVideo 1.0 (new since): 8 dual- and 16 single-stream blocks at the real width, 33 frames
     "hunyuan_video": ([SMOKE, "--family", "hunyuan_video", "--layers", "8"], 240, "video"),
+    "skyreels_i2v": ([SMOKE, "--family", "skyreels_i2v", "--layers", "8"], 240, "video"),  # its image-to-video
     # passed there: sd3 (issue 14's line) 144 s, sana 68 s, qwen_image (12 blocks) 79 s
     "sd3": ([SMOKE, "--family", "sd3"], 240, None),
     # new since: SD1.5's UNet with DDPO's recipe (860M, every step of DDIM-η stored)

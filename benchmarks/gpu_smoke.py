@@ -33,6 +33,8 @@ images/s and peak memory.
 - `--family hunyuan_video`: HunyuanVideo — the real 13B transformer (20 dual + 40 single blocks,
   guidance embedding) and causal video VAE, 33 frames, embedded guidance 6; llava-llama-3's
   language model at its real width with 3 layers, CLIP-L; LoRA r32. `--layers N`: N + 2N blocks.
+- `--family skyreels_i2v`: SkyReels-V1-Hunyuan-I2V — HunyuanVideo's shapes with a 32-channel input
+  (first-frame latents), true CFG 6, animating 8 random first frames.
 - `--family hunyuan_video15`: HunyuanVideo-1.5 — the real 8.3B transformer (54 blocks) and causal
   video VAE, 33 frames, CFG 6; Qwen2.5-VL and ByT5 at their real widths with 2 layers each;
   LoRA r32. `--layers N` blocks.
@@ -93,6 +95,9 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
     "hunyuan_video": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=256",
                                    "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=6.0",
                                    *([] if tiny else ["algorithm=flow_grpo_wan"])],
+    "skyreels_i2v": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=256",
+                                  "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=6.0",
+                                  *([] if tiny else ["algorithm=flow_grpo_wan"])],
     "hunyuan_video15": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=1000",
                                      "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=6.0",
                                      *([] if tiny else ["algorithm=flow_grpo_wan"])],

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from real_shapes_video import hunyuan_video15_i2v_pipeline, hunyuan_video15_pipeline, hunyuan_video_pipeline
+from real_shapes_video import (hunyuan_video15_i2v_pipeline, hunyuan_video15_pipeline, hunyuan_video_pipeline,
+                               skyreels_i2v_pipeline)
 
 
 def sd35_medium_pipeline(resolution: int, seed: int, workdir: Path, layers: int | None = None):
@@ -351,4 +352,4 @@ BUILDERS = {"sd15": sd15_pipeline, "sdxl": sdxl_pipeline, "flux1": flux1_dev_pip
             "flux2": flux2_dev_pipeline, "wan": wan21_1_3b_pipeline, "wan_a14b": wan22_a14b_pipeline,
             "wan_i2v": wan21_i2v_14b_pipeline, "z_image": z_image_turbo_pipeline,
             "hunyuan_video": hunyuan_video_pipeline, "hunyuan_video15": hunyuan_video15_pipeline,
-            "hunyuan_video15_i2v": hunyuan_video15_i2v_pipeline}
+            "hunyuan_video15_i2v": hunyuan_video15_i2v_pipeline, "skyreels_i2v": skyreels_i2v_pipeline}

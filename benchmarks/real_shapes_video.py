@@ -40,6 +40,20 @@ def hunyuan_video_pipeline(layers: int | None, device: str, workdir: Path):
                                 text_encoder_2=clip, tokenizer_2=tok2)
 
 
+def skyreels_i2v_pipeline(layers: int | None, device: str, workdir: Path):
+    """SkyReels-V1-Hunyuan-I2V: the HunyuanVideo builder's parts with the transformer reading 32
+    channels (latents and first-frame latents), as a HunyuanSkyreelsImageToVideoPipeline."""
+    import torch
+    from diffusers import HunyuanSkyreelsImageToVideoPipeline, HunyuanVideoTransformer3DModel
+
+    parts = hunyuan_video_pipeline(1, "meta", workdir).components
+    with torch.device(device):
+        parts["transformer"] = HunyuanVideoTransformer3DModel(
+            in_channels=32, out_channels=16, num_layers=layers or 20,
+            num_single_layers=40 if layers is None else 2 * layers).to(torch.bfloat16)
+    return HunyuanSkyreelsImageToVideoPipeline(**parts)
+
+
 def hunyuan_video15_pipeline(layers: int | None, device: str, workdir: Path):
     """A random HunyuanVideo15Pipeline with HunyuanVideo-1.5's shapes: the transformer (its diffusers
     defaults are the released 8.3B: 54 blocks of 16×128 heads, 65 input channels, token refiner,

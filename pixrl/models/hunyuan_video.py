@@ -100,7 +100,7 @@ class HunyuanVideoFamily(PipelineFamily):
     def latent_shape(self) -> tuple[int, int, int, int]:
         side = self.resolution // self.pipe.vae_scale_factor_spatial
         frames = (self.frames - 1) // self.pipe.vae_scale_factor_temporal + 1
-        return self.transformer.config.in_channels, frames, side, side
+        return self.transformer.config.out_channels, frames, side, side
 
     def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(σ [T+1] ending at 0, timesteps [T]) as the pipeline sets them: linspace(1, 0, T+1)[:-1],
@@ -110,11 +110,17 @@ class HunyuanVideoFamily(PipelineFamily):
     def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: HunyuanVideoConditioning,
                  guidance_scale: float = 1.0, neg: HunyuanVideoConditioning | None = None) -> torch.Tensor:
         """v_θ(x, t | c) on video latents [B, C, F, H, W]; the guidance scale (× 1000) as the embedding."""
-        b, dtype = x.shape[0], self.transformer.dtype
-        t = timestep.reshape(-1).to(x.device)
+        return self._predict(x, timestep, cond, guidance_scale)
+
+    def _predict(self, hidden: torch.Tensor, timestep: torch.Tensor, cond: HunyuanVideoConditioning,
+                 embedded: float) -> torch.Tensor:
+        """The transformer on `hidden` (the latents, or more channels beside them) with the embedded
+        guidance `embedded`, as the pipelines call it."""
+        b, dtype = hidden.shape[0], self.transformer.dtype
+        t = timestep.reshape(-1).to(hidden.device)
         t = t.expand(b) if t.numel() == 1 else t
-        guidance = torch.full((b,), float(guidance_scale), device=x.device, dtype=dtype) * 1000.0
-        return self.transformer(hidden_states=x.to(dtype), timestep=t.to(x.dtype),
+        guidance = torch.full((b,), float(embedded), device=hidden.device, dtype=dtype) * 1000.0
+        return self.transformer(hidden_states=hidden.to(dtype), timestep=t.to(hidden.dtype),
                                 encoder_hidden_states=cond.prompt_embeds.to(dtype),
                                 encoder_attention_mask=cond.mask.to(dtype), pooled_projections=cond.pooled.to(dtype),
                                 guidance=guidance, return_dict=False)[0]
