@@ -147,3 +147,12 @@ def test_the_hunyuan_video_experiment_is_dancegrpos_video_recipe():
     recipe = algo.rollout_recipe(s, np.random.default_rng(0), "denoise", 0)
     assert recipe.shared_noise and recipe.train_steps == tuple(range(15)) and not a.lora.enabled
     assert cfg.reward.weights == {"hpsv2": 1.0, "temporal_consistency": 0.5}
+
+
+def test_the_skyreels_experiment_is_dancegrpos_image_to_video_recipe():
+    """finetune_skyreels_i2v.sh: 53 frames, 16 steps, η 0.3, cfg_infer 5, 8 per prompt from one latent."""
+    cfg = load_config("skyreels_i2v_dance_grpo", ["model.path=/x"])
+    m, s = cfg.model, cfg.sampling
+    assert (m.family, m.frames, m.shift) == ("skyreels_i2v", 53, None)  # its checkpoint's shift 7
+    assert (s.steps, s.noise_level, s.sde_type, s.guidance_scale, s.group_size) == (16, 0.3, "dance", 5.0, 8)
+    assert cfg.algorithm.name == "dance_grpo" and cfg.dataset.name == "edits"

@@ -40,6 +40,11 @@ def test_eval_json_and_generate(tiny_checkpoint, tmp_path):
     meta = json.loads(pngs[2].with_suffix(".json").read_text())
     assert meta["prompt"] == "a blue circle above a red triangle"
     assert np.asarray(Image.open(pngs[0])).shape == (16, 16, 3)
+    from pixrl.datasets.prompts import load_prompt_set  # the folder is a prompt set of source images
+
+    items = load_prompt_set(out / "prompts.jsonl", "edits")
+    assert [it.prompt for it in items] == ["two yellow squares"] * 2 + ["a blue circle above a red triangle"] * 2
+    assert items[3].image == pngs[3].read_bytes()
 
 
 def test_eval_rejects_bad_arguments(tmp_path):

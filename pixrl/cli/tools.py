@@ -206,7 +206,9 @@ def generate(
 ) -> None:
     """Write one PNG per prompt and sample — an animated PNG per clip for a video family — with
     the prompt in a sidecar JSON, using the eval sampler. An editing family (flux1_kontext) edits
-    the --image given with each prompt."""
+    the --image given with each prompt. Images are also listed in `prompts.jsonl` (prompt, image):
+    the folder is then a prompt set of source images (`dataset=edits dataset.path=OUT/prompts.jsonl`)
+    — first frames for an image-to-video family, as DanceGRPO animates FLUX.1's images."""
     texts = list(prompt or [])
     if prompts:
         p = Path(prompts)
@@ -225,10 +227,16 @@ def generate(
                            images=None if sources is None else [sources[n // samples] for n in range(len(pairs))])
     od = Path(out)
     od.mkdir(parents=True, exist_ok=True)
+    listed = []
     for n, ((text, s), img) in enumerate(zip(pairs, imgs)):
         stem = od / f"{n // samples:04d}_{n % samples:02d}"
         stem.with_suffix(".png").write_bytes(media_bytes(img))
         stem.with_suffix(".json").write_text(json.dumps({"prompt": text, "seed": s, **recipe.to_dict()}))
+        listed.append(json.dumps({"prompt": text, "image": stem.with_suffix(".png").name, "seed": s}))
+    if imgs.ndim == 4:  # images, not clips: the folder as a prompt set of source images
+        tmp = od / "prompts.jsonl.tmp"
+        tmp.write_text("\n".join(listed) + "\n")
+        tmp.replace(od / "prompts.jsonl")
     console.print(f"wrote {len(pairs)} {'clips' if imgs.ndim == 5 else 'images'} to {od}")
 
 
