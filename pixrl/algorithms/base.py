@@ -81,6 +81,9 @@ class Algorithm(ABC):
 
     #: rollouts sample with the algorithm's own sampling policy (its state), not the published weights
     separate_sampler: bool = False
+    #: rounds over an iteration's micro-batches, each with its own optimizer steps (and generator
+    #: draws): online_sft's noise draws, one optimizer step each as flow_grpo's SFT takes them
+    passes: int = 1
 
     def sampling_weights(self) -> dict[str, torch.Tensor] | None:
         """The trainable weights of the separate sampling policy, from the algorithm's state;
@@ -154,7 +157,7 @@ def _own_settings(model: type[BaseModel], name: str, values: dict) -> BaseModel:
 
 def _builtin() -> None:
     from . import (dance_grpo, ddpo, diffusion_dpo, diffusion_nft, diffusion_sft, flow_dppo, flow_grpo,  # noqa: F401
-                   grpo_guard, mix_grpo, online_dpo, tempflow_grpo, token_dpo, token_grpo,
+                   grpo_guard, mix_grpo, online_dpo, online_sft, tempflow_grpo, token_dpo, token_grpo,
                    token_sft)  # (importing registers them)
 
 

@@ -231,7 +231,8 @@ class OnlineStages(DecodeScoreStages):
             keep = keep & trained_mask(t["reward"].to_numpy(), t["group_id"].to_numpy(),
                                        self.cfg.sampling.prompts_per_iteration)
         return make_plan(t["sample_id"].to_pylist(), keep, self.cfg.sampling.micro_batch,
-                         self.cfg.algorithm.optimizer_steps_per_iteration, self._rounds(t["group_id"].to_numpy()))
+                         self.cfg.algorithm.optimizer_steps_per_iteration, self._rounds(t["group_id"].to_numpy()),
+                         self.algorithm.passes)
 
     def _rounds(self, group_ids: np.ndarray) -> np.ndarray:
         """Each sample's engine call at rollout — its dynamic-sampling round, or its part of an

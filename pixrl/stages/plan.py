@@ -24,11 +24,12 @@ class BatchPlan:
 
 
 def make_plan(sample_ids: list[str], keep: np.ndarray, micro_batch: int, optimizer_steps: int,
-              segments: np.ndarray | None = None) -> BatchPlan:
+              segments: np.ndarray | None = None, passes: int = 1) -> BatchPlan:
     """Micro-batches in rollout order (samples the algorithm does not train on dropped), split
     into contiguous optimizer-step groups. `segments` (per sample, e.g. its dynamic-sampling
     round): no micro-batch spans two — each round's prompts were encoded as one set at rollout,
-    and replay must condition on those very encodings for the ratio to be exactly 1."""
+    and replay must condition on those very encodings for the ratio to be exactly 1. `passes`:
+    that many rounds over the micro-batches, each its own optimizer steps (Algorithm.passes)."""
     if segments is None:
         segments = np.zeros(len(sample_ids), dtype=np.int64)
     micro = []
@@ -39,4 +40,4 @@ def make_plan(sample_ids: list[str], keep: np.ndarray, micro_batch: int, optimiz
         return BatchPlan([])
     n_opt = min(optimizer_steps, len(micro))
     bounds = np.linspace(0, len(micro), n_opt + 1).round().astype(int)
-    return BatchPlan([micro[bounds[i]:bounds[i + 1]] for i in range(n_opt)])
+    return BatchPlan([micro[bounds[i]:bounds[i + 1]] for i in range(n_opt)] * passes)
