@@ -144,3 +144,37 @@ def test_rl_iterations_through_the_unchanged_flow(tiny_hv, tmp_path, prefect_har
         assert json.loads(t["recipe"][0].as_py())["shift"] == 5.0
     assert decode_media(t["image"][0].as_py()).shape == (5, 32, 32, 3)
     assert t["final_latent"].type.shape == [4, 2, 4, 4]
+
+
+def test_an_export_samples_on_the_grid_it_was_trained_on(tiny_hv, tmp_path):
+    """model.shift travels with an export: a whole pipeline's scheduler is the one sampled with
+    (from_pretrained alone gives the trained grid), the manifest records it (pixrl reads it back),
+    and an adapter's load line re-grids its base."""
+    import json
+
+    from diffusers import HunyuanVideoPipeline
+    from typer.testing import CliRunner
+
+    from pixrl.artifacts.checkpoints import save_checkpoint
+    from pixrl.cli import app
+    from pixrl.config.loader import load_config
+    from pixrl.engines.policy import TrainablePolicy
+
+    overrides = [f"{k}={v}" for k, v in tiny_hv[1].items()] + ["model.shift=5", f"run.workdir={tmp_path}"]
+    for mode, flags in (("full", ["algorithm.lora.enabled=false"]),
+                        ("lora", ["algorithm.lora.enabled=true", "algorithm.lora.rank=4", "algorithm.lora.alpha=8"])):
+        cfg = load_config(None, overrides + flags)
+        pol = TrainablePolicy(cfg)
+        ckpt = tmp_path / f"ckpt-{mode}"
+        save_checkpoint(ckpt, {k: v.detach() for k, v in pol.trainable_parameters().items()}, {}, {"iteration": 0},
+                        cfg.model_dump(mode="json"))
+        out = tmp_path / f"export-{mode}"
+        res = CliRunner().invoke(app, ["export-model", "--checkpoint", str(ckpt), "--out", str(out)])
+        assert res.exit_code == 0, res.output
+        manifest = json.loads((out / "pixrl_export.json").read_text())
+        assert manifest["model"]["shift"] == 5.0
+        if mode == "full":
+            assert HunyuanVideoPipeline.from_pretrained(str(out)).scheduler.config.shift == 5.0
+            assert HunyuanVideoPipeline.from_pretrained(str(tiny_hv[0])).scheduler.config.shift == 7.0  # base kept
+        else:
+            assert "from_config(pipe.scheduler.config, shift=5.0)" in manifest["load"]

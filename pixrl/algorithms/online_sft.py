@@ -2,9 +2,9 @@
 `PerPromptStatTracker.update(type='sft')`): reward-ranked fine-tuning on the policy's own samples.
 
 Each iteration samples its groups (the sampling config's SDE, so a group is diverse; nothing but
-the final latents stored), weighs each sample 1 if its reward is its group's maximum and 0
-otherwise (ties all 1 — a group of equal rewards trains every member, as upstream's `== max`
-does), and takes flow-matching steps on the winners' final latents: σ from the model's training
+the final latents stored), picks the samples whose reward is their group's maximum (ties all — a
+group of equal rewards trains every member, as upstream's `== max` does), and takes flow-matching
+steps on these winners' final latents: σ from the model's training
 schedule (logit-normal, shifted: `NoiseLevelSettings`), fresh ε, x_σ = (1−σ)·x0 + σ·ε,
 L = mean ‖(ε − x0) − v_θ(x_σ, σ, c)‖², conditional, no guidance, no reference. An iteration
 takes `noise_draws` passes over the winners (upstream: int(T·timestep_fraction)), each one noise

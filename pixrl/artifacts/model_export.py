@@ -94,12 +94,15 @@ def _export_pipeline(policy, cfg, stage: Path, merge: bool, link: bool) -> dict:
     base = Path(fam.path)
     component = type(fam).trained_component(cfg.model.family_options())
     pipeline = type(fam.pipe).__name__
+    regrid = "" if cfg.model.shift is None else (  # the grid it sampled on (model.shift), for an adapter's base
+        f"; pipe.scheduler = diffusers.{type(fam.scheduler).__name__}.from_config(pipe.scheduler.config, "
+        f"shift={cfg.model.shift})")
     if policy.lora and not merge and not hasattr(type(fam.pipe), "save_lora_weights"):
         # a pipeline without diffusers' LoRA loaders (HunyuanVideo-1.5): the model's own adapter file
         module.save_lora_adapter(str(stage), adapter_name="default", safe_serialization=True)
         return {"format": "diffusers-lora", "files": [LORA_FILE], "component": component, "lora": _lora_config(module),
                 "load": f"pipe = diffusers.{pipeline}.from_pretrained(BASE); "
-                        f"pipe.{component}.load_lora_adapter(OUT, weight_name=\"{LORA_FILE}\", prefix=None)"}
+                        f"pipe.{component}.load_lora_adapter(OUT, weight_name=\"{LORA_FILE}\", prefix=None){regrid}"}
     if policy.lora and not merge:
         layers, lora = get_peft_model_state_dict(module), _lora_config(module)
         target = "unet" if component == "unet" else "transformer"  # the keyword the pipeline's LoRA loader takes
@@ -108,10 +111,13 @@ def _export_pipeline(policy, cfg, stage: Path, merge: bool, link: bool) -> dict:
                                          safe_serialization=True)
         into = ", load_into_transformer_2=True" if component == "transformer_2" else ""
         return {"format": "diffusers-lora", "files": [LORA_FILE], "component": component, "lora": lora,
-                "load": f"pipe = diffusers.{pipeline}.from_pretrained(BASE); pipe.load_lora_weights(OUT{into})"}
+                "load": f"pipe = diffusers.{pipeline}.from_pretrained(BASE); pipe.load_lora_weights(OUT{into}){regrid}"}
     merged = merge_lora_(module) if policy.lora else 0
     _copy_tree(base, stage, link, skip=lambda rel: rel.parts[0] == component)
     module.save_pretrained(str(stage / component), safe_serialization=True)
+    if cfg.model.shift is not None:  # the scheduler as it sampled (model.shift): from_pretrained(OUT) samples so
+        shutil.rmtree(stage / "scheduler", ignore_errors=True)
+        fam.scheduler.save_pretrained(str(stage / "scheduler"))
     return {"format": "diffusers-pipeline", "component": component, "merged_lora_layers": merged,
             "linked": link, "load": f"pipe = diffusers.{pipeline}.from_pretrained(OUT)"}
 
@@ -159,7 +165,7 @@ def export_policy(policy, cfg, out: Path, merge: bool = False, link: bool = Fals
         else:
             info = _export_transformers(policy, stage, merge, link)
         settings = cfg.model.model_dump(include={"family", "dtype", "max_sequence_length", "resolution", "frames",
-                                                 "expert", "guidance_scale_2"})
+                                                 *cfg.model.family_options()})
         manifest = {"family": cfg.model.family, "base": str(base), "source": source or {},
                     "model": {k: v for k, v in settings.items() if v is not None}, **info}
         (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
