@@ -56,8 +56,9 @@ class DanceGRPO(FlowGRPO):
                              "sampling.window_size (Flow-GRPO-Fast's window)")
         if sampling.steps < 2:
             raise ValueError("algorithm 'dance_grpo' needs sampling.steps ≥ 2")
-        if self.settings.best_of and self.settings.best_of > sampling.group_size:
-            raise ValueError(f"algorithm.best_of={self.settings.best_of} selects from each group of "
+        best_of = getattr(self.settings, "best_of", None)
+        if best_of and best_of > sampling.group_size:
+            raise ValueError(f"algorithm.best_of={best_of} selects from each group of "
                              f"sampling.group_size={sampling.group_size}: set best_of ≤ group_size (DanceGRPO: 8 of 24)")
 
     def rollout_recipe(self, sampling: SamplingConfig, rng: np.random.Generator, step: str,
@@ -73,7 +74,7 @@ class DanceGRPO(FlowGRPO):
         """FlowGRPO's mask; with best_of, only each group's extremes by advantage (DanceGRPO's
         best-of-N: argsort, the last and the first best_of/2)."""
         keep = super().trains_on(advantages, group_ids)
-        k = (self.settings.best_of or 0) // 2
+        k = (getattr(self.settings, "best_of", None) or 0) // 2  # (DDPO, a subclass, has no best-of)
         if not k:
             return keep
         chosen = np.zeros(len(advantages), dtype=bool)
