@@ -30,6 +30,10 @@ def test_weights_are_upstreams_max_indicator_over_the_group_size():
     assert out.zero_std_ratio == pytest.approx(1 / 3)
     algo = _algo()
     assert algo.trains_on(out.advantages, g).tolist() == (out.advantages != 0).tolist()
+    first = best_of_group(r, g, ties="first", min_spread=0.0)  # one winner a group; flat groups train none
+    assert np.flatnonzero(first.advantages).tolist() == [1, 9] and first.advantages[1] == 0.25
+    spread = best_of_group(r, g, min_spread=0.5).advantages  # 0.7 − 0.2 ≤ 0.5: group 2 trains none
+    assert spread[8:].tolist() == [0.0, 0.0] and spread[[1, 3]].tolist() == [0.25, 0.25]
 
 
 def test_the_loss_is_the_weighted_flow_matching_error_at_training_schedule_sigmas(tiny_checkpoint):

@@ -26,6 +26,8 @@ epoch takes several steps).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 import torch
 from pydantic import Field
@@ -43,12 +45,18 @@ class OnlineSFTSettings(NoiseLevelSettings):
     sampler_sync_every: int | None = Field(None, ge=1, description="the sampling policy is the trained one as of "
                                            "the last multiple of this many optimizer steps (flow_grpo's "
                                            "ref_update_step: 40 for OnlineSFT); None: the current policy samples")
+    ties: Literal["all", "first"] = Field("all", description="a group's samples sharing its maximum reward: all "
+                                          "trained (upstream's `== max`), or only the first of them")
+    min_spread: float | None = Field(None, ge=0, description="a group whose rewards span no more than this trains "
+                                     "nothing (None: upstream — a flat group's members all tie at the maximum and train)")
 
 
-def best_of_group(rewards: np.ndarray, group_ids: np.ndarray) -> GroupAdvantages:
-    """Each sample's loss weight: 1/G where its reward is its group's maximum (ties all), else 0 —
-    upstream's type='sft' weight 1, averaged over a batch of G rows per winner; zero_std_ratio:
-    the share of groups whose rewards are all equal."""
+def best_of_group(rewards: np.ndarray, group_ids: np.ndarray, ties: str = "all",
+                  min_spread: float | None = None) -> GroupAdvantages:
+    """Each sample's loss weight: 1/G where its reward is its group's maximum (`ties`: all of
+    them, or the first), else 0 — upstream's type='sft' weight 1, averaged over a batch of G rows
+    per winner; a group spanning no more than `min_spread` trains none. zero_std_ratio: the share
+    of groups whose rewards are all equal."""
     rewards, group_ids = checked_rewards(rewards, group_ids)
     adv = np.zeros(len(rewards), dtype=np.float32)
     groups = list(dict.fromkeys(group_ids.tolist()))
@@ -57,7 +65,10 @@ def best_of_group(rewards: np.ndarray, group_ids: np.ndarray) -> GroupAdvantages
         idx = np.flatnonzero(group_ids == g)
         r = rewards[idx]
         flat += bool(np.all(r == r[0]))
-        adv[idx[r == r.max()]] = 1.0 / len(idx)
+        if min_spread is not None and r.max() - r.min() <= min_spread:
+            continue
+        best = idx[r == r.max()]
+        adv[best if ties == "all" else best[:1]] = 1.0 / len(idx)
     return GroupAdvantages(advantages=adv, zero_std_ratio=flat / max(1, len(groups)), keep=adv != 0)
 
 
@@ -89,7 +100,7 @@ class OnlineSFT(Algorithm):
                              None, ())
 
     def advantages(self, rewards: np.ndarray, group_ids: np.ndarray) -> GroupAdvantages:
-        return best_of_group(rewards, group_ids)
+        return best_of_group(rewards, group_ids, self.settings.ties, self.settings.min_spread)
 
     def trains_on(self, advantages: np.ndarray, group_ids: np.ndarray | None = None) -> np.ndarray:
         return np.asarray(advantages) != 0
