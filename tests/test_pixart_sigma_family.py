@@ -144,4 +144,44 @@ def test_rl_iterations_through_the_unchanged_flow(tiny_px, tmp_path, prefect_har
     else:  # DDPO's DDIM-η, fully fine-tuned; the last step lands on ᾱ = 1 (σ = 0), deterministic: not stored
         two_iterations(tiny_px, tmp_path, "px-ddpo", "full", "sampling.sde_type=ddim", "sampling.noise_level=1.0",
                        "sampling.window_size=null", "sampling.window_range=null", "sampling.timestep_fraction=0.75",
-                       "sampling.guidance_scale=4.5", "algorithm.min_count=4", algorithm="ddpo")
+                       "sampling.guidance_scale=4.5", "algorithm.min_count=4", "algorithm.lora.enabled=false",
+                       algorithm="ddpo")
+
+
+def test_a_lora_version_exports_merged_and_refuses_a_loaderless_adapter(tiny_px, tmp_path):
+    """PixArtTransformer2DModel has no diffusers LoRA loader: a bare adapter is refused before
+    anything is written, the merged export loads with PixArtSigmaPipeline.from_pretrained alone."""
+    import json
+
+    from diffusers import PixArtSigmaPipeline
+    from typer.testing import CliRunner
+
+    from pixrl.artifacts.checkpoints import save_checkpoint
+    from pixrl.cli import app
+    from pixrl.config.loader import load_config
+    from pixrl.engines.policy import TrainablePolicy
+
+    cfg = load_config(None, [f"{k}={v}" for k, v in tiny_px[1].items()] + [
+        f"run.workdir={tmp_path}", "algorithm.lora.enabled=true", "algorithm.lora.rank=4", "algorithm.lora.alpha=8"])
+    pol = TrainablePolicy(cfg)
+    g = torch.Generator().manual_seed(1)
+    weights = {k: v.detach() + 0.05 * torch.randn(v.shape, generator=g) for k, v in pol.trainable_parameters().items()}
+    ckpt = tmp_path / "ckpt"
+    save_checkpoint(ckpt, weights, {}, {"iteration": 0}, cfg.model_dump(mode="json"))
+    res = CliRunner().invoke(app, ["export-model", "--checkpoint", str(ckpt), "--out", str(tmp_path / "lora")])
+    assert res.exit_code != 0 and "no LoRA loader" in res.output and "--merge" in res.output
+    assert not (tmp_path / "lora").exists() and not list(tmp_path.glob("lora.staging-*"))
+    res = CliRunner().invoke(app, ["export-model", "--checkpoint", str(ckpt), "--out", str(tmp_path / "merged"),
+                                   "--merge"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "merged" / "pixrl_export.json").read_text())["format"] == "diffusers-pipeline"
+    pol.load_version(ckpt)  # the exported version in the policy itself
+    merged = PixArtSigmaPipeline.from_pretrained(str(tmp_path / "merged")).transformer
+    x = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    t = torch.tensor([500.0, 500.0])
+    cond = pol.family.encode_prompts(PROMPTS)
+    kw = dict(encoder_hidden_states=cond.prompt_embeds, encoder_attention_mask=cond.mask, timestep=t,
+              added_cond_kwargs={"resolution": None, "aspect_ratio": None})
+    with torch.no_grad():
+        want, got = pol.module(x, **kw).sample, merged(x, **kw).sample
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
