@@ -82,6 +82,7 @@ CHECKS = {
     # new since: SD1.5's UNet with DDPO's recipe (860M, every step of DDIM-η stored)
     "sd15": ([SMOKE, "--family", "sd15"], 150, None),
     "sdxl": ([SMOKE, "--family", "sdxl"], 200, None),
+    "pixart_sigma": ([SMOKE, "--family", "pixart_sigma"], 150, None),  # new since: PixArt-Σ at full depth
     "sana": ([SMOKE, "--family", "sana"], 150, None),
     "qwen_image": ([SMOKE, "--family", "qwen_image", "--layers", "12"], 200, None),
     # the same without the offload: the accelerator memory the offload frees (Mistral-3 at real width)

@@ -40,6 +40,8 @@ images/s and peak memory.
   LoRA r32. `--layers N` blocks.
 - `--family hunyuan_video15_i2v`: its image-to-video — the same shapes with SigLIP so400m (729
   image tokens), animating 8 random first frames.
+- `--family pixart_sigma`: PixArt-Σ XL-2 512 — the real DiT (28 blocks, learned variance) and SDXL
+  VAE, T5-XXL at its real width with 2 layers, CFG 4.5 on its DDIM grid; LoRA r32.
 - `--family sd15`: Stable Diffusion 1.5 — the real UNet (860M), SD VAE and CLIP-L; DDPO's recipe
   (DDIM-η with η = 1 at every step, CFG 5) with its LoRA (rank 4).
 - `--family sdxl`: SDXL base — the real UNet (2.6B), VAE, CLIP-L and OpenCLIP-bigG; Flow-GRPO
@@ -107,6 +109,8 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
     "sd15": lambda tiny: ["algorithm=ddpo", "sampling.sde_type=ddim", "sampling.noise_level=1.0",
                           "sampling.window_size=null", "sampling.window_range=null", "sampling.timestep_fraction=1.0",
                           "sampling.guidance_scale=5.0", "algorithm.min_count=4"],
+    "pixart_sigma": lambda tiny: ["model.max_sequence_length=64" if tiny else "model.max_sequence_length=300",
+                                  "sampling.guidance_scale=4.5", *([] if tiny else ["algorithm=flow_grpo_lora"])],
     "sdxl": lambda tiny: [GC, "sampling.guidance_scale=5.0", *([] if tiny else ["algorithm=flow_grpo_lora"])],
     "janus_pro": lambda tiny: ["model.max_sequence_length=0", "sampling.guidance_scale=5.0", "algorithm=token_grpo"],
     "wan": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=226",

@@ -347,9 +347,32 @@ def sdxl_pipeline(layers: int | None, device: str, workdir: Path):
         scheduler=sched, force_zeros_for_empty_prompt=True, add_watermarker=False)
 
 
+
+def pixart_sigma_pipeline(layers: int | None, device: str, workdir: Path):
+    """A random PixArtSigmaPipeline with PixArt-Σ XL-2's shapes (its diffusers defaults: 28 blocks of
+    16×72 heads, learned variance, T5-XXL captions) at 512 (sample_size 64), the SDXL VAE, T5-XXL at
+    its real width (4096) with 2 of its 24 layers, the shipped DPM-Solver++ config."""
+    import torch
+    from diffusers import AutoencoderKL, DPMSolverMultistepScheduler, PixArtSigmaPipeline, PixArtTransformer2DModel
+
+    from pixrl.models.tiny_parts import t5_encoder, t5_tokenizer
+
+    tok = t5_tokenizer(workdir / "tokenizer", 300)
+    text = t5_encoder(tok, d_model=4096, layers=2)
+    with torch.device(device):
+        transformer = PixArtTransformer2DModel(num_layers=layers or 28, sample_size=64, caption_channels=4096,
+                                               use_additional_conditions=False).to(torch.bfloat16)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512),
+                        layers_per_block=2, latent_channels=4, scaling_factor=0.13025)
+    sched = DPMSolverMultistepScheduler(beta_start=0.0001, beta_end=0.02, beta_schedule="linear",
+                                        algorithm_type="dpmsolver++", timestep_spacing="linspace")
+    return PixArtSigmaPipeline(tokenizer=tok, text_encoder=text, vae=vae, transformer=transformer, scheduler=sched)
+
 BUILDERS = {"sd15": sd15_pipeline, "sdxl": sdxl_pipeline, "flux1": flux1_dev_pipeline,
             "flux1_kontext": flux1_kontext_dev_pipeline, "qwen_image": qwen_image_pipeline, "sana": sana_1600m_pipeline,
             "flux2": flux2_dev_pipeline, "wan": wan21_1_3b_pipeline, "wan_a14b": wan22_a14b_pipeline,
             "wan_i2v": wan21_i2v_14b_pipeline, "z_image": z_image_turbo_pipeline,
             "hunyuan_video": hunyuan_video_pipeline, "hunyuan_video15": hunyuan_video15_pipeline,
-            "hunyuan_video15_i2v": hunyuan_video15_i2v_pipeline, "skyreels_i2v": skyreels_i2v_pipeline}
+            "hunyuan_video15_i2v": hunyuan_video15_i2v_pipeline, "skyreels_i2v": skyreels_i2v_pipeline,
+            "pixart_sigma": pixart_sigma_pipeline}

@@ -97,6 +97,9 @@ def _export_pipeline(policy, cfg, stage: Path, merge: bool, link: bool) -> dict:
     regrid = "" if cfg.model.shift is None else (  # the grid it sampled on (model.shift), for an adapter's base
         f"; pipe.scheduler = diffusers.{type(fam.scheduler).__name__}.from_config(pipe.scheduler.config, "
         f"shift={cfg.model.shift})")
+    if policy.lora and not merge and not hasattr(module, "save_lora_adapter"):
+        raise ExportError(f"the {fam.name} family's {type(module).__name__} has no LoRA loader in diffusers, so an "
+                          "adapter file would load nowhere; export with --merge (the adapter folded into whole weights)")
     if policy.lora and not merge and not hasattr(type(fam.pipe), "save_lora_weights"):
         # a pipeline without diffusers' LoRA loaders (HunyuanVideo-1.5): the model's own adapter file
         module.save_lora_adapter(str(stage), adapter_name="default", safe_serialization=True)

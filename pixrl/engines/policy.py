@@ -18,6 +18,7 @@ from ..config.schema import ExperimentConfig
 from ..models.registry import get_family
 from ..stages.plan import seed_of
 from .activation_checkpointing import enable_activation_checkpointing
+from .adapters import adapters_off, add_lora
 from .assets import resolve_model_path
 from .ema import WeightAverage
 from .fsdp import (align, fill_like, full, full_optimizer_state, like, materialize, shard_module,
@@ -65,8 +66,8 @@ class TrainablePolicy:
 
             lc = cfg.algorithm.lora
             with seeded(cfg.run.seed, cfg.model.device):  # every process starts from the same adapter
-                self.module.add_adapter(LoraConfig(r=lc.rank, lora_alpha=lc.alpha, init_lora_weights=lc.init,
-                                                   target_modules=list(self.family.lora_targets)))
+                add_lora(self.module, LoraConfig(r=lc.rank, lora_alpha=lc.alpha, init_lora_weights=lc.init,
+                                                 target_modules=list(self.family.lora_targets)))
         if cfg.model.gradient_checkpointing:
             enable_activation_checkpointing(self.family, self.module)
         self.module.requires_grad_(False)
@@ -269,11 +270,8 @@ class TrainablePolicy:
         disabled (LoRA) or a frozen base copy, unless set_reference chose a checkpoint."""
         with torch.no_grad():
             if self.lora and not self._explicit_reference:
-                self.module.disable_adapters()
-                try:
+                with adapters_off(self.module):
                     return getattr(self.family, method)(*args, **kwargs)
-                finally:
-                    self.module.enable_adapters()
             if self._reference is None:
                 self._reference = self._copy(self._base_state, "base weights")
         return self.module_call(self._reference, method, *args, **kwargs)
