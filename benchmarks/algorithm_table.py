@@ -26,6 +26,7 @@ ROWS = {
     "online_dpo": "cmp_online_dpo",
     "ddpo": "cmp_ddpo",
     "tempflow_grpo": "cmp_tempflow_grpo",
+    "online_sft": "cmp_online_sft",
 }
 
 HEADER = ("| algorithm | held-out before → after (95% CI of after) | rose? | best in-run held-out, 24 per category (iteration) | "

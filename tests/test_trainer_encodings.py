@@ -22,7 +22,7 @@ from pixrl.models.base import uses_negative_prompt
 from pixrl.models.registry import get_family
 
 PIPELINE_FAMILIES = ["sd3", "sd15", "sdxl", "flux1", "flux2", "qwen_image", "sana", "wan", "z_image", "hunyuan_video15",
-                     "flux2_klein", "lumina2", "hunyuan_video"]
+                     "flux2_klein", "lumina2", "hunyuan_video", "pixart_sigma"]
 PROMPTS = ["a red circle", "two blue squares in the sky", "a red circle"]
 
 
@@ -83,7 +83,7 @@ def test_a_rollout_worker_without_text_towers_samples_with_given_encodings(famil
     cfg = load_config(None, [f"{k}={v}" for k, v in tiny_dirs(family).items()] + ["sampling.eval_steps=2"])
     full, bare = LocalEngine(cfg), LocalEngine(cfg)
     bare.text_towers = False
-    recipe = SamplerRecipe(steps=3, noise_level=0.7, guidance_scale=4.0, sde_steps=(0, 1), train_steps=(0, 1))
+    recipe = SamplerRecipe(steps=4, noise_level=0.7, guidance_scale=4.0, sde_steps=(0, 1), train_steps=(0, 1))
     seeds = [5, 6, 7]
     want, _ = full.rollout(PolicySource(), PROMPTS, seeds, recipe)
     got, _ = bare.rollout(PolicySource(), PROMPTS, seeds, recipe,

@@ -128,9 +128,8 @@ class HunyuanVideoFamily(PipelineFamily):
     # --- pixels -------------------------------------------------------------------------------
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """Final latents [B, C, F', H', W'] → uint8 clips [B, F, H, W, 3]: unscaled, decoded one clip at a time."""
-        z = latents.to(self.vae.dtype) / self.vae.config.scaling_factor
-        return np.concatenate([video_to_uint8(self.vae.decode(c[None], return_dict=False)[0]) for c in z])
+        """Final latents [B, C, F', H', W'] → uint8 clips [B, F, H, W, 3]."""
+        return decode_clips(self.vae, latents)
 
     # --- a tiny random checkpoint in the real layout --------------------------------------------
     @classmethod
@@ -146,6 +145,14 @@ class HunyuanVideoFamily(PipelineFamily):
         shutil.rmtree(build, ignore_errors=True)
         return {"model.family": cls.name, "model.path": str(out_dir), "model.resolution": 32, "model.frames": 5,
                 "model.max_sequence_length": 64}
+
+
+def decode_clips(vae, latents: torch.Tensor) -> np.ndarray:
+    """Final latents [B, C, F', H', W'] → uint8 clips [B, F, H, W, 3] as the HunyuanVideo pipelines
+    decode them: unscaled, one clip at a time (the causal VAE's attention mask is built for a batch
+    of one, and a clip's activations are gigabytes)."""
+    z = latents.to(vae.dtype) / vae.config.scaling_factor
+    return np.concatenate([video_to_uint8(vae.decode(c[None], return_dict=False)[0]) for c in z])
 
 
 def shifted_linspace_grid(scheduler, steps: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,11 +25,10 @@ import numpy as np
 import torch
 
 from .base import ModelLoadError
-from .hunyuan_video import shifted_linspace_grid
+from .hunyuan_video import decode_clips, shifted_linspace_grid
 from .pipelines import PipelineFamily, encodes_text
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
-from .wan import video_to_uint8
 
 __all__ = ["HunyuanVideo15Conditioning", "HunyuanVideo15Family"]
 
@@ -165,10 +164,8 @@ class HunyuanVideo15Family(PipelineFamily):
     # --- pixels -------------------------------------------------------------------------------
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """Final latents [B, C, F', H', W'] → uint8 clips [B, F, H, W, 3]: unscaled, decoded one clip
-        at a time (the VAE's causal attention mask is built for a batch of one)."""
-        z = latents.to(self.vae.dtype) / self.vae.config.scaling_factor
-        return np.concatenate([video_to_uint8(self.vae.decode(c[None], return_dict=False)[0]) for c in z])
+        """Final latents [B, C, F', H', W'] → uint8 clips [B, F, H, W, 3] (`decode_clips`)."""
+        return decode_clips(self.vae, latents)
 
     # --- a tiny random checkpoint in the real layout --------------------------------------------
     @classmethod
