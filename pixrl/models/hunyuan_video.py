@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import ModelLoadError
 from .pipelines import PipelineFamily, encodes_text
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
@@ -66,11 +65,7 @@ class HunyuanVideoFamily(PipelineFamily):
         super().__init__(pipe, *args, **kwargs)
         if shift is not None:
             self.set_shift(shift)
-        self.frames = self.frames or self.default_frames
-        step = pipe.vae_scale_factor_temporal
-        if (self.frames - 1) % step:
-            raise ModelLoadError(f"model.frames={self.frames}: this VAE compresses time ×{step}, so a clip has "
-                                 f"{step}k+1 frames (e.g. {self.default_frames}, or {(self.frames // step) * step + 1})")
+        self.set_clip_frames()
 
     @staticmethod
     def default_resolution(pipe) -> int:

@@ -81,11 +81,7 @@ class HunyuanVideo15Family(PipelineFamily):
                                  "schedule, which the family does not model; set start 0 and stop 1 in guider/config.json")
         self.guidance_rescale = float(g.get("guidance_rescale", 0.0))
         pipe.tokenizer_max_length = self.max_sequence_length  # the pipeline then encodes as the family does
-        self.frames = self.frames or self.default_frames
-        step = pipe.vae_scale_factor_temporal
-        if (self.frames - 1) % step:
-            raise ModelLoadError(f"model.frames={self.frames}: this VAE compresses time ×{step}, so a clip has "
-                                 f"{step}k+1 frames (e.g. {self.default_frames}, or {(self.frames // step) * step + 1})")
+        self.set_clip_frames()
 
     @staticmethod
     def default_resolution(pipe) -> int:

@@ -124,6 +124,15 @@ class PipelineFamily:
                                  f"{why}; unset model.shift")
         self.scheduler = self.pipe.scheduler = type(self.scheduler).from_config(cfg, shift=float(shift))
 
+    def set_clip_frames(self) -> None:
+        """A video family's `model.frames` (its default when unset), which its causal VAE needs as
+        k·(time compression) + 1."""
+        self.frames = self.frames or self.default_frames
+        step = self.pipe.vae_scale_factor_temporal
+        if (self.frames - 1) % step:
+            raise ModelLoadError(f"model.frames={self.frames}: this VAE compresses time ×{step}, so a clip has "
+                                 f"{step}k+1 frames (e.g. {self.default_frames}, or {(self.frames // step) * step + 1})")
+
     # --- text towers ----------------------------------------------------------------------------
     def text_towers(self) -> dict[str, torch.nn.Module]:
         """The pipeline's text encoders (`text_encoder`, `text_encoder_2`, …) and any other

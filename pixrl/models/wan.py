@@ -81,11 +81,7 @@ class WanFamily(PipelineFamily):
             high, low = pipe.transformer, pipe.transformer_2
             self.transformer, self.frozen_expert = (high, low) if expert == "high" else (low, high)
             self.frozen_expert.requires_grad_(False)
-        self.frames = self.frames or self.default_frames
-        step = pipe.vae_scale_factor_temporal
-        if (self.frames - 1) % step:
-            raise ModelLoadError(f"model.frames={self.frames}: this Wan VAE compresses time ×{step}, so a clip has "
-                                 f"{step}k+1 frames (e.g. {self.default_frames}, or {(self.frames // step) * step + 1})")
+        self.set_clip_frames()
 
     @classmethod
     def trained_component(cls, options: dict) -> str:
