@@ -51,7 +51,7 @@ def trained_forward(policy, batch: int = 1, seed: int = 0) -> torch.Tensor:
         return fam.sequence_logits(cond, tokens.to(fam.device), guided=scale > 1)
     x = torch.randn(batch, *fam.latent_shape(), generator=g).to(fam.device, fam.dtype)  # as the sampler feeds it
     _, timesteps = fam.schedule(4)
-    neg = fam.encode_prompts([""] * batch) if uses_negative_prompt(fam, scale) else None
+    neg = fam.encode_negative("").expand(batch) if uses_negative_prompt(fam, scale) else None
     return fam.velocity(x, timesteps[1:2], fam.encode_prompts([PROMPT] * batch), scale, neg)
 
 

@@ -156,3 +156,20 @@ def test_the_skyreels_experiment_is_dancegrpos_image_to_video_recipe():
     assert (m.family, m.frames, m.shift) == ("skyreels_i2v", 53, None)  # its checkpoint's shift 7
     assert (s.steps, s.noise_level, s.sde_type, s.guidance_scale, s.group_size) == (16, 0.3, "dance", 5.0, 8)
     assert cfg.algorithm.name == "dance_grpo" and cfg.dataset.name == "edits"
+
+
+def test_a_negative_prompt_is_refused_where_nothing_would_read_it(tiny_flux, tmp_path):
+    """Without classifier-free guidance (at load), and on a guidance-distilled family (preflight)."""
+    from pixrl.algorithms.recipe import eval_recipe, rollout_recipe, with_negative_prompt
+    from pixrl.stages.preflight import PreflightError, preflight
+
+    with pytest.raises(ConfigError, match="sampling.negative_prompt='blurry' is only used by classifier-free guidance"):
+        load_config(None, ["sampling.negative_prompt=blurry"])
+    s = load_config(None, ["sampling.negative_prompt=blurry, low quality", "sampling.guidance_scale=3"]).sampling
+    assert eval_recipe(s).negative_prompt == "blurry, low quality"
+    assert with_negative_prompt(rollout_recipe(s, __import__("numpy").random.default_rng(0)), s).negative_prompt == \
+        "blurry, low quality"
+    flux = [f"model.path={tiny_flux[0]}", *(f"{k}={v}" for k, v in tiny_flux[1].items()), f"run.workdir={tmp_path}"]
+    cfg = load_config(None, [*flux, "sampling.negative_prompt=blurry", "sampling.guidance_scale=3.5"])
+    with pytest.raises(PreflightError, match="sampling.negative_prompt: the flux1 family's guidance is embedded.*sd3"):
+        preflight(cfg)

@@ -72,7 +72,7 @@ def test_encoding_is_the_pipelines_qwen3_layers(family):
 @pytest.mark.parametrize("guidance", [1.0, 4.0])
 def test_ode_sampling_equals_flux2_klein_pipeline(family, guidance):
     seeds = [11, 12]
-    neg = family.encode_prompts([""]).expand(2) if guidance > 1 else None
+    neg = family.encode_negative("").expand(2) if guidance > 1 else None
     traj = _ode(family, family.encode_prompts(PROMPTS), neg, seeds, guidance)
     ref = _pipeline_latents(family, guidance, seeds)
     assert (_as_pipeline_latents(family, traj.final) - ref).abs().max().item() <= 1e-5
@@ -85,7 +85,7 @@ def test_a_step_distilled_checkpoint_samples_without_guidance_as_the_pipeline_do
     overrides = Flux2KleinFamily.write_tiny(tmp_path / "distilled", distilled=True)
     fam = _load(tmp_path / "distilled", overrides)
     assert fam.distilled and "distilled" in fam.describe()["guidance"]
-    neg = fam.encode_prompts([""]).expand(2)
+    neg = fam.encode_negative("").expand(2)
     guided = _ode(fam, fam.encode_prompts(PROMPTS), neg, [1, 2], 4.0)
     assert torch.equal(guided.final, _ode(fam, fam.encode_prompts(PROMPTS), None, [1, 2], 1.0).final)
     assert (_as_pipeline_latents(fam, guided.final) - _pipeline_latents(fam, 4.0, [1, 2])).abs().max().item() <= 1e-5
@@ -97,14 +97,14 @@ def test_an_edit_keeps_its_reference_in_the_unconditional_pass(tiny_flux2_klein)
     fam = _load(*tiny_flux2_klein, resolution=64)
     rng = np.random.default_rng(3)
     sources = [png_bytes(rng.integers(0, 256, (64, 64, 3))) for _ in PROMPTS]
-    traj = _ode(fam, fam.encode_prompts(PROMPTS, sources), fam.encode_prompts([""]).expand(2), [5, 6], 4.0)
+    traj = _ode(fam, fam.encode_prompts(PROMPTS, sources), fam.encode_negative("").expand(2), [5, 6], 4.0)
     for i, (prompt, src, seed) in enumerate(zip(PROMPTS, sources, [5, 6])):
         ref = _pipeline_latents(fam, 4.0, [seed], [prompt], [Image.open(io.BytesIO(src)).convert("RGB")])
         assert (_as_pipeline_latents(fam, traj.final[i:i + 1]) - ref).abs().max().item() <= 1e-5
 
 
 def test_decode_equals_the_pipeline_images(family):
-    neg = family.encode_prompts([""]).expand(2)
+    neg = family.encode_negative("").expand(2)
     traj = _ode(family, family.encode_prompts(PROMPTS), neg, [3, 4], 4.0)
     ref = family.pipe(prompt=PROMPTS, num_inference_steps=6, guidance_scale=4.0, generator=gens([3, 4]),
                       output_type="np", height=32, width=32, max_sequence_length=family.max_sequence_length).images
@@ -116,7 +116,7 @@ def test_decode_equals_the_pipeline_images(family):
 def test_replayed_log_probs_equal_stored(family, sde_type, window):
     recipe = SamplerRecipe(steps=4, noise_level=0.7, sde_type=sde_type, guidance_scale=4.0, sde_steps=window,
                            train_steps=window or (0, 1, 2))
-    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2), recipe)
+    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_negative("").expand(2), recipe)
 
 
 def test_lora_targets_name_linear_layers_only(family, tiny_flux2):

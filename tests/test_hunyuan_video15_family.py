@@ -30,13 +30,13 @@ def family(tiny_hv):
     return HunyuanVideo15Family.load(tiny_hv[0], max_sequence_length=64, resolution=64, frames=5)
 
 
-def _pipeline(family, cfg: float, seeds, output_type: str):
+def _pipeline(family, cfg: float, seeds, output_type: str, negative: str | None = None):
     """The pipeline at CFG scale `cfg` (its guider's), one prompt a call (its VAE decodes one clip at a time)."""
     from diffusers import ClassifierFreeGuidance
 
     saved, family.pipe.guider = family.pipe.guider, ClassifierFreeGuidance(guidance_scale=cfg)
     try:
-        out = [family.pipe(prompt=[p], num_inference_steps=6, generator=gens([s]), output_type=output_type,
+        out = [family.pipe(prompt=[p], negative_prompt=negative, num_inference_steps=6, generator=gens([s]), output_type=output_type,
                            height=64, width=64, num_frames=5).frames for p, s in zip(PROMPTS, seeds)]
     finally:
         family.pipe.guider = saved
@@ -79,10 +79,10 @@ def test_schedule_is_the_pipelines(family):
     assert sigmas[-1] == 0 and family.scheduler.config.shift == 7.0
 
 
-@pytest.mark.parametrize("cfg", [1.0, 6.0])
-def test_ode_sampling_equals_the_pipeline(family, cfg):
-    ref = _pipeline(family, cfg, [3, 4], "latent")
-    neg = family.encode_prompts([""]).expand(2) if cfg > 1 else None
+@pytest.mark.parametrize("cfg,negative", [(1.0, None), (6.0, None), (6.0, "blurry, static")])
+def test_ode_sampling_equals_the_pipeline(family, cfg, negative):
+    ref = _pipeline(family, cfg, [3, 4], "latent", negative)
+    neg = family.encode_negative(negative or "").expand(2) if cfg > 1 else None
     traj = sample(family, family.encode_prompts(PROMPTS), neg, gens([3, 4]),
                   SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
     assert traj.final.shape == ref.shape == (2, 4, 2, 4, 4)
@@ -91,7 +91,7 @@ def test_ode_sampling_equals_the_pipeline(family, cfg):
 
 def test_decoded_clips_equal_the_pipeline_frames(family):
     ref = _pipeline(family, 6.0, [5, 6], "np")
-    traj = sample(family, family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2), gens([5, 6]),
+    traj = sample(family, family.encode_prompts(PROMPTS), family.encode_negative("").expand(2), gens([5, 6]),
                   SamplerRecipe(6, 0.0, guidance_scale=6.0, train_steps=()))
     clips = family.decode(traj.final)
     assert clips.shape == (2, 5, 64, 64, 3) and clips.dtype == np.uint8
@@ -102,7 +102,7 @@ def test_decoded_clips_equal_the_pipeline_frames(family):
 def test_replayed_log_probs_equal_stored_with_cfg(family, sde_type, window):
     recipe = SamplerRecipe(steps=4, noise_level=0.7, sde_type=sde_type, guidance_scale=6.0, sde_steps=window,
                            train_steps=window or (0, 1, 2))
-    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2), recipe)
+    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_negative("").expand(2), recipe)
 
 
 def test_refusals_name_the_fix(tiny_hv, family, tmp_path):

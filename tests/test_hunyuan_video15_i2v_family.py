@@ -54,18 +54,19 @@ def test_first_frame_condition_and_siglip_states_are_the_pipelines(tiny_hvi, fam
         assert torch.equal(image[i:i + 1], family.pipe.encode_image(_pil(im), 1, "cpu", torch.float32))
 
 
-@pytest.mark.parametrize("cfg", [1.0, 6.0])
-def test_ode_sampling_equals_the_image_to_video_pipeline(family, frames, cfg):
+@pytest.mark.parametrize("cfg,negative", [(1.0, None), (6.0, None), (6.0, "blurry, static")])
+def test_ode_sampling_equals_the_image_to_video_pipeline(family, frames, cfg, negative):
     from diffusers import ClassifierFreeGuidance
 
     saved, family.pipe.guider = family.pipe.guider, ClassifierFreeGuidance(guidance_scale=cfg)
     try:
-        ref = torch.cat([family.pipe(image=_pil(frames[i]), prompt=[PROMPTS[i]], num_inference_steps=6,
+        ref = torch.cat([family.pipe(image=_pil(frames[i]), prompt=[PROMPTS[i]], negative_prompt=negative,
+                                     num_inference_steps=6,
                                      generator=gens([3 + i]), output_type="latent", num_frames=5).frames
                          for i in range(2)])
     finally:
         family.pipe.guider = saved
-    neg = family.encode_prompts([""]).expand(2) if cfg > 1 else None
+    neg = family.encode_negative(negative or "").expand(2) if cfg > 1 else None
     recipe = SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=())
     traj = sample(family, family.encode_prompts(PROMPTS, frames), neg, gens([3, 4]), recipe)
     other = sample(family, family.encode_prompts(PROMPTS, frames[::-1]), neg, gens([3, 4]), recipe)
@@ -75,7 +76,7 @@ def test_ode_sampling_equals_the_image_to_video_pipeline(family, frames, cfg):
 
 def test_replay_is_exact_and_a_prompt_without_a_frame_is_refused(family, frames):
     recipe = SamplerRecipe(steps=4, noise_level=0.7, guidance_scale=6.0, sde_steps=(1, 2), train_steps=(1, 2))
-    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS, frames), family.encode_prompts([""]).expand(2),
+    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS, frames), family.encode_negative("").expand(2),
                                recipe)
     with pytest.raises(SourceImageError, match="every prompt needs a source image"):
         family.encode_prompts(PROMPTS, [frames[0], None])

@@ -36,7 +36,7 @@ def _pipeline(family, guidance, seeds, output_type="latent", normalise=True):
 
 
 def _ode(family, guidance, seeds):
-    neg = family.encode_prompts([""]).expand(2) if guidance > 1 else None
+    neg = family.encode_negative("").expand(2) if guidance > 1 else None
     return sample(family, family.encode_prompts(PROMPTS), neg, gens(seeds),
                   SamplerRecipe(6, 0.0, guidance_scale=guidance, train_steps=()))
 
@@ -48,12 +48,16 @@ def test_registered_with_cfg(family, tiny_lumina2):
         _load(*tiny_lumina2, cfg_trunc_ratio=0.25)
 
 
-def test_captions_are_the_pipelines(family):
-    cond = family.encode_prompts(PROMPTS + [""])
-    pos, pos_mask, neg, neg_mask = family.pipe.encode_prompt(PROMPTS, True, device=family.device,
+@pytest.mark.parametrize("negative", ["", "blurry, low quality"])
+def test_captions_are_the_pipelines(family, negative):
+    """Prompts under the system prompt; the negative prompt bare, as the pipeline encodes it."""
+    cond, uncond = family.encode_prompts(PROMPTS), family.encode_negative(negative)
+    pos, pos_mask, neg, neg_mask = family.pipe.encode_prompt(PROMPTS, True, negative_prompt=[negative] * 2,
+                                                             device=family.device,
                                                              max_sequence_length=family.max_sequence_length)
-    assert torch.equal(cond.prompt_embeds[:2], pos) and torch.equal(cond.attention_mask[:2], pos_mask)
-    assert torch.equal(cond.prompt_embeds[2], neg[0]) and torch.equal(cond.attention_mask[2], neg_mask[0])
+    assert torch.equal(cond.prompt_embeds, pos) and torch.equal(cond.attention_mask, pos_mask)
+    assert torch.equal(uncond.prompt_embeds[0], neg[0]) and torch.equal(uncond.attention_mask[0], neg_mask[0])
+    assert not torch.equal(uncond.prompt_embeds, family.encode_prompts([negative]).prompt_embeds)
     assert int(cond.attention_mask[1].sum()) < family.max_sequence_length  # the prompt is not cut away
 
 
@@ -84,7 +88,7 @@ def test_decode_equals_the_pipeline_images(family):
 def test_replayed_log_probs_equal_stored(family, sde_type, window):
     recipe = SamplerRecipe(steps=4, noise_level=0.7, sde_type=sde_type, guidance_scale=4.0, sde_steps=window,
                            train_steps=window or (0, 1, 2))
-    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2), recipe)
+    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_negative("").expand(2), recipe)
 
 
 def test_lora_targets_name_linear_layers_only(family):

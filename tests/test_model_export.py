@@ -75,7 +75,7 @@ def _velocities(fam, module):
     """The family's guided velocity at one grid step with its own trained module and with `module`."""
     scale = 4.0
     cond = fam.encode_prompts(PROMPTS)
-    neg = fam.encode_prompts([""]).expand(2) if uses_negative_prompt(fam, scale) else None
+    neg = fam.encode_negative("").expand(2) if uses_negative_prompt(fam, scale) else None
     _, timesteps = fam.schedule(4)
     x = torch.randn((2, *fam.latent_shape()), generator=torch.Generator().manual_seed(0))
     t = timesteps[-1].repeat(2)  # the last step: a two-expert checkpoint's low-noise side
@@ -203,6 +203,10 @@ def test_pixrl_generates_from_an_exported_directory_of_any_family(family, tiny_d
     assert res.exit_code == 0, res.output + repr(res.exception)
     listed = [".jsonl"] if family != "wan" else []  # images are listed as a prompt set of source images; clips not
     assert sorted(p.suffix for p in (tmp_path / "samples").iterdir()) == sorted([".json", ".png", *listed])
+    if family == "flux1":  # guidance-distilled: it has no negative-prompt batch to take one
+        res = CliRunner().invoke(app, ["generate", "--checkpoint", str(tmp_path / "model"), "--prompt", "a red circle",
+                                       "--out", str(tmp_path / "neg"), "--negative-prompt", "blurry"])
+        assert res.exit_code == 2 and "batches no negative prompt; drop --negative-prompt" in res.output, res.output
     res = CliRunner().invoke(app, ["generate", "--checkpoint", str(tmp_path), "--prompt", "x",
                                    "--out", str(tmp_path / "none")])
     assert res.exit_code == 2 and "nor a model directory of a registered family" in res.output

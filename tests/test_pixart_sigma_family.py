@@ -31,7 +31,7 @@ def family(tiny_px):
     return PixArtSigmaFamily.load(tiny_px[0], max_sequence_length=64, resolution=32)
 
 
-def _pipeline(family, cfg: float, seeds, output_type: str = "latent", steps: int = 10):
+def _pipeline(family, cfg: float, seeds, output_type: str = "latent", steps: int = 10, negative: str = ""):
     """PixArtSigmaPipeline on DDIM with trailing spacing (η = 0), no caption cleaning or binning."""
     from diffusers import DDIMScheduler
 
@@ -39,7 +39,7 @@ def _pipeline(family, cfg: float, seeds, output_type: str = "latent", steps: int
     shipped = pipe.scheduler
     pipe.scheduler = DDIMScheduler.from_config(shipped.config, timestep_spacing="trailing", clip_sample=False)
     try:
-        return pipe(prompt=PROMPTS, num_inference_steps=steps, generator=gens(seeds), guidance_scale=cfg, eta=0.0,
+        return pipe(prompt=PROMPTS, negative_prompt=[negative] * len(PROMPTS), num_inference_steps=steps, generator=gens(seeds), guidance_scale=cfg, eta=0.0,
                     output_type=output_type, height=32, width=32, max_sequence_length=64, clean_caption=False,
                     use_resolution_binning=False).images
     finally:
@@ -75,12 +75,12 @@ def test_schedule_is_the_trailing_ddim_grid_as_flow_noise_levels(family):
         family.schedule(30)
 
 
-@pytest.mark.parametrize("cfg", [1.0, 4.5])
-def test_ode_sampling_equals_the_pipeline_with_ddim(family, cfg):
+@pytest.mark.parametrize("cfg,negative", [(1.0, ""), (4.5, ""), (4.5, "blurry, low quality")])
+def test_ode_sampling_equals_the_pipeline_with_ddim(family, cfg, negative):
     """Euler on the flow grid is DDIM (η = 0). The random ε-model's latents reach hundreds (x̂0
     divides by √ᾱ at the first steps), so float32 rounding is compared relative to that scale."""
-    ref = _pipeline(family, cfg, [3, 4])
-    neg = family.encode_prompts([""]).expand(2) if cfg > 1 else None
+    ref = _pipeline(family, cfg, [3, 4], negative=negative)
+    neg = family.encode_negative(negative).expand(2) if cfg > 1 else None
     traj = sample(family, family.encode_prompts(PROMPTS), neg, gens([3, 4]),
                   SamplerRecipe(10, 0.0, guidance_scale=cfg, train_steps=()))
     assert traj.final.shape == ref.shape == (2, 4, 16, 16)
@@ -89,7 +89,7 @@ def test_ode_sampling_equals_the_pipeline_with_ddim(family, cfg):
 
 def test_decoded_images_equal_the_pipelines(family):
     ref = _pipeline(family, 4.5, [5, 6], output_type="np")
-    traj = sample(family, family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2), gens([5, 6]),
+    traj = sample(family, family.encode_prompts(PROMPTS), family.encode_negative("").expand(2), gens([5, 6]),
                   SamplerRecipe(10, 0.0, guidance_scale=4.5, train_steps=()))
     images = family.decode(traj.final)
     assert images.shape == (2, 32, 32, 3) and images.dtype == np.uint8
@@ -111,7 +111,7 @@ def test_the_learned_variance_half_is_dropped(family):
 def test_replayed_log_probs_equal_stored_with_cfg(family, sde_type, window):
     recipe = SamplerRecipe(steps=10, noise_level=1.0 if sde_type == "ddim" else 0.7, sde_type=sde_type,
                            guidance_scale=4.5, sde_steps=window, train_steps=window or (0, 1, 2))
-    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2), recipe)
+    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_negative("").expand(2), recipe)
 
 
 def test_dpo_error_is_the_transformers_epsilon_error(family):

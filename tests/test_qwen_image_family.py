@@ -32,10 +32,11 @@ def _gens(seeds):
     return [torch.Generator().manual_seed(s) for s in seeds]
 
 
-def _pipeline(family, cond, neg, cfg: float, seeds, output_type: str):
+def _pipeline(family, cond, negative: str | None, cfg: float, seeds, output_type: str):
+    """The pipeline given our prompt encodings, encoding its negative prompt itself (true CFG)."""
     kw = {"prompt_embeds": cond.prompt_embeds, "prompt_embeds_mask": cond.mask}
-    if neg is not None:
-        kw.update(negative_prompt_embeds=neg.prompt_embeds, negative_prompt_embeds_mask=neg.mask)
+    if negative is not None:
+        kw.update(negative_prompt=negative)
     return family.pipe(num_inference_steps=6, true_cfg_scale=cfg, generator=_gens(seeds), output_type=output_type,
                        height=family.resolution, width=family.resolution,
                        max_sequence_length=family.max_sequence_length, **kw).images
@@ -54,15 +55,15 @@ def test_encoding_is_the_pipelines_and_drops_the_template(family):
     template = family.pipe.prompt_template_encode.split("{}")[0]
     assert len(family.pipe.tokenizer(template).input_ids) == family.pipe.prompt_template_encode_start_idx == 34
     assert cond.mask.sum(1).tolist()[0] < cond.mask.sum(1).tolist()[1]  # the prompts' own tokens differ
-    assert not torch.equal(family.encode_prompts([""]).prompt_embeds[0, :3], cond.prompt_embeds[0, :3])
+    assert not torch.equal(family.encode_negative("").prompt_embeds[0, :3], cond.prompt_embeds[0, :3])
 
 
-@pytest.mark.parametrize("cfg", [1.0, 4.0])
-def test_ode_sampling_equals_qwen_image_pipeline(family, cfg):
+@pytest.mark.parametrize("cfg,negative", [(1.0, None), (4.0, ""), (4.0, "blurry, low quality")])
+def test_ode_sampling_equals_qwen_image_pipeline(family, cfg, negative):
     seeds = [11, 12]
     cond = family.encode_prompts(PROMPTS)
-    neg = family.encode_prompts([""]).expand(2) if cfg > 1 else None
-    ref = _pipeline(family, cond, neg, cfg, seeds, "latent")
+    neg = family.encode_negative(negative).expand(2) if cfg > 1 else None
+    ref = _pipeline(family, cond, negative, cfg, seeds, "latent")
     traj = sample(family, cond, neg, _gens(seeds), SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
     assert traj.final.shape == (2, *family.latent_shape()) == (2, 4, 16, 16)
     assert (family.pipe._pack_latents(traj.final, 2, *family.latent_shape()) - ref).abs().max().item() <= 1e-5
@@ -72,8 +73,8 @@ def test_ode_sampling_equals_qwen_image_pipeline(family, cfg):
 
 
 def test_decode_equals_the_pipeline_images(family):
-    cond, neg = family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2)
-    ref = (_pipeline(family, cond, neg, 4.0, [3, 4], "np") * 255).round().astype("uint8")
+    cond, neg = family.encode_prompts(PROMPTS), family.encode_negative("").expand(2)
+    ref = (_pipeline(family, cond, "", 4.0, [3, 4], "np") * 255).round().astype("uint8")
     traj = sample(family, cond, neg, _gens([3, 4]), SamplerRecipe(6, 0.0, guidance_scale=4.0, train_steps=()))
     imgs = family.decode(traj.final)
     assert imgs.shape == (2, 32, 32, 3) and imgs.dtype.name == "uint8"
@@ -82,7 +83,7 @@ def test_decode_equals_the_pipeline_images(family):
 
 def test_replayed_log_probs_equal_stored_with_cfg(family):
     recipe = SamplerRecipe(steps=4, noise_level=1.2, guidance_scale=4.0, train_steps=(0, 1, 2))
-    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2), recipe)
+    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_negative("").expand(2), recipe)
 
 
 def test_lora_targets_and_layout_errors(family, tiny_flux):

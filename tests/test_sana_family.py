@@ -27,10 +27,11 @@ def family(tiny_sana):
                            resolution=overrides["model.resolution"])
 
 
-def _pipeline(family, cond, neg, cfg: float, seeds, output_type: str):
+def _pipeline(family, cond, negative: str | None, cfg: float, seeds, output_type: str):
+    """The pipeline given our prompt encodings, encoding its negative prompt itself."""
     kw = {"prompt_embeds": cond.prompt_embeds, "prompt_attention_mask": cond.mask}
-    if neg is not None:
-        kw.update(negative_prompt=None, negative_prompt_embeds=neg.prompt_embeds, negative_prompt_attention_mask=neg.mask)
+    if negative is not None:
+        kw.update(negative_prompt=negative)
     return family.pipe(num_inference_steps=6, guidance_scale=cfg, generator=gens(seeds), output_type=output_type,
                        height=family.resolution, width=family.resolution, use_resolution_binning=False,
                        max_sequence_length=family.max_sequence_length, **kw).images
@@ -70,13 +71,14 @@ def test_schedule_is_the_shipped_dpm_solver_flow_grid(family):
     assert torch.equal(timesteps, timesteps.round())  # DPMSolver feeds integer timesteps, as the pipeline does
 
 
-@pytest.mark.parametrize("cfg", [1.0, 4.5])
-def test_ode_sampling_equals_sana_pipeline(family, cfg):
+@pytest.mark.parametrize("cfg,negative", [(1.0, None), (4.5, ""), (4.5, "blurry, low quality")])
+def test_ode_sampling_equals_sana_pipeline(family, cfg, negative):
+    """With CFG the pipeline encodes its negative prompt (without the instruction prefix)."""
     seeds = [11, 12]
     cond = family.encode_prompts(PROMPTS)
-    neg = family.encode_prompts([""]).expand(2) if cfg > 1 else None
+    neg = family.encode_negative(negative).expand(2) if cfg > 1 else None
     with euler(family):
-        ref = _pipeline(family, cond, neg, cfg, seeds, "latent")
+        ref = _pipeline(family, cond, negative, cfg, seeds, "latent")
         traj = sample(family, cond, neg, gens(seeds), SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
     assert traj.final.shape == ref.shape == (2, 4, 16, 16)
     assert (traj.final - ref).abs().max().item() <= 1e-5
@@ -87,9 +89,9 @@ def test_ode_sampling_equals_sana_pipeline(family, cfg):
 
 
 def test_decode_equals_the_pipeline_images(family):
-    cond, neg = family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2)
+    cond, neg = family.encode_prompts(PROMPTS), family.encode_negative("").expand(2)
     with euler(family):
-        ref = _pipeline(family, cond, neg, 4.5, [3, 4], "np")
+        ref = _pipeline(family, cond, "", 4.5, [3, 4], "np")
         traj = sample(family, cond, neg, gens([3, 4]), SamplerRecipe(6, 0.0, guidance_scale=4.5, train_steps=()))
     imgs = family.decode(traj.final)
     assert imgs.shape == (2, 32, 32, 3) and imgs.dtype == np.uint8
@@ -101,7 +103,7 @@ def test_replayed_log_probs_equal_stored_with_cfg(family, sde_type, window):
     """SDE at every step, CPS, and an SDE window (ODE outside steps 1–2): ratio exactly 1."""
     recipe = SamplerRecipe(steps=4, noise_level=0.7, sde_type=sde_type, guidance_scale=4.5, sde_steps=window,
                            train_steps=window or (0, 1, 2))
-    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2), recipe)
+    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_negative("").expand(2), recipe)
 
 
 def test_lora_targets_and_layout_errors(family, tiny_flux):
@@ -117,5 +119,27 @@ def test_lora_targets_and_layout_errors(family, tiny_flux):
 @pytest.mark.parametrize("mode", ["lora", "full"])
 def test_two_rl_iterations_through_the_unchanged_flow(tiny_sana, tmp_path, prefect_harness, mode):
     """LoRA on the family's targets (adapter weights only) and full fine-tuning: both train."""
-    out, t = two_iterations(tiny_sana, tmp_path, "sana", mode, "sampling.guidance_scale=4.5")
-    assert json.loads(t["recipe"][0].as_py())["guidance_scale"] == 4.5
+    negative = ["sampling.negative_prompt=blurry, low quality"] if mode == "full" else []
+    out, t = two_iterations(tiny_sana, tmp_path, "sana", mode, "sampling.guidance_scale=4.5", *negative)
+    recipe = json.loads(t["recipe"][0].as_py())
+    assert recipe["guidance_scale"] == 4.5 and recipe["negative_prompt"] == ("blurry, low quality" if negative else "")
+    if negative:
+        _replay_and_generate_with_the_negative_prompt(tmp_path)
+
+
+def _replay_and_generate_with_the_negative_prompt(tmp_path):
+    """The recorded negative prompt replays the update exactly; `pixrl generate` samples with the
+    run's, or with --negative-prompt's, and records it."""
+    from typer.testing import CliRunner
+
+    from pixrl.cli import app
+
+    rep = CliRunner().invoke(app, ["replay", "sana", "--iteration", "1", "--workdir", str(tmp_path)])
+    assert rep.exit_code == 0 and json.loads(rep.stdout.strip().splitlines()[-1])["equal"] is True, rep.output
+    base = ["generate", "--run", "sana", "--workdir", str(tmp_path), "--prompt", PROMPTS[0], "--steps", "2"]
+    for folder, extra in (("own", []), ("other", ["--negative-prompt", "a red circle"])):
+        res = CliRunner().invoke(app, [*base, "--out", str(tmp_path / folder), *extra])
+        assert res.exit_code == 0, res.output
+    sidecar = lambda d: json.loads((tmp_path / d / "0000_00.json").read_text())  # noqa: E731
+    assert sidecar("own")["negative_prompt"] == "blurry, low quality" and sidecar("other")["negative_prompt"] == "a red circle"
+    assert (tmp_path / "own" / "0000_00.png").read_bytes() != (tmp_path / "other" / "0000_00.png").read_bytes()

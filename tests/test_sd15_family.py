@@ -46,12 +46,13 @@ def _ddim_pipeline(family):
     return pipe, DDIMScheduler.from_config(pipe.scheduler.config, clip_sample=False)
 
 
-def _pipeline_latents(family, steps, cfg, seeds):
+def _pipeline_latents(family, steps, cfg, seeds, negative=None):
     pipe, ddim = _ddim_pipeline(family)
     shipped, pipe.scheduler = pipe.scheduler, ddim
     try:
-        return pipe(PROMPTS, height=family.resolution, width=family.resolution, num_inference_steps=steps,
-                    guidance_scale=cfg, eta=0.0, generator=gens(seeds), output_type="latent").images
+        return pipe(PROMPTS, negative_prompt=None if negative is None else [negative] * len(PROMPTS), height=family.resolution, width=family.resolution,
+                    num_inference_steps=steps, guidance_scale=cfg, eta=0.0, generator=gens(seeds),
+                    output_type="latent").images
     finally:
         pipe.scheduler = shipped
 
@@ -84,13 +85,14 @@ def test_schedule_is_the_ddim_grid_as_flow_noise_levels(family):
     assert float(sigma_of_alpha_bar(torch.tensor([1.0], dtype=torch.float64))) == 0.0
 
 
-@pytest.mark.parametrize("cfg", [1.0, 7.5])
-def test_ode_sampling_equals_the_pipeline_with_ddim(family, cfg):
+@pytest.mark.parametrize("cfg,negative", [(1.0, None), (7.5, None), (7.5, "blurry, low quality")])
+def test_ode_sampling_equals_the_pipeline_with_ddim(family, cfg, negative):
     """Euler on the flow grid is DDIM (η = 0). The random ε-model's latents reach ~20 (x̂0 divides
-    by √ᾱ ≈ 0.1 at the first step), so float32 rounding is compared relative to that scale."""
-    ref = _pipeline_latents(family, 6, cfg, [3, 4])
+    by √ᾱ ≈ 0.1 at the first step), so float32 rounding is compared relative to that scale. The
+    pipeline encodes its negative prompt (None: the empty prompt)."""
+    ref = _pipeline_latents(family, 6, cfg, [3, 4], negative)
     cond = family.encode_prompts(PROMPTS)
-    neg = family.encode_prompts([""]).expand(2) if cfg > 1 else None
+    neg = family.encode_negative(negative or "").expand(2) if cfg > 1 else None
     traj = sample(family, cond, neg, gens([3, 4]), SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
     assert traj.final.shape == ref.shape == (2, 4, 8, 8)
     assert (traj.final - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
@@ -100,7 +102,7 @@ def test_ode_sampling_equals_the_pipeline_with_ddim(family, cfg):
 def test_v_prediction_checkpoints_sample_as_their_pipeline(v_family, cfg):
     ref = _pipeline_latents(v_family, 6, cfg, [5, 6])
     cond = v_family.encode_prompts(PROMPTS)
-    neg = v_family.encode_prompts([""]).expand(2) if cfg > 1 else None
+    neg = v_family.encode_negative("").expand(2) if cfg > 1 else None
     traj = sample(v_family, cond, neg, gens([5, 6]), SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
     assert (traj.final - ref).abs().max().item() <= 1e-5
 
@@ -154,7 +156,7 @@ def test_replayed_log_probs_equal_stored_with_cfg(family, sde_type, window):
     recipe = SamplerRecipe(steps=4, noise_level=1.0 if sde_type == "ddim" else 0.7, sde_type=sde_type,
                            guidance_scale=5.0, sde_steps=window,
                            train_steps=window or ((0, 1, 2, 3) if sde_type == "ddim" else (0, 1, 2)))
-    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2), recipe)
+    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_negative("").expand(2), recipe)
 
 
 def test_lora_targets_and_layout_errors(family, tiny_flux, tmp_path):

@@ -44,18 +44,19 @@ def test_preflight_checks_the_checkpoint_without_importing_model_code():
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("guidance", [1.0, 3.0])
-def test_ode_sampling_equals_diffusers_pipeline(family, guidance):
+@pytest.mark.parametrize("guidance,negative", [(1.0, ""), (3.0, ""), (3.0, "blurry, low quality")])
+def test_ode_sampling_equals_diffusers_pipeline(family, guidance, negative):
     prompts = ["a red circle", "two blue squares"]
     seeds = [11, 12]
     steps = 6
     pipe = family.pipe
     gens = [torch.Generator().manual_seed(s) for s in seeds]
-    ref = pipe(prompt=prompts, num_inference_steps=steps, guidance_scale=guidance, generator=gens,
-               output_type="latent", max_sequence_length=0).images
+    ref = pipe(prompt=prompts, negative_prompt=[negative] * 2, num_inference_steps=steps, guidance_scale=guidance,
+               generator=gens, output_type="latent", max_sequence_length=0).images
     cond = family.encode_prompts(prompts)
-    neg = family.encode_prompts([""]).expand(2) if guidance > 1 else None
-    recipe = SamplerRecipe(steps=steps, noise_level=0.0, guidance_scale=guidance, train_steps=())
+    neg = family.encode_negative(negative).expand(2) if guidance > 1 else None
+    recipe = SamplerRecipe(steps=steps, noise_level=0.0, guidance_scale=guidance, train_steps=(),
+                           negative_prompt=negative)
     traj = sample(family, cond, neg, [torch.Generator().manual_seed(s) for s in seeds], recipe)
     assert (traj.final - ref).abs().max().item() <= 1e-5
 
@@ -67,7 +68,7 @@ def test_replayed_log_probs_equal_stored(family, sde_type, guidance):
     recipe = SamplerRecipe(steps=5, noise_level=0.7, sde_type=sde_type, guidance_scale=guidance,
                            train_steps=(0, 1, 2, 3))
     cond = family.encode_prompts(prompts)
-    neg = family.encode_prompts([""]).expand(4) if guidance > 1 else None
+    neg = family.encode_negative("").expand(4) if guidance > 1 else None
     traj = sample(family, cond, neg, [torch.Generator().manual_seed(i) for i in range(4)], recipe)
     assert traj.latents.shape == (4, 4, *family.latent_shape())
     for j, k in enumerate(traj.stored_steps):

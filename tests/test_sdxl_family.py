@@ -36,20 +36,21 @@ def test_encodings_are_the_pipelines_and_the_negative_is_zero(family):
     assert not empty.prompt_embeds.any()  # force_zeros_for_empty_prompt
 
 
-@pytest.mark.parametrize("cfg", [1.0, 5.0])
-def test_ode_sampling_equals_the_pipeline_with_ddim(family, cfg):
-    """Relative to the latents' scale (~20 for a random ε-model), as for sd15."""
+@pytest.mark.parametrize("cfg,negative", [(1.0, None), (5.0, None), (5.0, "blurry, low quality")])
+def test_ode_sampling_equals_the_pipeline_with_ddim(family, cfg, negative):
+    """Relative to the latents' scale (~20 for a random ε-model), as for sd15. The pipeline
+    encodes its negative prompt; without one (pixrl's empty negative prompt) it is zeros."""
     from diffusers import DDIMScheduler
 
     pipe = family.pipe
     shipped, pipe.scheduler = pipe.scheduler, DDIMScheduler.from_config(pipe.scheduler.config)
     try:
-        ref = pipe(PROMPTS, height=16, width=16, num_inference_steps=6, guidance_scale=cfg, eta=0.0,
-                   generator=gens([3, 4]), output_type="latent").images
+        ref = pipe(PROMPTS, negative_prompt=None if negative is None else [negative] * 2, height=16, width=16, num_inference_steps=6, guidance_scale=cfg,
+                   eta=0.0, generator=gens([3, 4]), output_type="latent").images
     finally:
         pipe.scheduler = shipped
     cond = family.encode_prompts(PROMPTS)
-    neg = family.encode_prompts([""]).expand(2) if cfg > 1 else None
+    neg = family.encode_negative(negative or "").expand(2) if cfg > 1 else None
     traj = sample(family, cond, neg, gens([3, 4]), SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
     assert (traj.final - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
     family.resolution = 32  # the time ids carry the image size: another size conditions differently
@@ -63,7 +64,7 @@ def test_ode_sampling_equals_the_pipeline_with_ddim(family, cfg):
 
 def test_replayed_ddim_log_probs_equal_stored_with_cfg(family):
     recipe = SamplerRecipe(steps=4, noise_level=1.0, sde_type="ddim", guidance_scale=5.0, train_steps=(0, 1, 2, 3))
-    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2), recipe)
+    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_negative("").expand(2), recipe)
 
 
 def test_layout_errors_name_the_family(family, tiny_sd15):

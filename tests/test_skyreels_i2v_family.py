@@ -52,9 +52,9 @@ def posterior_mode(monkeypatch):
                         lambda out, generator=None, sample_mode="sample": out.latent_dist.mode())
 
 
-def _pipeline(family, frames, cfg, seeds):
-    """The pipeline at true-CFG scale `cfg` on the empty prompt, one prompt and frame a call."""
-    neg = {"negative_prompt": ""} if cfg > 1 else {}
+def _pipeline(family, frames, cfg, seeds, negative: str = ""):
+    """The pipeline at true-CFG scale `cfg` on its negative prompt, one prompt and frame a call."""
+    neg = {"negative_prompt": negative} if cfg > 1 else {}
     out = [family.pipe(image=Image.open(io.BytesIO(frames[i])).convert("RGB"), prompt=[p], true_cfg_scale=cfg,
                        guidance_scale=1.0, num_inference_steps=6, generator=gens([s]), output_type="latent",
                        height=32, width=32, num_frames=5, max_sequence_length=64, **neg).frames
@@ -79,11 +79,12 @@ def test_first_frame_latents_are_the_pipelines(family, frames, posterior_mode):
     assert cond.condition[:, :, 0].abs().sum() > 0
 
 
-@pytest.mark.parametrize("cfg", [1.0, 6.0])
-def test_ode_sampling_equals_the_pipeline(family, frames, cfg, posterior_mode):
+@pytest.mark.parametrize("cfg,negative", [(1.0, ""), (6.0, ""), (6.0, "Aerial view, overexposed, low quality")])
+def test_ode_sampling_equals_the_pipeline(family, frames, cfg, negative, posterior_mode):
+    """The last case: the start of SkyReels-V1's model-card negative prompt."""
     cond = family.encode_prompts(PROMPTS, frames)
-    neg = family.encode_prompts([""]).expand(2) if cfg > 1 else None
-    ref = _pipeline(family, frames, cfg, [3, 4])
+    neg = family.encode_negative(negative).expand(2) if cfg > 1 else None
+    ref = _pipeline(family, frames, cfg, [3, 4], negative)
     recipe = SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=())
     traj = sample(family, cond, neg, gens([3, 4]), recipe)
     other = sample(family, family.encode_prompts(PROMPTS, frames[::-1]), neg, gens([3, 4]), recipe)
@@ -96,7 +97,7 @@ def test_ode_sampling_equals_the_pipeline(family, frames, cfg, posterior_mode):
 def test_replayed_log_probs_equal_stored_with_cfg(family, frames, sde_type, window):
     recipe = SamplerRecipe(steps=4, noise_level=0.7, sde_type=sde_type, guidance_scale=6.0, sde_steps=window,
                            train_steps=window or (0, 1, 2))
-    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS, frames), family.encode_prompts([""]).expand(2),
+    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS, frames), family.encode_negative("").expand(2),
                                recipe)
 
 
@@ -104,15 +105,15 @@ def test_a_trainer_rank_without_towers_replays_with_the_rollouts_encodings(tiny_
     bare = SkyReelsI2VFamily.load(tiny_sr[0], max_sequence_length=64, resolution=32, frames=5, text_towers=False)
     assert bare.pipe.text_encoder is None and not bare.text_towers()
     keys = condition_keys(PROMPTS, frames)
-    held = PromptCache.holding(bare, PromptCache(family).encodings([keys], negative=True, images=frames))
-    (cond, pos), neg = held.encode(keys), held.negative()
+    held = PromptCache.holding(bare, PromptCache(family).encodings([keys], negative="", images=frames))
+    (cond, pos), neg = held.encode(keys), held.negative("")
     want, want_pos = PromptCache(family).encode(keys, frames)
     x = torch.randn((2, *family.latent_shape()), generator=torch.Generator().manual_seed(0))
     t = family.schedule(4)[1][1].repeat(2)
     with torch.no_grad():
         v_bare = bare.velocity(x, t, cond.select([pos[k] for k in keys]), 6.0, neg.expand(2))
         v_full = family.velocity(x, t, want.select([want_pos[k] for k in keys]), 6.0,
-                                 family.encode_prompts([""]).expand(2))
+                                 family.encode_negative("").expand(2))
     assert torch.equal(v_bare, v_full)
 
 

@@ -53,17 +53,21 @@ def test_a_family_loaded_without_text_towers_replays_with_given_encodings(family
     assert not any(k.startswith("text_encoder") and v is not None for k, v in bare.pipe.components.items())
     with pytest.raises(RuntimeError, match=f"this {family} model was loaded without its text encoders"):
         bare.encode_prompts(PROMPTS[:1])
-    scale = 4.0
-    negative = uses_negative_prompt(full, scale)
+    scale, text = 4.0, "blurry, low quality"
+    negative = text if uses_negative_prompt(full, scale) else None
     exported = PromptCache(full).encodings([PROMPTS], negative)
-    assert [u for u, _ in exported] == [sorted(set(PROMPTS))] + ([[""]] if negative else [])
-    assert all(t.device.type == "cpu" for _, c in exported for t in _tensors(c).values() if t is not None)
+    assert [u for u, _ in exported["sets"]] == [sorted(set(PROMPTS))]
+    assert exported["negative"] is None if negative is None else exported["negative"][0] == text
+    held_conds = [c for _, c in exported["sets"]] + ([exported["negative"][1]] if negative else [])
+    assert all(t.device.type == "cpu" for c in held_conds for t in _tensors(c).values() if t is not None)
     held, own = PromptCache.holding(bare, exported), PromptCache(full)
     (got, got_pos), (want, want_pos) = held.encode(PROMPTS[::-1]), own.encode(PROMPTS)  # a set, in any order
     assert got_pos == want_pos and _equal(got, want)
-    neg = held.negative() if negative else None
+    neg = held.negative(text) if negative else None
     if negative:
-        assert _equal(neg, own.negative())
+        assert _equal(neg, own.negative(text)) and _equal(neg, full.encode_negative(text))
+        with pytest.raises(RuntimeError, match="loaded without its text encoders"):
+            held.negative("a negative prompt the rollout never encoded")
     with pytest.raises(RuntimeError, match="loaded without its text encoders"):
         held.encode(["a prompt the rollout never encoded"])
     _, timesteps = full.schedule(4)
@@ -71,7 +75,7 @@ def test_a_family_loaded_without_text_towers_replays_with_given_encodings(family
     x = torch.randn((2, *full.latent_shape()), generator=g)
     t = timesteps[1].repeat(2)
     rows = [want_pos[p] for p in PROMPTS[:2]]
-    v_full = full.velocity(x, t, want.select(rows), scale, own.negative().expand(2) if negative else None)
+    v_full = full.velocity(x, t, want.select(rows), scale, own.negative(text).expand(2) if negative else None)
     v_bare = bare.velocity(x, t, got.select(rows), scale, neg.expand(2) if negative else None)
     assert torch.equal(v_full, v_bare)
 
@@ -83,11 +87,12 @@ def test_a_rollout_worker_without_text_towers_samples_with_given_encodings(famil
     cfg = load_config(None, [f"{k}={v}" for k, v in tiny_dirs(family).items()] + ["sampling.eval_steps=2"])
     full, bare = LocalEngine(cfg), LocalEngine(cfg)
     bare.text_towers = False
-    recipe = SamplerRecipe(steps=4, noise_level=0.7, guidance_scale=4.0, sde_steps=(0, 1), train_steps=(0, 1))
+    recipe = SamplerRecipe(steps=4, noise_level=0.7, guidance_scale=4.0, sde_steps=(0, 1), train_steps=(0, 1),
+                           negative_prompt="blurry, low quality")
     seeds = [5, 6, 7]
     want, _ = full.rollout(PolicySource(), PROMPTS, seeds, recipe)
     got, _ = bare.rollout(PolicySource(), PROMPTS, seeds, recipe,
-                          encodings=full.encodings([PROMPTS], recipe.guidance_scale))
+                          encodings=full.encodings([PROMPTS], recipe))
     assert not bare.policy.family.text_towers()
     for name in ("latents", "next_latents", "log_probs", "final_latent"):
         assert np.array_equal(got[name], want[name]), name
@@ -101,7 +106,8 @@ def test_an_update_given_the_rollouts_encodings_equals_one_that_encodes(tiny_che
     encode them; full fine-tune with a KL reference."""
     cfg = load_config(None, tiny_overrides(tiny_checkpoint, tmp_path) + ["reward=jpeg_compressibility",
                                                                         "algorithm.beta=0.01"])
-    recipe = SamplerRecipe(steps=4, noise_level=0.7, guidance_scale=4.5, sde_steps=(0, 1), train_steps=(0, 1))
+    recipe = SamplerRecipe(steps=4, noise_level=0.7, guidance_scale=4.5, sde_steps=(0, 1), train_steps=(0, 1),
+                           negative_prompt="blurry, low quality")
     prompts = ["a red circle", "a blue square"] * 2 + ["two green triangles", "a yellow circle"] * 2
     sets = np.array([0] * 4 + [1] * 4)
     local = LocalEngine(cfg)
@@ -112,8 +118,8 @@ def test_an_update_given_the_rollouts_encodings_equals_one_that_encodes(tiny_che
     batch = RolloutBatch.concat(parts).with_columns(prompt=prompts,
                                                     advantage=np.linspace(-1, 1, 8).astype(np.float32))
     plan = [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
-    exported = local.encodings(list(replay_prompt_sets(prompts, sets).values()), recipe.guidance_scale)
-    assert len(exported) == 3  # two sets and the negative prompt
+    exported = local.encodings(list(replay_prompt_sets(prompts, sets).values()), recipe)
+    assert len(exported["sets"]) == 2 and exported["negative"][0] == "blurry, low quality"
     want = local.train(PolicySource(), batch, plan, recipe, seed=3, prompt_sets=sets)
     trainer = LocalEngine(cfg)
     trainer.text_towers = False

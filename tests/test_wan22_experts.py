@@ -41,7 +41,7 @@ def test_ode_sampling_equals_the_two_expert_pipeline(tiny_a14b, expert, cfg, cfg
     trained = family.pipe.transformer if expert == "high" else family.pipe.transformer_2
     assert family.trainable_module() is trained and family.frozen_expert is not trained
     cond = family.encode_prompts(PROMPTS)
-    neg = family.encode_prompts([""]).expand(2) if cfg > 1 else None
+    neg = family.encode_negative("").expand(2) if cfg > 1 else None
     with euler(family):
         ref = family.pipe(prompt_embeds=cond.prompt_embeds, negative_prompt_embeds=None if neg is None else neg.prompt_embeds,
                           guidance_scale=cfg, guidance_scale_2=cfg2, num_inference_steps=6, generator=gens([7, 8]),
@@ -54,7 +54,7 @@ def test_ode_sampling_equals_the_two_expert_pipeline(tiny_a14b, expert, cfg, cfg
 
 def test_a_batch_mixing_the_experts_steps_equals_its_rows_one_by_one(tiny_a14b):
     family = _load(tiny_a14b[0], "low")
-    cond, neg = family.encode_prompts(PROMPTS * 2), family.encode_prompts([""]).expand(4)
+    cond, neg = family.encode_prompts(PROMPTS * 2), family.encode_negative("").expand(4)
     x = torch.randn(4, *family.latent_shape(), generator=torch.Generator().manual_seed(0))
     t = torch.tensor([999.0, 600.0, 937.0, 376.0])  # high, low, high, low
     with torch.no_grad():
@@ -76,7 +76,7 @@ def test_replay_is_on_policy_across_the_switch(tiny_a14b, expert):
     """SDE at steps on both sides of the boundary (t = 999, 900 | 750, 500): every stored log-prob
     replays exactly (ratio 1); the trained expert's steps carry a gradient, the frozen one's none."""
     family = _load(tiny_a14b[0], expert)
-    cond, neg = family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2)
+    cond, neg = family.encode_prompts(PROMPTS), family.encode_negative("").expand(2)
     recipe = SamplerRecipe(steps=4, noise_level=0.7, guidance_scale=5.0, train_steps=(0, 1, 2))
     traj = sample(family, cond, neg, gens([0, 1]), recipe)
     for j, k in enumerate(traj.stored_steps):

@@ -32,9 +32,9 @@ def family(tiny_wan):
                           frames=o["model.frames"])
 
 
-def _pipeline(family, cond, neg, cfg: float, seeds, output_type: str):
-    return family.pipe(prompt_embeds=cond.prompt_embeds, negative_prompt_embeds=None if neg is None else neg.prompt_embeds,
-                       guidance_scale=cfg, num_inference_steps=6, generator=gens(seeds), output_type=output_type,
+def _pipeline(family, cond, negative: str | None, cfg: float, seeds, output_type: str):
+    """The pipeline given our prompt encodings, encoding its negative prompt itself."""
+    return family.pipe(prompt_embeds=cond.prompt_embeds, negative_prompt=negative, guidance_scale=cfg, num_inference_steps=6, generator=gens(seeds), output_type=output_type,
                        height=family.resolution, width=family.resolution, num_frames=family.frames,
                        max_sequence_length=family.max_sequence_length).frames
 
@@ -64,22 +64,23 @@ def test_schedule_is_the_shipped_unipc_flow_grid(family):
     assert sigmas[-1] == 0
 
 
-@pytest.mark.parametrize("cfg", [1.0, 5.0])
-def test_ode_sampling_equals_wan_pipeline(family, cfg):
+@pytest.mark.parametrize("cfg,negative", [(1.0, None), (5.0, ""), (5.0, "色调艳丽，过曝，静态，细节模糊不清")])
+def test_ode_sampling_equals_wan_pipeline(family, cfg, negative):
+    """The last case: the start of Wan2.1's own recommended negative prompt."""
     seeds = [11, 12]
     cond = family.encode_prompts(PROMPTS)
-    neg = family.encode_prompts([""]).expand(2) if cfg > 1 else None
+    neg = family.encode_negative(negative).expand(2) if cfg > 1 else None
     with euler(family):
-        ref = _pipeline(family, cond, neg, cfg, seeds, "latent")
+        ref = _pipeline(family, cond, negative, cfg, seeds, "latent")
         traj = sample(family, cond, neg, gens(seeds), SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
     assert traj.final.shape == ref.shape == (2, 4, 3, 8, 8)
     assert (traj.final - ref).abs().max().item() <= 1e-5
 
 
 def test_decoded_clips_equal_the_pipeline_frames(family):
-    cond, neg = family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2)
+    cond, neg = family.encode_prompts(PROMPTS), family.encode_negative("").expand(2)
     with euler(family):
-        ref = _pipeline(family, cond, neg, 5.0, [3, 4], "np")  # [B, F, H, W, 3] in [0, 1]
+        ref = _pipeline(family, cond, "", 5.0, [3, 4], "np")  # [B, F, H, W, 3] in [0, 1]
         traj = sample(family, cond, neg, gens([3, 4]), SamplerRecipe(6, 0.0, guidance_scale=5.0, train_steps=()))
     clips = family.decode(traj.final)
     assert clips.shape == (2, 5, 32, 32, 3) and clips.dtype == np.uint8
@@ -91,7 +92,7 @@ def test_replayed_log_probs_equal_stored_with_cfg(family, sde_type, window):
     """SDE at every step, CPS, and an SDE window (ODE outside steps 1–2): ratio exactly 1."""
     recipe = SamplerRecipe(steps=4, noise_level=0.7, sde_type=sde_type, guidance_scale=5.0, sde_steps=window,
                            train_steps=window or (0, 1, 2))
-    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2), recipe)
+    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_negative("").expand(2), recipe)
 
 
 def test_frame_count_and_image_family_errors(tiny_wan, tiny_flux):
@@ -172,11 +173,11 @@ def ti2v(tmp_path_factory):
 
 def test_wan22_ti2v_timestep_per_token_equals_the_pipeline(ti2v):
     assert ti2v.pipe.config.expand_timesteps and ti2v.latent_shape() == (4, 3, 4, 4)
-    cond, neg = ti2v.encode_prompts(PROMPTS), ti2v.encode_prompts([""]).expand(2)
+    cond, neg = ti2v.encode_prompts(PROMPTS), ti2v.encode_negative("").expand(2)
     with euler(ti2v):
-        ref = _pipeline(ti2v, cond, neg, 5.0, [5, 6], "latent")
+        ref = _pipeline(ti2v, cond, "", 5.0, [5, 6], "latent")
         traj = sample(ti2v, cond, neg, gens([5, 6]), SamplerRecipe(6, 0.0, guidance_scale=5.0, train_steps=()))
-        frames = _pipeline(ti2v, cond, neg, 5.0, [5, 6], "np")
+        frames = _pipeline(ti2v, cond, "", 5.0, [5, 6], "np")
     assert (traj.final - ref).abs().max().item() <= 1e-5
     clips = ti2v.decode(traj.final)
     assert clips.shape == (2, 5, 32, 32, 3)

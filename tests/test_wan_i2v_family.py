@@ -45,10 +45,11 @@ def frames(tiny_i2v):
     return [(tiny_i2v[0] / "first_frames" / f"frame_{i}.png").read_bytes() for i in range(2)]
 
 
-def _pipeline(family, cond, neg, frames, cfg, seeds, **kw):
-    """WanImageToVideoPipeline, one prompt at a time (it takes one image per call)."""
+def _pipeline(family, cond, negative, frames, cfg, seeds, **kw):
+    """WanImageToVideoPipeline, one prompt at a time (it takes one image per call), encoding its
+    negative prompt itself."""
     out = [family.pipe(image=Image.open(io.BytesIO(frames[i])).convert("RGB"), prompt_embeds=cond.prompt_embeds[i:i + 1],
-                       negative_prompt_embeds=None if neg is None else neg.prompt_embeds[i:i + 1], guidance_scale=cfg,
+                       negative_prompt=negative, guidance_scale=cfg,
                        num_inference_steps=6, generator=gens([s]), output_type="latent", height=32, width=32,
                        num_frames=5, max_sequence_length=64, **kw).frames for i, s in enumerate(seeds)]
     return torch.cat(out)
@@ -75,12 +76,12 @@ def test_first_frame_condition_and_clip_states_are_the_pipelines(family, frames)
     assert cond.condition[:, :2, 1:].eq(0).all()
 
 
-@pytest.mark.parametrize("cfg", [1.0, 5.0])
-def test_ode_sampling_equals_the_image_to_video_pipeline(family, frames, cfg):
+@pytest.mark.parametrize("cfg,negative", [(1.0, None), (5.0, ""), (5.0, "blurry, static")])
+def test_ode_sampling_equals_the_image_to_video_pipeline(family, frames, cfg, negative):
     cond = family.encode_prompts(PROMPTS, frames)
-    neg = family.encode_prompts([""]).expand(2) if cfg > 1 else None
+    neg = family.encode_negative(negative).expand(2) if cfg > 1 else None
     with euler(family):
-        ref = _pipeline(family, cond, neg, frames, cfg, [3, 4])
+        ref = _pipeline(family, cond, negative, frames, cfg, [3, 4])
         traj = sample(family, cond, neg, gens([3, 4]), SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
         other = sample(family, family.encode_prompts(PROMPTS, frames[::-1]), neg, gens([3, 4]),
                        SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
@@ -93,7 +94,7 @@ def test_ode_sampling_equals_the_image_to_video_pipeline(family, frames, cfg):
 def test_replayed_log_probs_equal_stored_with_cfg(family, frames, sde_type, window):
     recipe = SamplerRecipe(steps=4, noise_level=0.7, sde_type=sde_type, guidance_scale=5.0, sde_steps=window,
                            train_steps=window or (0, 1, 2))
-    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS, frames), family.encode_prompts([""]).expand(2),
+    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS, frames), family.encode_negative("").expand(2),
                                recipe)
 
 
@@ -101,16 +102,16 @@ def test_a_trainer_rank_without_towers_replays_with_the_rollouts_encodings(tiny_
     bare = WanI2VFamily.load(tiny_i2v[0], max_sequence_length=64, resolution=32, frames=5, text_towers=False)
     assert bare.pipe.image_encoder is None and bare.pipe.text_encoder is None and not bare.text_towers()
     keys = condition_keys(PROMPTS, frames)
-    exported = PromptCache(family).encodings([keys], negative=True, images=frames)
+    exported = PromptCache(family).encodings([keys], negative="", images=frames)
     held = PromptCache.holding(bare, exported)
-    (cond, pos), neg = held.encode(keys), held.negative()
+    (cond, pos), neg = held.encode(keys), held.negative("")
     want, want_pos = PromptCache(family).encode(keys, frames)
     x = torch.randn((2, *family.latent_shape()), generator=torch.Generator().manual_seed(0))
     t = family.schedule(4)[1][1].repeat(2)
     with torch.no_grad():
         v_bare = bare.velocity(x, t, cond.select([pos[k] for k in keys]), 5.0, neg.expand(2))
         v_full = family.velocity(x, t, want.select([want_pos[k] for k in keys]), 5.0,
-                                 family.encode_prompts([""]).expand(2))
+                                 family.encode_negative("").expand(2))
     assert torch.equal(v_bare, v_full)
 
 
@@ -149,10 +150,10 @@ def test_two_expert_image_to_video_equals_the_pipeline(tiny_i2v_a14b, frames, ex
     fam = WanI2VFamily.load(tiny_i2v_a14b[0], max_sequence_length=64, resolution=32, frames=5, expert=expert,
                             guidance_scale_2=3.0)
     assert fam.boundary == 900.0 and not fam.reads_clip and fam.pipe.image_encoder is None
-    cond, neg = fam.encode_prompts(PROMPTS, frames), fam.encode_prompts([""]).expand(2)
+    cond, neg = fam.encode_prompts(PROMPTS, frames), fam.encode_negative("").expand(2)
     assert cond.image_embeds is None
     with euler(fam):
-        ref = _pipeline(fam, cond, neg, frames, 4.0, [7, 8], guidance_scale_2=3.0)
+        ref = _pipeline(fam, cond, "", frames, 4.0, [7, 8], guidance_scale_2=3.0)
         _, timesteps = fam.schedule(6)
         traj = sample(fam, cond, neg, gens([7, 8]), SamplerRecipe(6, 0.0, guidance_scale=4.0, train_steps=()))
     assert (timesteps >= 900).any() and (timesteps < 900).any()  # both experts denoise

@@ -28,8 +28,9 @@ def family(tiny_z):
     return ZImageFamily.load(tiny_z[0], max_sequence_length=64, resolution=32)
 
 
-def _pipeline(family, cfg: float, seeds, output_type: str):
-    return family.pipe(prompt=list(PROMPTS), guidance_scale=cfg - 1.0, num_inference_steps=6, generator=gens(seeds),
+def _pipeline(family, cfg: float, seeds, output_type: str, negative: str | None = None):
+    return family.pipe(prompt=list(PROMPTS), negative_prompt=None if negative is None else [negative] * len(PROMPTS),
+                       guidance_scale=cfg - 1.0, num_inference_steps=6, generator=gens(seeds),
                        output_type=output_type, height=32, width=32, max_sequence_length=64).images
 
 
@@ -62,10 +63,10 @@ def test_schedule_is_the_pipelines(family):
     assert torch.equal(timesteps, ref.float()) and torch.equal(sigmas, sched.sigmas.float()) and sigmas[-1] == 0
 
 
-@pytest.mark.parametrize("cfg", [1.0, 4.0])
-def test_ode_sampling_equals_z_image_pipeline(family, cfg):
-    ref = _pipeline(family, cfg, [3, 4], "latent")
-    neg = family.encode_prompts([""]).expand(2) if cfg > 1 else None
+@pytest.mark.parametrize("cfg,negative", [(1.0, None), (4.0, None), (4.0, "blurry, low quality")])
+def test_ode_sampling_equals_z_image_pipeline(family, cfg, negative):
+    ref = _pipeline(family, cfg, [3, 4], "latent", negative)
+    neg = family.encode_negative(negative or "").expand(2) if cfg > 1 else None
     traj = sample(family, family.encode_prompts(PROMPTS), neg, gens([3, 4]),
                   SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
     assert traj.final.shape == ref.shape == (2, 4, 16, 16)
@@ -74,7 +75,7 @@ def test_ode_sampling_equals_z_image_pipeline(family, cfg):
 
 def test_decoded_images_equal_the_pipeline(family):
     ref = _pipeline(family, 4.0, [5, 6], "np")
-    traj = sample(family, family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2), gens([5, 6]),
+    traj = sample(family, family.encode_prompts(PROMPTS), family.encode_negative("").expand(2), gens([5, 6]),
                   SamplerRecipe(6, 0.0, guidance_scale=4.0, train_steps=()))
     images = family.decode(traj.final)
     assert images.shape == (2, 32, 32, 3) and images.dtype == np.uint8
@@ -85,7 +86,7 @@ def test_decoded_images_equal_the_pipeline(family):
 def test_replayed_log_probs_equal_stored_with_cfg(family, sde_type, window):
     recipe = SamplerRecipe(steps=4, noise_level=0.7, sde_type=sde_type, guidance_scale=4.0, sde_steps=window,
                            train_steps=window or (0, 1, 2))
-    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_prompts([""]).expand(2), recipe)
+    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_negative("").expand(2), recipe)
 
 
 @pytest.mark.parametrize("mode", ["lora", "full"])

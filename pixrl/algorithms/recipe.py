@@ -59,7 +59,13 @@ def eval_recipe(s: SamplingConfig, step: str = "denoise") -> SamplerRecipe | Tok
     samples with the rollout's transform (its policy is the categorical distribution itself)."""
     if step == "token":
         return token_recipe(s)
-    return SamplerRecipe(s.eval_steps, 0.0, "sde", s.guidance_scale, None, ())
+    return SamplerRecipe(s.eval_steps, 0.0, "sde", s.guidance_scale, None, (), negative_prompt=s.negative_prompt)
+
+
+def with_negative_prompt(recipe: SamplerRecipe | TokenRecipe, s: SamplingConfig) -> SamplerRecipe | TokenRecipe:
+    """An algorithm's rollout recipe with the run's negative prompt (every algorithm's recipe
+    samples with it; a token family's has none: preflight refuses one there)."""
+    return replace(recipe, negative_prompt=s.negative_prompt) if isinstance(recipe, SamplerRecipe) else recipe
 
 
 def stored_recipe(rec: dict, step: str, train_cfg: bool = True) -> SamplerRecipe | TokenRecipe:
@@ -73,7 +79,8 @@ def stored_recipe(rec: dict, step: str, train_cfg: bool = True) -> SamplerRecipe
                          tuple(rec["sde_steps"]) if rec["sde_steps"] is not None else None,
                          tuple(rec["train_steps"]), shared_noise=rec.get("shared_noise", False),
                          shared_members=rec.get("shared_members", 0), ode_solver=rec.get("ode_solver", "euler"),
-                         tail_compress=rec.get("tail_compress", 1.0), stored_width=rec.get("stored_width", 0))
+                         tail_compress=rec.get("tail_compress", 1.0), stored_width=rec.get("stored_width", 0),
+                         negative_prompt=rec.get("negative_prompt", ""))
 
 
 def replay_recipe(recipe_jsons, step: str, train_cfg: bool = True) -> SamplerRecipe | TokenRecipe:

@@ -33,6 +33,7 @@ class SamplerRecipe:
     tail_compress: float = 1.0  # MixGRPO-Flash: those steps re-spaced onto this fraction of the points
     stored_width: int = 0  # rows hold this many transitions (padded, step −1), so a run's windows that
     # shrink near the end of the grid (MixGRPO) fit its table; 0: exactly len(train_steps)
+    negative_prompt: str = ""  # CFG's unconditional prompt (guidance_scale > 1), encoded by Family.encode_negative
 
     def is_sde(self, k: int) -> bool:
         return self.noise_level > 0 and (self.sde_steps is None or k in self.sde_steps)

@@ -109,7 +109,7 @@ WEIGHTS_HELP = ("a pixrl checkpoint's 'average' (algorithm.ema) or 'trained' wei
 
 
 def _policy(checkpoint: Optional[str], run: Optional[str], workdir: str, steps: Optional[int],
-            config: Optional[str] = None, weights: Optional[str] = None):
+            config: Optional[str] = None, weights: Optional[str] = None, negative_prompt: Optional[str] = None):
     from ..algorithms.recipe import eval_recipe
     from ..config.loader import ConfigError
     from ..stages.inference import PolicyNotFound, load_policy
@@ -120,6 +120,11 @@ def _policy(checkpoint: Optional[str], run: Optional[str], workdir: str, steps: 
     except (PolicyNotFound, ModelLoadError, ConfigError, FileNotFoundError) as exc:
         _fail(str(exc), exc=exc)
     s = cfg.sampling.model_copy(update={"eval_steps": steps} if steps else {})
+    if negative_prompt is not None:
+        if policy.family.guidance != "cfg" or s.guidance_scale <= 1:
+            _fail(f"--negative-prompt: this {policy.family.name} model samples with {policy.family.guidance} guidance "
+                  f"at scale {s.guidance_scale}, which batches no negative prompt; drop --negative-prompt")
+        s = s.model_copy(update={"negative_prompt": negative_prompt})
     return policy, eval_recipe(s, policy.family.semantics.step.value), cfg
 
 
@@ -203,6 +208,8 @@ def generate(
     weights: Optional[str] = typer.Option(None, "--weights", help=WEIGHTS_HELP),
     image: Optional[list[str]] = typer.Option(None, "--image", help="an editing family's source image: one for "
                                                                      "every prompt, or one per prompt (repeatable)"),
+    negative_prompt: Optional[str] = typer.Option(None, "--negative-prompt", help="classifier-free guidance's "
+                                                  "negative prompt (default: the run's sampling.negative_prompt)"),
 ) -> None:
     """Write one PNG per prompt and sample — an animated PNG per clip for a video family — with
     the prompt in a sidecar JSON, using the eval sampler. An editing family (flux1_kontext) edits
@@ -220,7 +227,7 @@ def generate(
     from ..artifacts.media import media_bytes
     from ..datasets.shapes.evaluate import generate_images
 
-    policy, recipe, _ = _policy(checkpoint, run, workdir, steps, weights=weights)
+    policy, recipe, _ = _policy(checkpoint, run, workdir, steps, weights=weights, negative_prompt=negative_prompt)
     sources = _source_images(policy.family, image, len(texts))
     pairs = [(t, seed * 1000 + i * samples + k) for i, t in enumerate(texts) for k in range(samples)]
     imgs = generate_images(policy.family, [t for t, _ in pairs], [s for _, s in pairs], recipe,

@@ -21,7 +21,7 @@ from ..artifacts.batch import RolloutBatch
 from ..artifacts.checkpoints import check_trained_part, load_weights
 from ..config.schema import ExperimentConfig
 from ..datasets.registry import evaluate_split, evaluator_of
-from ..models.base import uses_negative_prompt
+from ..models.base import negative_prompt_of
 from ..models.source_images import condition_keys
 from ..rewards.compose import RewardSet
 from .base import PolicySource, TrainResult
@@ -80,7 +80,7 @@ class LocalEngine:
         encodes them — so the shards of a call concatenate to the whole call, bit for bit.
         `on_chunk(start, stop, decode_input)`: called as each micro-batch finishes, with its
         final latents (a token family: image tokens) on the host — reward.overlap's hook.
-        `encodings` (another process's `encodings([prompts], recipe.guidance_scale)`): the call's
+        `encodings` (another process's `encodings([prompts], recipe)`): the call's
         conditioning, given instead of encoded here (a rollout worker without text towers).
         `images`: each prompt's source image (an editing family)."""
         self.use(policy)
@@ -92,7 +92,8 @@ class LocalEngine:
         cache = self._prompts if encodings is None else PromptCache.holding(fam, encodings)
         prompts = condition_keys(prompts, images)
         cond_all, pos = cache.encode(prompts, images)
-        neg = cache.negative() if uses_negative_prompt(fam, recipe.guidance_scale) else None
+        negative = negative_prompt_of(fam, recipe)
+        neg = None if negative is None else cache.negative(negative)
         trajs = []
         t0 = time.perf_counter()
         self.policy.module.eval()
@@ -196,12 +197,11 @@ class LocalEngine:
               sample_ids: list[str]) -> dict[str, np.ndarray]:
         return self.rewards.score(images, prompts, metadata, sample_ids)
 
-    def encodings(self, prompt_sets: list[list[str]], guidance_scale: float | None, images=None) -> list:
+    def encodings(self, prompt_sets: list[list[str]], recipe, images=None) -> dict:
         """These prompt sets' conditioning as this process encodes them (cached: the rollout's own),
-        with the negative prompt's when sampling at `guidance_scale` batches it — in host memory,
-        for a trainer rank that holds no text towers (`train(encodings=...)`)."""
-        fam = self.policy.family
-        negative = guidance_scale is not None and uses_negative_prompt(fam, guidance_scale)
+        with the negative prompt's when sampling with `recipe` batches it — in host memory, for a
+        trainer rank that holds no text towers (`train(encodings=...)`)."""
+        negative = negative_prompt_of(self.policy.family, recipe)
         return self._prompts.encodings(prompt_sets, negative, images)  # images: what an editing family's keys name
 
     # --- train --------------------------------------------------------------------------------

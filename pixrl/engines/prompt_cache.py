@@ -12,8 +12,8 @@ source image's digest; `encode` is given the images' bytes with the keys (they a
 an editing set's images would fill memory over a long run) and encodes each prompt with its image.
 
 A process without text towers (a Ray trainer rank) replays with the encodings the rollout made:
-`encodings` exports a cache's sets to host memory, `holding` builds a cache of exactly those
-(on a miss its family refuses to encode, naming why).
+`encodings` exports a cache's sets (and negative prompt) to host memory, `holding` builds a cache
+of exactly those (on a miss its family refuses to encode, naming why).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class PromptCache:
         self.family = family
         self.capacity = capacity
         self._entries: OrderedDict[str, tuple[object, dict[str, int]]] = OrderedDict()
+        self._negatives: dict[str, object] = {}  # a run's negative prompt (one, in practice)
         self.hits = 0
         self.misses = 0
 
@@ -71,27 +72,42 @@ class PromptCache:
             raise RuntimeError(f"no source image with digest {lost[0]} was given with the prompts to encode")
         return self.family.encode_prompts([p for p, _ in parts], [bank[d] if d else None for _, d in parts])
 
-    def negative(self):
-        """The empty prompt's conditioning (classifier-free guidance), encoded once."""
-        cond, _ = self.encode([""])
-        return cond
+    def _negative_key(self, text: str) -> str:
+        return f"{self.family.identity()}:negative:{hashlib.sha256(text.encode()).hexdigest()}"
 
     @torch.no_grad()
-    def encodings(self, prompt_sets: list[list[str]], negative: bool, images=None) -> list[tuple[list[str], object]]:
-        """The conditioning of each prompt set (and of the empty prompt when `negative`), as this
-        cache encodes them, in host memory: [(the set's distinct prompts in sorted order, conditioning)]."""
-        sets = [list(p) for p in prompt_sets] + ([[""]] if negative else [])
-        out = []
-        for prompts in sets:
-            cond, pos = self.encode(prompts, images)
-            out.append((sorted(pos, key=pos.get), conditioning_to(cond, "cpu")))
-        return out
+    def negative(self, text: str):
+        """Classifier-free guidance's negative prompt (`sampling.negative_prompt`, the recipe's),
+        encoded once, as the family's pipeline encodes its negative (`Family.encode_negative`),
+        and kept apart from prompt sets: a prompt with the same text may be encoded otherwise."""
+        key = self._negative_key(text)
+        if key in self._negatives:
+            self.hits += 1
+        else:
+            self.misses += 1
+            self._negatives[key] = self.family.encode_negative(text)
+        return self._negatives[key]
+
+    @torch.no_grad()
+    def encodings(self, prompt_sets: list[list[str]], negative: str | None, images=None) -> dict:
+        """The conditioning of each prompt set (and of the negative prompt, when sampling batches
+        one), as this cache encodes them, in host memory: {"sets": [(the set's distinct prompts in
+        sorted order, conditioning)], "negative": (text, conditioning) or None}."""
+        sets = []
+        for prompts in prompt_sets:
+            cond, pos = self.encode(list(prompts), images)
+            sets.append((sorted(pos, key=pos.get), conditioning_to(cond, "cpu")))
+        neg = None if negative is None else (negative, conditioning_to(self.negative(negative), "cpu"))
+        return {"sets": sets, "negative": neg}
 
     @classmethod
-    def holding(cls, family, encodings: list[tuple[list[str], object]]) -> "PromptCache":
+    def holding(cls, family, encodings: dict) -> "PromptCache":
         """A cache holding exactly `encodings` (from `encodings` of another process), moved to the
         family's device: the sets it serves are bit for bit the ones the rollout encoded."""
-        cache = cls(family, capacity=max(1, len(encodings)))
-        for uniq, cond in encodings:
+        cache = cls(family, capacity=max(1, len(encodings["sets"])))
+        for uniq, cond in encodings["sets"]:
             cache._entries[cache._key(uniq)] = (conditioning_to(cond, family.device), {t: i for i, t in enumerate(uniq)})
+        if encodings["negative"] is not None:
+            text, cond = encodings["negative"]
+            cache._negatives[cache._negative_key(text)] = conditioning_to(cond, family.device)
         return cache

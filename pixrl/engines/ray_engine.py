@@ -178,7 +178,7 @@ class RayEngine:
         hold no text towers; None for a family whose workers encode themselves (token ids)."""
         if not self._shares_encodings:
             return None
-        ref = self.rollout_workers[0].encodings.remote([list(keys)], getattr(recipe, "guidance_scale", None), images)
+        ref = self.rollout_workers[0].encodings.remote([list(keys)], recipe, images)
         return self.ray.put(self._get([ref], "rollout", self.rollout_workers)[0])
 
     def rollout(self, policy: PolicySource, prompts: list[str], seeds: list[int], recipe,
@@ -280,8 +280,7 @@ class RayEngine:
             return None
         images = list(batch["source_image"]) if "source_image" in batch else None
         sets = list(replay_prompt_sets(condition_keys(list(batch["prompt"]), images), prompt_sets).values())
-        scale = getattr(recipe, "guidance_scale", None)
-        ref = self.rollout_workers[0].encodings.remote(sets, scale, images)
+        ref = self.rollout_workers[0].encodings.remote(sets, recipe, images)
         return self.ray.put(self._get([ref], "rollout", self.rollout_workers)[0])
 
     def mark(self, checkpoint_id: str) -> None:

@@ -126,11 +126,11 @@ class RolloutWorker(_Worker):
     def evaluate(self, policy, dataset: str, split: str, per_category: int) -> dict:
         return self.engine.evaluate(policy, dataset, split, per_category)
 
-    def encodings(self, prompt_sets: list[list[str]], guidance_scale: float | None, images=None) -> list:
+    def encodings(self, prompt_sets: list[list[str]], recipe, images=None) -> dict:
         """The prompt sets' conditioning as this worker's rollout encoded them (cached), in host
         memory; `images`: the source images their condition keys name (an editing family)."""
         worker_fault_point(self.kind, self.index)
-        return self.engine.encodings(prompt_sets, guidance_scale, images)
+        return self.engine.encodings(prompt_sets, recipe, images)
 
     def eval_images(self, policy, dataset: str, pairs: list, encoded: dict | None = None) -> object:
         """The images of a shard of an evaluation's (prompt, seed) pairs, under `policy`; `encoded`:

@@ -19,7 +19,7 @@ import torch
 from ..algorithms.replay import ReplayPolicy, TokenReplayPolicy, trained_grid_steps
 from ..algorithms.token_sampling import TokenRecipe
 from ..artifacts.batch import RolloutBatch
-from ..models.base import uses_negative_prompt
+from ..models.base import negative_prompt_of
 from ..models.source_images import condition_keys
 from ..stages.plan import seed_of
 from .base import TrainResult
@@ -62,7 +62,8 @@ class ReplayFactory:
         self.cots = {s: fam.encode_cot_prompts(list(pos), recipe.cot_template, recipe.cot_tokens)  # CoT: per set
                      for s, (_, pos) in self.encoded.items()} \
             if isinstance(recipe, TokenRecipe) and recipe.cot_tokens else {}
-        self.neg = prompts.negative() if recipe is not None and uses_negative_prompt(fam, recipe.guidance_scale) else None
+        negative = negative_prompt_of(fam, recipe)  # as the rollout sampled: the rows' recorded recipe
+        self.neg = None if negative is None else prompts.negative(negative)
         self.reference = pol.reference() if algo.needs_reference else None
         self.sampler = None
         if algo.separate_sampler:  # the sampling policy as of the rollout (initially the weights themselves)

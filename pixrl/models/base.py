@@ -131,6 +131,15 @@ def uses_negative_prompt(family, guidance_scale: float) -> bool:
     return guidance_scale > 1 and getattr(family, "guidance", "cfg") == "cfg"
 
 
+def negative_prompt_of(family, recipe) -> str | None:
+    """The negative prompt that sampling with `recipe` batches (its `negative_prompt`), or None
+    where it batches none: no recipe, no CFG, a guidance-distilled or a token family."""
+    scale = getattr(recipe, "guidance_scale", None)
+    if scale is None or not uses_negative_prompt(family, scale):
+        return None
+    return getattr(recipe, "negative_prompt", "")
+
+
 class Family(Protocol):
     """A loaded model of one family (the common part of every regime)."""
 

@@ -4,8 +4,8 @@ RoPE), a Gemma-2 text encoder, the FLUX.1 VAE (16 channels, scale and shift) and
 Euler schedule, as Lumina2Pipeline computes them:
 
 - captions: the penultimate hidden states of the system prompt + " <Prompt Start> " + the prompt,
-  padded to `max_sequence_length`, with their attention mask; the empty prompt — CFG's negative —
-  is encoded bare, as the pipeline encodes its negative;
+  padded to `max_sequence_length`, with their attention mask; CFG's negative prompt
+  (`sampling.negative_prompt`, empty by default) is encoded bare, as the pipeline encodes it;
 - time: the transformer reads t_L = 1 − σ (Lumina's t = 0 is noise) and predicts −v, so the
   velocity is the negated output;
 - CFG: v_u + s·(v_c − v_u) from two passes, then (`model.cfg_normalization`, the pipeline's
@@ -68,11 +68,17 @@ class Lumina2Family(PipelineFamily):
         return {**super().describe(), "cfg_normalization": self.cfg_normalization}
 
     # --- conditioning -------------------------------------------------------------------------
+    def encode_prompts(self, prompts: list[str]) -> Lumina2Conditioning:
+        """The pipeline's captions: the system prompt before each prompt."""
+        return self._encode([f"{self.pipe.system_prompt} <Prompt Start> {p}" for p in prompts])
+
+    def encode_negative(self, text: str) -> Lumina2Conditioning:
+        """The pipeline encodes its negative prompt bare (no system prompt)."""
+        return self._encode([text])
+
     @encodes_text
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str]) -> Lumina2Conditioning:
-        """The pipeline's captions: the system prompt before each prompt, the empty (negative) prompt bare."""
-        texts = [p if p == "" else f"{self.pipe.system_prompt} <Prompt Start> {p}" for p in prompts]
+    def _encode(self, texts: list[str]) -> Lumina2Conditioning:
         embeds, mask = self.pipe._get_gemma_prompt_embeds(texts, device=self.device,
                                                            max_sequence_length=self.max_sequence_length)
         return Lumina2Conditioning(embeds, mask)

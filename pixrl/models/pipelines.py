@@ -153,6 +153,13 @@ class PipelineFamily:
             for m in towers.values():
                 m.to("cpu")
 
+    def encode_negative(self, text: str):
+        """Classifier-free guidance's unconditional conditioning, as the pipeline encodes its
+        `negative_prompt` — the prompt's own encoding in most pipelines; a family whose pipeline
+        encodes it otherwise says so here (SANA without its instruction, Lumina-2 without its
+        system prompt)."""
+        return self.encode_prompts([text])
+
     @contextmanager
     def text_towers_resident(self):
         """The text towers on their device for the duration (a no-op unless offloaded)."""

@@ -12,7 +12,8 @@ Sampling: rollouts step the σ grid of the checkpoint's scheduler with the share
 kernels (the pipeline's second-order multistep update has no per-step Gaussian transition, so it
 cannot carry a log-prob; flow_grpo samples every family this way). The transformer is fed the
 scheduler's timesteps exactly as the pipeline feeds them (DPMSolver rounds them to integers).
-Guidance is classifier-free on one [negative; positive] batch, as the pipeline computes it.
+Guidance is classifier-free on one [negative; positive] batch, as the pipeline computes it; the
+negative prompt is encoded without the instruction prefix, as the pipeline encodes it.
 """
 
 from __future__ import annotations
@@ -75,12 +76,19 @@ class SanaFamily(PipelineFamily):
         """The prefix the pipeline's `__call__` prepends by default (SANA's prompt enhancer text)."""
         return inspect.signature(type(self.pipe).__call__).parameters["complex_human_instruction"].default
 
+    def encode_prompts(self, prompts: list[str]) -> SanaConditioning:
+        return self._encode(prompts, self._instruction())
+
+    def encode_negative(self, text: str) -> SanaConditioning:
+        """The pipeline encodes its negative prompt without the instruction prefix."""
+        return self._encode([text], None)
+
     @encodes_text
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str]) -> SanaConditioning:
+    def _encode(self, prompts: list[str], instruction: list[str] | None) -> SanaConditioning:
         embeds, mask, _, _ = self.pipe.encode_prompt(
             prompts, do_classifier_free_guidance=False, device=self.device, clean_caption=False,
-            max_sequence_length=self.max_sequence_length, complex_human_instruction=self._instruction())
+            max_sequence_length=self.max_sequence_length, complex_human_instruction=instruction)
         return SanaConditioning(embeds, mask)
 
     # --- dynamics -----------------------------------------------------------------------------

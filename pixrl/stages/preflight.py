@@ -52,12 +52,7 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
                                   cfg.dataset.categories)
         check_source_images(cfg, family, items)
         s = cfg.sampling
-        if s.cot_tokens and not hasattr(family, "encode_cot_prompts"):
-            raise ValueError(f"sampling.cot_tokens={s.cot_tokens}: the {family.name} family samples no chain of thought "
-                             f"(token families such as janus_pro do); set sampling.cot_tokens=0")
-        if s.cot_tokens and algo.offline:
-            raise ValueError(f"sampling.cot_tokens={s.cot_tokens}: {algo.name!r} scores image tokens after the plain "
-                             f"prompt; it does not train on chains of thought yet — set sampling.cot_tokens=0")
+        check_sampling_settings(s, family, algo)
         if hasattr(family, "check_prompts"):  # a token family: prompt + image tokens within the context
             family.check_prompts(path, [it.prompt for it in items], cfg.model.max_sequence_length,
                                  s.cot_tokens, s.cot_template)
@@ -77,6 +72,21 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
     except (KeyError, ValueError, FileNotFoundError, ModelLoadError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
         raise PreflightError(msg) from None
+
+
+def check_sampling_settings(s, family, algo) -> None:
+    """Sampling settings only some families read are refused where nothing would read them."""
+    if s.cot_tokens and not hasattr(family, "encode_cot_prompts"):
+        raise ValueError(f"sampling.cot_tokens={s.cot_tokens}: the {family.name} family samples no chain of thought "
+                         f"(token families such as janus_pro do); set sampling.cot_tokens=0")
+    if s.negative_prompt and getattr(family, "guidance", "cfg") != "cfg":
+        cfg_families = [n for n in registered_families() if getattr(get_family(n), "guidance", "cfg") == "cfg"]
+        raise ValueError(f"sampling.negative_prompt: the {family.name} family's guidance is "
+                         f"{family.guidance} (no negative-prompt batch), so it would never be read; unset it "
+                         f"(classifier-free guidance families read it: {', '.join(cfg_families)})")
+    if s.cot_tokens and algo.offline:
+        raise ValueError(f"sampling.cot_tokens={s.cot_tokens}: {algo.name!r} scores image tokens after the plain "
+                         f"prompt; it does not train on chains of thought yet — set sampling.cot_tokens=0")
 
 
 def check_online_algorithm(cfg: ExperimentConfig, algo, family) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 from ...algorithms.recipe import eval_recipe
 from ...algorithms.sampling import SamplerRecipe, generators, sample
 from ...algorithms.token_sampling import TokenRecipe, generate_tokens
-from ...models.base import conditioning_to, uses_negative_prompt
+from ...models.base import conditioning_to, negative_prompt_of
 from ..registry import register_evaluator
 from .judge import judge
 from .prompts import CATEGORIES
@@ -63,8 +63,7 @@ def generate_images(family, prompts: list[str], seeds: list[int], recipe: Sample
                                           recipe).tokens)
             for s in range(0, len(prompts), batch)])
     on = lambda cond: None if cond is None else conditioning_to(cond, family.device)  # noqa: E731
-    neg = on(encoded["negative"]) if encoded is not None else \
-        family.encode_prompts([""]) if uses_negative_prompt(family, recipe.guidance_scale) else None
+    neg = on(encoded["negative"]) if encoded is not None else _negative(family, recipe)
     imgs = []
     for k, s in enumerate(range(0, len(prompts), batch)):
         ps = prompts[s:s + batch]
@@ -81,10 +80,16 @@ def prompt_encodings(family, prompts: list[str], recipe: SamplerRecipe, batch: i
     """What `generate_images` encodes for these prompts (with their source images, an editing
     family's) — each generation batch's conditioning and the negative prompt's — in host memory,
     for a process that holds no text towers."""
-    neg = family.encode_prompts([""]) if uses_negative_prompt(family, recipe.guidance_scale) else None
+    neg = _negative(family, recipe)
     enc = lambda s: family.encode_prompts(prompts[s:s + batch], *([images[s:s + batch]] if images else []))  # noqa: E731
     return {"batches": [conditioning_to(enc(s), "cpu") for s in range(0, len(prompts), batch)],
             "negative": None if neg is None else conditioning_to(neg, "cpu")}
+
+
+def _negative(family, recipe: SamplerRecipe):
+    """The recipe's negative prompt as the family encodes it, where its guidance batches one."""
+    text = negative_prompt_of(family, recipe)
+    return None if text is None else family.encode_negative(text)
 
 
 def judge_images(pairs: list[tuple[dict, int]], imgs: np.ndarray) -> dict:
