@@ -80,3 +80,23 @@ def test_vllm_backend_settings_and_an_unreachable_server_fail_naming_them():
     r = build_reward("vlm_judge", backend="vllm", url="http://127.0.0.1:9")  # no checkout needed: the server has it
     with pytest.raises(ScoringError, match=r"no vLLM server answers at http://127.0.0.1:9.*vllm serve"):
         r.ensure_setup("cpu")
+
+
+def test_the_judge_reads_images_at_qwens_m_rope_positions(judge):
+    """The inputs mark the image tokens (`mm_token_type_ids`, as Qwen's processor returns them), so
+    the model places them on its image-aware M-RoPE grid; without the marks transformers would
+    quietly use plain sequential positions and judge otherwise."""
+    imgs = _images(2)
+    inputs = judge.inputs(imgs, PROMPTS[:2])
+    image_id = judge.model.config.image_token_id
+    assert torch.equal(inputs["mm_token_type_ids"].bool(), inputs["input_ids"] == image_id)
+    vl = judge.model.model
+    positions, _ = vl.get_rope_index(inputs["input_ids"], image_grid_thw=inputs["image_grid_thw"],
+                                     attention_mask=inputs["attention_mask"],
+                                     mm_token_type_ids=inputs["mm_token_type_ids"])
+    with torch.no_grad():
+        grid = judge.model(**{k: v for k, v in inputs.items() if k != "mm_token_type_ids"}, position_ids=positions)
+        plain = judge.model(**{k: v for k, v in inputs.items() if k != "mm_token_type_ids"})
+        own = judge.model(**inputs)
+    assert torch.allclose(own.logits[:, -1], grid.logits[:, -1], atol=1e-5)
+    assert not torch.allclose(own.logits[:, -1], plain.logits[:, -1], atol=1e-5)

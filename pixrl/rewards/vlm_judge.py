@@ -96,28 +96,11 @@ class VlmJudge(Reward):
     def chat_inputs(self, image_sets: list[list[np.ndarray]], texts: list[str],
                     captions: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
         """One user turn per row: its images (each after its caption, when given), then its text —
-        as Qwen's processor builds them, each placeholder expanded to its image's patch count."""
-        flat = [img for images in image_sets for img in images]
-        pix = self.images(images=flat, return_tensors="pt")
-        merge = self.images.merge_size ** 2
-        grids = iter(pix["image_grid_thw"])
-        rows = []
-        for images, question in zip(image_sets, texts):
-            content = []
-            for k in range(len(images)):
-                if captions:
-                    content.append({"type": "text", "text": captions[k]})
-                content.append({"type": "image"})
-            msg = [{"role": "user", "content": [*content, {"type": "text", "text": question}]}]
-            text = self.tokenizer.apply_chat_template(msg, tokenize=False, add_generation_prompt=True)
-            for _ in images:  # left to right: the k-th placeholder is the k-th image
-                n = int(next(grids).prod()) // merge
-                text = text.replace(self.image_token, "\0" * n, 1)
-            rows.append(text.replace("\0", self.image_token))
-        enc = self.tokenizer(rows, return_tensors="pt", padding=True, add_special_tokens=False)
-        dev = self.model.device
-        return {"input_ids": enc["input_ids"].to(dev), "attention_mask": enc["attention_mask"].to(dev),
-                "pixel_values": pix["pixel_values"].to(dev, self.model.dtype), "image_grid_thw": pix["image_grid_thw"].to(dev)}
+        as Qwen's processor builds them (rewards/qwen_vl_inputs.py)."""
+        from .qwen_vl_inputs import chat_inputs
+
+        return chat_inputs(self.tokenizer, self.images, self.image_token, image_sets, texts, captions,
+                           self.model.device, self.model.dtype)
 
     @torch.no_grad()
     def first_token_probs(self, inputs: dict[str, torch.Tensor], first: list[int],
