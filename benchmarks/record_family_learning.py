@@ -17,6 +17,7 @@ import argparse
 import csv
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -167,7 +168,7 @@ def main() -> None:
 
 
 def readme(name: str, args, s: dict) -> str:
-    cmd = " ".join(["benchmarks/record_family_learning.py", "--family", args.family, "--iterations",
+    cmd = shlex.join(["benchmarks/record_family_learning.py", "--family", args.family, "--iterations",
                     str(args.iterations), *(["--two-experts"] if args.two_experts else []),
                     *(["--name", name] if args.name else []), *args.overrides])
     from pixrl.models.registry import get_family
