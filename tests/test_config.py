@@ -160,16 +160,21 @@ def test_the_skyreels_experiment_is_dancegrpos_image_to_video_recipe():
 
 def test_a_negative_prompt_is_refused_where_nothing_would_read_it(tiny_flux, tmp_path):
     """Without classifier-free guidance (at load), and on a guidance-distilled family (preflight)."""
-    from pixrl.algorithms.recipe import eval_recipe, rollout_recipe, with_negative_prompt
+    from pixrl.algorithms.recipe import eval_recipe, rollout_recipe, with_guidance
     from pixrl.stages.preflight import PreflightError, preflight
 
     with pytest.raises(ConfigError, match="sampling.negative_prompt='blurry' is only used by classifier-free guidance"):
         load_config(None, ["sampling.negative_prompt=blurry"])
+    with pytest.raises(ConfigError, match="sampling.cfg_truncation=0.25 truncates classifier-free guidance"):
+        load_config(None, ["sampling.cfg_truncation=0.25"])
     s = load_config(None, ["sampling.negative_prompt=blurry, low quality", "sampling.guidance_scale=3"]).sampling
     assert eval_recipe(s).negative_prompt == "blurry, low quality"
-    assert with_negative_prompt(rollout_recipe(s, __import__("numpy").random.default_rng(0)), s).negative_prompt == \
+    assert with_guidance(rollout_recipe(s, __import__("numpy").random.default_rng(0)), s).negative_prompt == \
         "blurry, low quality"
     flux = [f"model.path={tiny_flux[0]}", *(f"{k}={v}" for k, v in tiny_flux[1].items()), f"run.workdir={tmp_path}"]
     cfg = load_config(None, [*flux, "sampling.negative_prompt=blurry", "sampling.guidance_scale=3.5"])
     with pytest.raises(PreflightError, match="sampling.negative_prompt: the flux1 family's guidance is embedded.*sd3"):
+        preflight(cfg)
+    cfg = load_config(None, [*flux, "sampling.cfg_truncation=0.5", "sampling.guidance_scale=3.5"])
+    with pytest.raises(PreflightError, match="sampling.cfg_truncation: the flux1 family's guidance is embedded"):
         preflight(cfg)

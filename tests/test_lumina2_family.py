@@ -29,22 +29,23 @@ def family(tiny_lumina2):
     return _load(*tiny_lumina2)
 
 
-def _pipeline(family, guidance, seeds, output_type="latent", normalise=True):
+def _pipeline(family, guidance, seeds, output_type="latent", normalise=True, truncation=1.0):
     return family.pipe(prompt=PROMPTS, num_inference_steps=6, guidance_scale=guidance, generator=gens(seeds),
                        output_type=output_type, height=family.resolution, width=family.resolution,
-                       max_sequence_length=family.max_sequence_length, cfg_normalization=normalise).images
+                       max_sequence_length=family.max_sequence_length, cfg_normalization=normalise,
+                       cfg_trunc_ratio=truncation).images
 
 
-def _ode(family, guidance, seeds):
+def _ode(family, guidance, seeds, truncation=1.0):
     neg = family.encode_negative("").expand(2) if guidance > 1 else None
     return sample(family, family.encode_prompts(PROMPTS), neg, gens(seeds),
-                  SamplerRecipe(6, 0.0, guidance_scale=guidance, train_steps=()))
+                  SamplerRecipe(6, 0.0, guidance_scale=guidance, train_steps=(), cfg_truncation=truncation))
 
 
 def test_registered_with_cfg(family, tiny_lumina2):
     assert get_family("lumina2") is Lumina2Family and family_of_directory(tiny_lumina2[0]) == "lumina2"
     assert uses_negative_prompt(Lumina2Family, 4.0) and family.latent_shape() == (4, 8, 8)
-    with pytest.raises(ModelLoadError, match="no such setting"):
+    with pytest.raises(ModelLoadError, match="no such setting"):  # a sampling setting: sampling.cfg_truncation
         _load(*tiny_lumina2, cfg_trunc_ratio=0.25)
 
 
@@ -78,6 +79,16 @@ def test_ode_sampling_equals_lumina2_pipeline(tiny_lumina2, guidance, normalise)
         assert (_ode(fam, 1.0, [11, 12]).final - traj.final).abs().max().item() > 1e-4
 
 
+@pytest.mark.parametrize("truncation", [0.25, 0.5])
+def test_cfg_truncation_equals_the_pipelines_cfg_trunc_ratio(family, truncation):
+    """Lumina-Image 2.0's recommended sampling guides only the first quarter of the steps."""
+    traj = _ode(family, 4.0, [5, 6], truncation)
+    assert (traj.final - _pipeline(family, 4.0, [5, 6], truncation=truncation)).abs().max().item() <= 1e-5
+    assert (traj.final - _ode(family, 4.0, [5, 6]).final).abs().max().item() > 1e-4
+    recipe = SamplerRecipe(steps=4, noise_level=0.7, guidance_scale=4.0, train_steps=(0, 1, 2), cfg_truncation=0.5)
+    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_negative("").expand(2), recipe)
+
+
 def test_decode_equals_the_pipeline_images(family):
     imgs = family.decode(_ode(family, 4.0, [3, 4]).final)
     ref = _pipeline(family, 4.0, [3, 4], output_type="np")
@@ -100,5 +111,16 @@ def test_lora_targets_name_linear_layers_only(family):
 
 @pytest.mark.parametrize("mode", ["lora", "full"])
 def test_two_rl_iterations_through_the_unchanged_flow(tiny_lumina2, tmp_path, prefect_harness, mode):
-    out, t = two_iterations(tiny_lumina2, tmp_path, "lumina2", mode, "sampling.guidance_scale=4.0")
-    assert json.loads(t["recipe"][0].as_py())["guidance_scale"] == 4.0
+    """Full fine-tuning with Lumina-2's truncated CFG (its rows' recipe keeps it; the update replays it)."""
+    truncation = 0.5 if mode == "full" else 1.0
+    out, t = two_iterations(tiny_lumina2, tmp_path, "lumina2", mode, "sampling.guidance_scale=4.0",
+                            f"sampling.cfg_truncation={truncation}")
+    recipe = json.loads(t["recipe"][0].as_py())
+    assert recipe["guidance_scale"] == 4.0 and recipe["cfg_truncation"] == truncation
+    if mode == "full":  # the recorded recipe replays the update exactly
+        from typer.testing import CliRunner
+
+        from pixrl.cli import app
+
+        rep = CliRunner().invoke(app, ["replay", "lumina2", "--iteration", "1", "--workdir", str(tmp_path)])
+        assert rep.exit_code == 0 and json.loads(rep.stdout.strip().splitlines()[-1])["equal"] is True, rep.output

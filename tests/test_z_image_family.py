@@ -4,6 +4,8 @@ grid, ODE sampling equal to ZImagePipeline's with and without CFG (its w = pixrl
 decoded images equal, replayed log-probs equal to the stored ones, the LoRA targets, and two RL
 iterations through the unchanged flow with LoRA and full fine-tuning."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -28,9 +30,9 @@ def family(tiny_z):
     return ZImageFamily.load(tiny_z[0], max_sequence_length=64, resolution=32)
 
 
-def _pipeline(family, cfg: float, seeds, output_type: str, negative: str | None = None):
+def _pipeline(family, cfg: float, seeds, output_type: str, negative: str | None = None, truncation: float = 1.0):
     return family.pipe(prompt=list(PROMPTS), negative_prompt=None if negative is None else [negative] * len(PROMPTS),
-                       guidance_scale=cfg - 1.0, num_inference_steps=6, generator=gens(seeds),
+                       guidance_scale=cfg - 1.0, num_inference_steps=6, generator=gens(seeds), cfg_truncation=truncation,
                        output_type=output_type, height=32, width=32, max_sequence_length=64).images
 
 
@@ -61,6 +63,18 @@ def test_schedule_is_the_pipelines(family):
     sched = deepcopy(family.pipe.scheduler)
     ref, _ = retrieve_timesteps(sched, 6, "cpu", sigmas=get_default_z_image_sigmas(6), mu=family._mu())
     assert torch.equal(timesteps, ref.float()) and torch.equal(sigmas, sched.sigmas.float()) and sigmas[-1] == 0
+
+
+@pytest.mark.parametrize("truncation", [0.2, 0.5])  # 1 − t/1000 on the 6-step grid: 0 … 0.625
+def test_cfg_truncation_equals_the_pipelines_by_its_time_rule(family, truncation):
+    """ZImagePipeline drops CFG once 1 − t/1000 exceeds `cfg_truncation` (time, not the step count)."""
+    ref = _pipeline(family, 4.0, [3, 4], "latent", truncation=truncation)
+    neg = family.encode_negative("").expand(2)
+    recipe = SamplerRecipe(6, 0.0, guidance_scale=4.0, train_steps=(), cfg_truncation=truncation)
+    traj = sample(family, family.encode_prompts(PROMPTS), neg, gens([3, 4]), recipe)
+    assert (traj.final - ref).abs().max().item() <= 1e-5
+    full = sample(family, family.encode_prompts(PROMPTS), neg, gens([3, 4]), replace(recipe, cfg_truncation=1.0))
+    assert (traj.final - full.final).abs().max().item() > 1e-4
 
 
 @pytest.mark.parametrize("cfg,negative", [(1.0, None), (4.0, None), (4.0, "blurry, low quality")])

@@ -59,13 +59,16 @@ def eval_recipe(s: SamplingConfig, step: str = "denoise") -> SamplerRecipe | Tok
     samples with the rollout's transform (its policy is the categorical distribution itself)."""
     if step == "token":
         return token_recipe(s)
-    return SamplerRecipe(s.eval_steps, 0.0, "sde", s.guidance_scale, None, (), negative_prompt=s.negative_prompt)
+    return with_guidance(SamplerRecipe(s.eval_steps, 0.0, "sde", s.guidance_scale, None, ()), s)
 
 
-def with_negative_prompt(recipe: SamplerRecipe | TokenRecipe, s: SamplingConfig) -> SamplerRecipe | TokenRecipe:
-    """An algorithm's rollout recipe with the run's negative prompt (every algorithm's recipe
-    samples with it; a token family's has none: preflight refuses one there)."""
-    return replace(recipe, negative_prompt=s.negative_prompt) if isinstance(recipe, SamplerRecipe) else recipe
+def with_guidance(recipe: SamplerRecipe | TokenRecipe, s: SamplingConfig) -> SamplerRecipe | TokenRecipe:
+    """A recipe with the run's classifier-free guidance settings beyond the scale — its negative
+    prompt and CFG truncation — which every algorithm's rollouts sample with (a token family's
+    recipe has neither: preflight refuses them there)."""
+    if not isinstance(recipe, SamplerRecipe):
+        return recipe
+    return replace(recipe, negative_prompt=s.negative_prompt, cfg_truncation=s.cfg_truncation)
 
 
 def stored_recipe(rec: dict, step: str, train_cfg: bool = True) -> SamplerRecipe | TokenRecipe:
@@ -80,7 +83,7 @@ def stored_recipe(rec: dict, step: str, train_cfg: bool = True) -> SamplerRecipe
                          tuple(rec["train_steps"]), shared_noise=rec.get("shared_noise", False),
                          shared_members=rec.get("shared_members", 0), ode_solver=rec.get("ode_solver", "euler"),
                          tail_compress=rec.get("tail_compress", 1.0), stored_width=rec.get("stored_width", 0),
-                         negative_prompt=rec.get("negative_prompt", ""))
+                         negative_prompt=rec.get("negative_prompt", ""), cfg_truncation=rec.get("cfg_truncation", 1.0))
 
 
 def replay_recipe(recipe_jsons, step: str, train_cfg: bool = True) -> SamplerRecipe | TokenRecipe:

@@ -34,6 +34,7 @@ class SamplerRecipe:
     stored_width: int = 0  # rows hold this many transitions (padded, step −1), so a run's windows that
     # shrink near the end of the grid (MixGRPO) fit its table; 0: exactly len(train_steps)
     negative_prompt: str = ""  # CFG's unconditional prompt (guidance_scale > 1), encoded by Family.encode_negative
+    cfg_truncation: float = 1.0  # CFG only up to this point of the grid (guidance_at), the conditional velocity after
 
     def is_sde(self, k: int) -> bool:
         return self.noise_level > 0 and (self.sde_steps is None or k in self.sde_steps)
@@ -90,10 +91,24 @@ def vp_scale(policy, sigma) -> float:
     return float(vp_norm(torch.as_tensor(sigma, dtype=torch.float32)))
 
 
+def guidance_at(policy, recipe: SamplerRecipe, k: int, timestep) -> float:
+    """The guidance scale of step k under CFG truncation (`recipe.cfg_truncation` < 1), by the
+    family's pipeline's rule (`cfg_truncation_by`): "step" — Lumina2Pipeline's `cfg_trunc_ratio`,
+    no CFG once (k + 1)/steps exceeds it, the default — or "time" — ZImagePipeline's
+    `cfg_truncation`, no CFG once 1 − t/1000 exceeds it. Past it the velocity is the conditional one."""
+    if recipe.cfg_truncation >= 1.0:
+        return recipe.guidance_scale
+    if getattr(policy, "cfg_truncation_by", "step") == "time":
+        past = (1000.0 - float(timestep)) / 1000.0 > recipe.cfg_truncation
+    else:
+        past = (k + 1) / recipe.steps > recipe.cfg_truncation
+    return 1.0 if past else recipe.guidance_scale
+
+
 def denoise_step(policy, x, k: int, sigmas, timesteps, cond, neg, recipe: SamplerRecipe,
                  prev_sample=None, noise=None) -> StepOut:
     """One step k of the recipe: velocity (with CFG) then the SDE/ODE transition."""
-    v = policy.velocity(x.to(policy.dtype), timesteps[k:k + 1], cond, recipe.guidance_scale, neg)
+    v = policy.velocity(x.to(policy.dtype), timesteps[k:k + 1], cond, guidance_at(policy, recipe, k, timesteps[k]), neg)
     a = recipe.noise_level if recipe.is_sde(k) else 0.0
     return flow_step(v, x, sigmas[k], sigmas[k + 1], float(sigmas[1]), a, recipe.sde_type,
                      prev_sample=prev_sample, noise=noise)
@@ -200,6 +215,9 @@ def _ode_tail(policy, x, first: int, prev_x0, sigmas, timesteps, cond, neg, reci
     """DPM-Solver++(2M) from step `first` to σ = 0: on the schedule's own points, or (Flash) on
     the compressed re-shifted grid, whose model timesteps are σ · num_train_timesteps."""
     if recipe.tail_compress < 1.0 and first > 0:
+        if recipe.cfg_truncation < 1.0:
+            raise ValueError("sampling.cfg_truncation < 1 counts the grid's steps, and a compressed ODE tail "
+                             "(tail_compress < 1, MixGRPO-Flash) re-spaces them; use one or the other")
         shift = float(policy.scheduler.config.get("shift", 1.0))
         grid = compressed_tail(sigmas, first - 1, recipe.tail_compress, shift)
         steps = model_timesteps(policy, grid[:-1])
@@ -207,7 +225,7 @@ def _ode_tail(policy, x, first: int, prev_x0, sigmas, timesteps, cond, neg, reci
         grid, steps = sigmas[first:], timesteps[first:]
     prev_sigma = float(sigmas[first - 1]) if first > 0 else None
     for i in range(len(grid) - 1):
-        v = policy.velocity(x.to(policy.dtype), steps[i:i + 1], cond, recipe.guidance_scale, neg)
+        v = policy.velocity(x.to(policy.dtype), steps[i:i + 1], cond, guidance_at(policy, recipe, first + i, steps[i]), neg)
         sigma = float(grid[i])
         x, x0 = dpm_step(x, v, sigma, float(grid[i + 1]), prev_x0, prev_sigma)
         prev_x0, prev_sigma = x0, sigma

@@ -34,6 +34,9 @@ class SamplingConfig(_Section):
     negative_prompt: str = Field("", description="classifier-free guidance's unconditional prompt (guidance_scale > 1; "
                                  "empty: the empty prompt, as the pipelines default); encoded as the family's pipeline "
                                  "encodes its negative_prompt, and recorded in each row's recipe")
+    cfg_truncation: float = Field(1.0, gt=0, le=1.0, description="classifier-free guidance only at steps k with "
+                                  "(k + 1)/steps ≤ this, the conditional velocity after (Lumina2Pipeline's "
+                                  "cfg_trunc_ratio; 1: every step)")
     group_size: int = Field(8, ge=2, description="G samples per prompt")
     prompts_per_iteration: int = Field(8, ge=1)
     max_rounds: int = Field(1, ge=1, description="DAPO dynamic sampling: further rounds of prompts_per_iteration "
@@ -73,6 +76,10 @@ class SamplingConfig(_Section):
             raise ValueError(f"sampling.cot_backend=vllm samples the chain of thought on a vLLM server: it needs "
                              f"sampling.cot_tokens > 0 (got {self.cot_tokens}) and sampling.cot_vllm_url (got "
                              f"{self.cot_vllm_url!r}; `pixrl serve-vllm-text` prints it)")
+        if self.cfg_truncation < 1 and self.guidance_scale <= 1:
+            raise ValueError(f"sampling.cfg_truncation={self.cfg_truncation} truncates classifier-free guidance, and "
+                             f"sampling.guidance_scale={self.guidance_scale} samples without it: set guidance_scale "
+                             f"> 1 or cfg_truncation=1")
         if self.negative_prompt and self.guidance_scale <= 1:
             raise ValueError(f"sampling.negative_prompt={self.negative_prompt!r} is only used by classifier-free "
                              f"guidance, and sampling.guidance_scale={self.guidance_scale} samples without it: set "

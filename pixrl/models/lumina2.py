@@ -54,6 +54,7 @@ class Lumina2Family(PipelineFamily):
     pipeline_class = "Lumina2Pipeline"
     semantics = PolicySemantics(regime=Regime.full_sequence, step=PolicyStep.denoise, action=Action.continuous)
     guidance = "cfg"
+    cfg_truncation_by = "step"  # sampling.cfg_truncation as Lumina2Pipeline's cfg_trunc_ratio: (k + 1)/steps
     text_tokens = (1, 1024)  # the pipeline's 256 by default
     options = {"cfg_normalization": "rescale the guided output to the conditional output's norm (the pipeline's "
                                     "default: true)"}

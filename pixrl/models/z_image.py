@@ -54,6 +54,7 @@ class ZImageFamily(PipelineFamily):
     pipeline_class = "ZImagePipeline"
     semantics = PolicySemantics(regime=Regime.full_sequence, step=PolicyStep.denoise, action=Action.continuous)
     guidance = "cfg"
+    cfg_truncation_by = "time"  # sampling.cfg_truncation as ZImagePipeline's: no CFG once 1 − t/1000 exceeds it
     text_tokens = (1, 1024)  # the pipeline's 512 by default
     # the single-stream blocks' attention projections and SwiGLU (to_q/k/v, to_out.0; w1, w2, w3)
     lora_targets = ["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",

@@ -18,7 +18,7 @@ import pyarrow as pa
 from ..algorithms.advantages import aggregated_advantages, part_reward_spread, per_part
 from ..algorithms.base import build_algorithm
 from ..algorithms.dynamic_sampling import batch_full, groups_with_signal, trained_mask
-from ..algorithms.recipe import replay_recipe, with_negative_prompt
+from ..algorithms.recipe import replay_recipe, with_guidance
 from ..algorithms.token_sampling import behavior_gap
 from ..artifacts.batch import COT_FIELDS, RolloutBatch
 from ..artifacts.rollout_rows import rows_table
@@ -109,7 +109,7 @@ class OnlineStages(DecodeScoreStages):
         cfg, s = self.cfg, self.cfg.sampling
         rng = np.random.default_rng(seed_of(cfg.run.seed, iteration, 0))
         prompts = choose_prompts(self.prompt_items, s.prompts_per_iteration, rng)
-        parts = [with_negative_prompt(p, s) for p in self.algorithm.rollout_parts(s, rng, self.step_kind, iteration)]
+        parts = [with_guidance(p, s) for p in self.algorithm.rollout_parts(s, rng, self.step_kind, iteration)]
         if rnd:
             rng = np.random.default_rng(seed_of(cfg.run.seed, iteration, 0, rnd))
             prompts = choose_prompts(self.prompt_items, s.prompts_per_iteration, rng)

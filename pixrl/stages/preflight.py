@@ -79,9 +79,11 @@ def check_sampling_settings(s, family, algo) -> None:
     if s.cot_tokens and not hasattr(family, "encode_cot_prompts"):
         raise ValueError(f"sampling.cot_tokens={s.cot_tokens}: the {family.name} family samples no chain of thought "
                          f"(token families such as janus_pro do); set sampling.cot_tokens=0")
-    if s.negative_prompt and getattr(family, "guidance", "cfg") != "cfg":
+    cfg_only = [k for k, on in (("negative_prompt", bool(s.negative_prompt)), ("cfg_truncation", s.cfg_truncation < 1))
+                if on]
+    if cfg_only and getattr(family, "guidance", "cfg") != "cfg":
         cfg_families = [n for n in registered_families() if getattr(get_family(n), "guidance", "cfg") == "cfg"]
-        raise ValueError(f"sampling.negative_prompt: the {family.name} family's guidance is "
+        raise ValueError(f"sampling.{cfg_only[0]}: the {family.name} family's guidance is "
                          f"{family.guidance} (no negative-prompt batch), so it would never be read; unset it "
                          f"(classifier-free guidance families read it: {', '.join(cfg_families)})")
     if s.cot_tokens and algo.offline:
