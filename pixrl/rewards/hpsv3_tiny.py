@@ -11,20 +11,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-#: Qwen2-VL-Instruct's chat format: a default system turn, then user turns of images and text
-QWEN2_VL_CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if loop.first and message['role'] != 'system' -%}"
-    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' -}}{%- endif -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}{{- message['content'] -}}"
-    "{%- else -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
-    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+from ..models.tiny_parts import QWEN_VL_CHAT_TEMPLATE
+
+#: Qwen2-VL-Instruct's chat format: Qwen-VL's turns of images and text after a default system turn
+QWEN2_VL_CHAT_TEMPLATE = QWEN_VL_CHAT_TEMPLATE.replace(
+    "{%- for message in messages -%}",
+    "{%- for message in messages -%}{%- if loop.first and message['role'] != 'system' -%}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' -}}{%- endif -%}", 1)
 
 
 def to_transformers445(key: str) -> str:
