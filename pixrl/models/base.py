@@ -179,7 +179,13 @@ class Family(Protocol):
 
 
 class DenoiseFamily(Family, Protocol):
-    """The step interface of denoise families (flow matching): a velocity model and its schedule."""
+    """The step interface of denoise families (flow matching): a velocity model and its schedule.
+    Optional `cfg_truncation_by` ("step" or "time"): the rule of its pipeline's CFG truncation
+    (algorithms/sampling.guidance_at)."""
+
+    def encode_negative(self, text: str) -> Conditioning:
+        """Classifier-free guidance's unconditional conditioning of `text`, as the family's
+        pipeline encodes its `negative_prompt` (PipelineFamily: as a prompt)."""
 
     def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(sigmas [T+1] ending at 0, timesteps [T]) on the model's device."""
