@@ -93,7 +93,7 @@ class LocalEngine:
         prompts = condition_keys(prompts, images)
         cond_all, pos = cache.encode(prompts, images)
         negative = negative_prompt_of(fam, recipe)
-        neg = None if negative is None else cache.negative(negative)
+        negs = None if negative is None else cache.negative_rows(negative, prompts, images)
         trajs = []
         t0 = time.perf_counter()
         self.policy.module.eval()
@@ -103,7 +103,7 @@ class LocalEngine:
             gens = generators(seeds[start:start + len(chunk)], fam.device)
             shared = generators(noise_seeds[start:start + len(chunk)], fam.device) if noise_seeds else None
             same = _same_prefix(chunk, noise_seeds[start:start + len(chunk)]) if noise_seeds else None
-            trajs.append(sample(model, cond, neg.expand(len(chunk)) if neg else None, gens, recipe, shared, same))
+            trajs.append(sample(model, cond, negs.of(chunk) if negs else None, gens, recipe, shared, same))
             if on_chunk is not None:
                 on_chunk(start, start + len(chunk), _host(trajs[-1].final).astype(np.float32))
         seconds = time.perf_counter() - t0

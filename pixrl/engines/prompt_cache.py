@@ -24,7 +24,7 @@ from collections import OrderedDict
 import torch
 
 from ..models.base import conditioning_to
-from ..models.source_images import SourceImageError, image_bank, split_key
+from ..models.source_images import SEP, SourceImageError, image_bank, split_key
 
 
 class PromptCache:
@@ -88,16 +88,30 @@ class PromptCache:
             self._negatives[key] = self.family.encode_negative(text)
         return self._negatives[key]
 
+    def negative_rows(self, text: str, keys: list[str], images=None) -> "NegativeRows":
+        """The negative prompt's conditioning for rows of these condition keys: the one encoding of
+        `negative` — or, for a family whose pipeline encodes the negative prompt with each row's
+        source image (`negative_reads_images`: Qwen-Image-Edit), the negative prompt with every
+        distinct source of `keys`, encoded as a prompt set of its own (and cached as one)."""
+        if not getattr(self.family, "negative_reads_images", False):
+            return NegativeRows(self.negative(text))
+        cond, pos = self.encode([negative_key(text, k) for k in keys], images)
+        return NegativeRows(cond, pos, text)
+
     @torch.no_grad()
     def encodings(self, prompt_sets: list[list[str]], negative: str | None, images=None) -> dict:
         """The conditioning of each prompt set (and of the negative prompt, when sampling batches
         one), as this cache encodes them, in host memory: {"sets": [(the set's distinct prompts in
-        sorted order, conditioning)], "negative": (text, conditioning) or None}."""
+        sorted order, conditioning)], "negative": (text, conditioning) or None}. A negative prompt
+        read with each row's image travels as further sets (its keys: the negative with each image)."""
+        with_images = negative is not None and getattr(self.family, "negative_reads_images", False)
+        keysets = [list(p) for p in prompt_sets]
+        keysets += [[negative_key(negative, k) for k in p] for p in prompt_sets] if with_images else []
         sets = []
-        for prompts in prompt_sets:
-            cond, pos = self.encode(list(prompts), images)
+        for keys in keysets:
+            cond, pos = self.encode(keys, images)
             sets.append((sorted(pos, key=pos.get), conditioning_to(cond, "cpu")))
-        neg = None if negative is None else (negative, conditioning_to(self.negative(negative), "cpu"))
+        neg = None if negative is None or with_images else (negative, conditioning_to(self.negative(negative), "cpu"))
         return {"sets": sets, "negative": neg}
 
     @classmethod
@@ -111,3 +125,22 @@ class PromptCache:
             text, cond = encodings["negative"]
             cache._negatives[cache._negative_key(text)] = conditioning_to(cond, family.device)
         return cache
+
+
+def negative_key(text: str, key: str) -> str:
+    """The condition key of the negative prompt with the source image of the row key `key`."""
+    _, dig = split_key(key)
+    return text if dig is None else f"{text}{SEP}{dig}"
+
+
+class NegativeRows:
+    """CFG's negative conditioning of given rows (`of(keys)`): one encoding broadcast to them, or
+    each row's own (the negative prompt with the row's source image)."""
+
+    def __init__(self, cond, pos: dict[str, int] | None = None, text: str = ""):
+        self.cond, self.pos, self.text = cond, pos, text
+
+    def of(self, keys: list[str]):
+        if self.pos is None:
+            return self.cond.expand(len(keys))
+        return self.cond.select([self.pos[negative_key(self.text, k)] for k in keys])

@@ -63,7 +63,8 @@ class ReplayFactory:
                      for s, (_, pos) in self.encoded.items()} \
             if isinstance(recipe, TokenRecipe) and recipe.cot_tokens else {}
         negative = negative_prompt_of(fam, recipe)  # as the rollout sampled: the rows' recorded recipe
-        self.neg = None if negative is None else prompts.negative(negative)
+        self.negs = {} if negative is None else {s: prompts.negative_rows(negative, texts, images)
+                                                   for s, texts in replay_prompt_sets(self.prompts, prompt_sets).items()}
         self.reference = pol.reference() if algo.needs_reference else None
         self.sampler = None
         if algo.separate_sampler:  # the sampling policy as of the rollout (initially the weights themselves)
@@ -89,7 +90,8 @@ class ReplayFactory:
         cond = cond_all.select(set_rows)
         if isinstance(recipe, TokenRecipe):
             return TokenReplayPolicy(fam, self.reference, cond, recipe, fam.device)
-        return ReplayPolicy(fam, self.reference, cond, self.neg.expand(len(rows)) if self.neg else None, self.sigmas,
+        neg = self.negs[s].of([self.prompts[i] for i in rows]) if self.negs else None
+        return ReplayPolicy(fam, self.reference, cond, neg, self.sigmas,
                             self.timesteps, recipe, fam.device, gen, self.sampler, self.trained_steps)
 
 

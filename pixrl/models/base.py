@@ -120,6 +120,8 @@ def conditioning_to(cond, device):
                                             for f in dataclasses.fields(cond) if f.init})
     if cond is None or isinstance(cond, (str, int, float, bool)):
         return cond
+    if isinstance(cond, tuple):  # e.g. a grid size
+        return tuple(conditioning_to(c, device) for c in cond)
     raise TypeError(f"cannot move a {type(cond).__name__} between devices: a family's conditioning is a "
                     "dataclass of tensors")
 

@@ -100,24 +100,16 @@ class QwenImageFamily(PackedLatentsFamily):
         """A random Qwen-Image-shaped pipeline (Qwen2.5-VL text encoder with a byte-level BPE
         tokenizer and the chat tokens, causal VAE with latent mean/std, 2×2-packed MMDiT, dynamic
         shift) with tiny widths, saved with `save_pretrained`. Returns the overrides that run it."""
-        from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
-                               QwenImageTransformer2DModel)
+        from diffusers import QwenImagePipeline
 
+        from .qwen_image_parts import qwen_image_core
         from .tiny_parts import qwen2_tokenizer, qwen25_vl_text_encoder
 
         torch.manual_seed(seed)
         build = out_dir.parent / (out_dir.name + "_build")
         tok = qwen2_tokenizer(build / "tokenizer")
         text_encoder = qwen25_vl_text_encoder(tok)
-        z = 4
-        vae = AutoencoderKLQwenImage(base_dim=8, z_dim=z, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False],
-                                     latents_mean=[0.1, -0.2, 0.05, 0.0], latents_std=[1.5, 2.0, 1.2, 1.8])
-        transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=4 * z, out_channels=z, num_layers=1,
-                                                  attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                                                  axes_dims_rope=(4, 6, 6))
-        sched = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
-                                                base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
-                                                time_shift_type="exponential")
+        vae, transformer, sched = qwen_image_core()
         QwenImagePipeline(scheduler=sched, vae=vae, text_encoder=text_encoder, tokenizer=tok,
                           transformer=transformer).save_pretrained(str(out_dir), safe_serialization=True)
         import shutil

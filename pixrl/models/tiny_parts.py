@@ -133,9 +133,9 @@ def qwen2_tokenizer(out_dir: Path, extra_pieces: list[str] = (), extra_pairs: li
     return Qwen2Tokenizer.from_pretrained(str(out_dir))
 
 
-def qwen25_vl_text_encoder(tokenizer, hidden: int = 32, layers: int = 1):
+def qwen25_vl_text_encoder(tokenizer, hidden: int = 32, layers: int = 1, **token_ids):
     """A tiny Qwen2.5-VL (the Qwen-Image text encoder class: language model + a one-block vision
-    tower, multimodal RoPE sections summing to half the head width)."""
+    tower, multimodal RoPE sections summing to half the head width); `token_ids`: its image tokens'."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
@@ -150,7 +150,7 @@ def qwen25_vl_text_encoder(tokenizer, hidden: int = 32, layers: int = 1):
                          rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": sections}),
         vision_config=dict(depth=1, hidden_size=hidden, intermediate_size=2 * hidden, num_heads=2,
                            out_hidden_size=hidden, fullatt_block_indexes=[0]),
-        **special)
+        **special, **token_ids)
     return Qwen2_5_VLForConditionalGeneration(cfg)
 
 

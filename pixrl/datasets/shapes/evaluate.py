@@ -63,33 +63,41 @@ def generate_images(family, prompts: list[str], seeds: list[int], recipe: Sample
                                           recipe).tokens)
             for s in range(0, len(prompts), batch)])
     on = lambda cond: None if cond is None else conditioning_to(cond, family.device)  # noqa: E731
-    neg = on(encoded["negative"]) if encoded is not None else _negative(family, recipe)
+    negs = [on(n) for n in encoded["negatives"]] if encoded is not None else \
+        _negatives(family, recipe, len(prompts), batch, images)
     imgs = []
     for k, s in enumerate(range(0, len(prompts), batch)):
         ps = prompts[s:s + batch]
         cond = on(encoded["batches"][k]) if encoded is not None else \
             family.encode_prompts(ps, images[s:s + batch]) if images is not None else family.encode_prompts(ps)
         gens = generators(seeds[s:s + batch], family.device)
-        traj = sample(family, cond, neg.expand(len(ps)) if neg is not None else None, gens, recipe)
-        imgs.append(family.decode(traj.final))
+        imgs.append(family.decode(sample(family, cond, negs[k], gens, recipe).final))
     return np.concatenate(imgs)
 
 
 def prompt_encodings(family, prompts: list[str], recipe: SamplerRecipe, batch: int = 64,
                      images: list[bytes] | None = None) -> dict:
     """What `generate_images` encodes for these prompts (with their source images, an editing
-    family's) — each generation batch's conditioning and the negative prompt's — in host memory,
+    family's) — each generation batch's conditioning and its negative prompt's — in host memory,
     for a process that holds no text towers."""
-    neg = _negative(family, recipe)
     enc = lambda s: family.encode_prompts(prompts[s:s + batch], *([images[s:s + batch]] if images else []))  # noqa: E731
+    negs = _negatives(family, recipe, len(prompts), batch, images)
     return {"batches": [conditioning_to(enc(s), "cpu") for s in range(0, len(prompts), batch)],
-            "negative": None if neg is None else conditioning_to(neg, "cpu")}
+            "negatives": [None if n is None else conditioning_to(n, "cpu") for n in negs]}
 
 
-def _negative(family, recipe: SamplerRecipe):
-    """The recipe's negative prompt as the family encodes it, where its guidance batches one."""
+def _negatives(family, recipe: SamplerRecipe, n: int, batch: int, images: list[bytes] | None) -> list:
+    """Each generation batch's negative conditioning (None without one): the recipe's negative
+    prompt as the family encodes it — with each row's source image where the family's pipeline
+    encodes it so (`negative_reads_images`)."""
     text = negative_prompt_of(family, recipe)
-    return None if text is None else family.encode_negative(text)
+    starts = range(0, n, batch)
+    if text is None:
+        return [None for _ in starts]
+    if getattr(family, "negative_reads_images", False):
+        return [family.encode_prompts([text] * len(images[s:s + batch]), images[s:s + batch]) for s in starts]
+    neg = family.encode_negative(text)
+    return [neg.expand(min(batch, n - s)) for s in starts]
 
 
 def judge_images(pairs: list[tuple[dict, int]], imgs: np.ndarray) -> dict:
