@@ -90,7 +90,7 @@ class PromptCache:
 
     def negative_rows(self, text: str, keys: list[str], images=None) -> "NegativeRows":
         """The negative prompt's conditioning for rows of these condition keys: the one encoding of
-        `negative` — or, for a family whose pipeline encodes the negative prompt with each row's
+        `text` — or, for a family whose pipeline encodes the negative prompt with each row's
         source image (`negative_reads_images`: Qwen-Image-Edit), the negative prompt with every
         distinct source of `keys`, encoded as a prompt set of its own (and cached as one)."""
         if not getattr(self.family, "negative_reads_images", False):
