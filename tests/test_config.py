@@ -167,6 +167,7 @@ def test_a_negative_prompt_is_refused_where_nothing_would_read_it(tiny_flux, tmp
         load_config(None, ["sampling.negative_prompt=blurry"])
     with pytest.raises(ConfigError, match="sampling.cfg_truncation=0.25 truncates classifier-free guidance"):
         load_config(None, ["sampling.cfg_truncation=0.25"])
+    assert load_config(None, ["sampling.negative_prompt="]).sampling.negative_prompt == ""  # null: the empty prompt
     s = load_config(None, ["sampling.negative_prompt=blurry, low quality", "sampling.guidance_scale=3"]).sampling
     assert eval_recipe(s).negative_prompt == "blurry, low quality"
     assert with_guidance(rollout_recipe(s, __import__("numpy").random.default_rng(0)), s).negative_prompt == \

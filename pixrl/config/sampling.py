@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Section(BaseModel):
@@ -67,6 +67,12 @@ class SamplingConfig(_Section):
         "workdir that the server reloads (a disk both see)")
     cot_vllm_address: str = Field("", description="cot_backend=vllm, weights broadcast: this process's address as "
                                   "the server dials it (empty: the one on the route to the server)")
+
+    @field_validator("negative_prompt", mode="before")
+    @classmethod
+    def _empty_negative(cls, value):
+        """`sampling.negative_prompt=` on the command line parses as null: the empty prompt."""
+        return "" if value is None else value
 
     @model_validator(mode="after")
     def _slots(self) -> SamplingConfig:
