@@ -160,6 +160,8 @@ def test_the_skyreels_experiment_is_dancegrpos_image_to_video_recipe():
 
 def test_a_negative_prompt_is_refused_where_nothing_would_read_it(tiny_flux, tmp_path):
     """Without classifier-free guidance (at load), and on a guidance-distilled family (preflight)."""
+    import numpy as np
+
     from pixrl.algorithms.recipe import eval_recipe, rollout_recipe, with_guidance
     from pixrl.stages.preflight import PreflightError, preflight
 
@@ -170,8 +172,7 @@ def test_a_negative_prompt_is_refused_where_nothing_would_read_it(tiny_flux, tmp
     assert load_config(None, ["sampling.negative_prompt="]).sampling.negative_prompt == ""  # null: the empty prompt
     s = load_config(None, ["sampling.negative_prompt=blurry, low quality", "sampling.guidance_scale=3"]).sampling
     assert eval_recipe(s).negative_prompt == "blurry, low quality"
-    assert with_guidance(rollout_recipe(s, __import__("numpy").random.default_rng(0)), s).negative_prompt == \
-        "blurry, low quality"
+    assert with_guidance(rollout_recipe(s, np.random.default_rng(0)), s).negative_prompt == "blurry, low quality"
     flux = [f"model.path={tiny_flux[0]}", *(f"{k}={v}" for k, v in tiny_flux[1].items()), f"run.workdir={tmp_path}"]
     cfg = load_config(None, [*flux, "sampling.negative_prompt=blurry", "sampling.guidance_scale=3.5"])
     with pytest.raises(PreflightError, match="sampling.negative_prompt: the flux1 family's guidance is embedded.*sd3"):
@@ -179,3 +180,13 @@ def test_a_negative_prompt_is_refused_where_nothing_would_read_it(tiny_flux, tmp
     cfg = load_config(None, [*flux, "sampling.cfg_truncation=0.5", "sampling.guidance_scale=3.5"])
     with pytest.raises(PreflightError, match="sampling.cfg_truncation: the flux1 family's guidance is embedded"):
         preflight(cfg)
+
+
+def test_mix_grpo_flash_refuses_cfg_truncation_on_its_respaced_tail():
+    """Before any work: its compressed ODE tail would not be the grid the truncation counts."""
+    from pixrl.algorithms.base import build_algorithm
+
+    cfg = load_config(None, ["algorithm=mix_grpo_flash", "sampling.guidance_scale=3", "sampling.cfg_truncation=0.5",
+                             "sampling.window_size=null", "sampling.window_range=null"])
+    with pytest.raises(ValueError, match="cfg_truncation=0.5 counts the grid's steps.*compress_ratio"):
+        build_algorithm(cfg.algorithm).check_sampling(cfg.sampling, "denoise")

@@ -109,3 +109,10 @@ class MixGRPOFlash(MixGRPO):
 
     def ode_tail(self) -> dict:
         return {"ode_solver": "dpm2", "tail_compress": self.settings.compress_ratio}
+
+    def check_sampling(self, sampling: SamplingConfig, step: str) -> None:
+        super().check_sampling(sampling, step)
+        if sampling.cfg_truncation < 1 and self.settings.compress_ratio < 1:
+            raise ValueError(f"sampling.cfg_truncation={sampling.cfg_truncation} counts the grid's steps, and "
+                             f"{self.name!r} re-spaces its ODE tail (algorithm.compress_ratio="
+                             f"{self.settings.compress_ratio}); set cfg_truncation=1 or compress_ratio=1")

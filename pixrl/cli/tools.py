@@ -121,7 +121,9 @@ def _policy(checkpoint: Optional[str], run: Optional[str], workdir: str, steps: 
         _fail(str(exc), exc=exc)
     s = cfg.sampling.model_copy(update={"eval_steps": steps} if steps else {})
     if negative_prompt is not None:
-        if policy.family.guidance != "cfg" or s.guidance_scale <= 1:
+        from ..models.base import uses_negative_prompt
+
+        if not uses_negative_prompt(policy.family, s.guidance_scale):
             _fail(f"--negative-prompt: this {policy.family.name} model samples with {policy.family.guidance} guidance "
                   f"at scale {s.guidance_scale}, which batches no negative prompt; drop --negative-prompt")
         s = s.model_copy(update={"negative_prompt": negative_prompt})

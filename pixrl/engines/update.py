@@ -57,14 +57,14 @@ class ReplayFactory:
         images = list(batch["source_image"]) if "source_image" in batch else None
         self.prompts = condition_keys(list(batch["prompt"]), images)  # an editing rollout's: prompt and image
         self.sets = set_of_rows(len(self.prompts), prompt_sets)
-        self.encoded = {s: prompts.encode(texts, images)
-                        for s, texts in replay_prompt_sets(self.prompts, prompt_sets).items()}
+        sets = replay_prompt_sets(self.prompts, prompt_sets)
+        self.encoded = {s: prompts.encode(texts, images) for s, texts in sets.items()}
         self.cots = {s: fam.encode_cot_prompts(list(pos), recipe.cot_template, recipe.cot_tokens)  # CoT: per set
                      for s, (_, pos) in self.encoded.items()} \
             if isinstance(recipe, TokenRecipe) and recipe.cot_tokens else {}
         negative = negative_prompt_of(fam, recipe)  # as the rollout sampled: the rows' recorded recipe
         self.negs = {} if negative is None else {s: prompts.negative_rows(negative, texts, images)
-                                                   for s, texts in replay_prompt_sets(self.prompts, prompt_sets).items()}
+                                                   for s, texts in sets.items()}
         self.reference = pol.reference() if algo.needs_reference else None
         self.sampler = None
         if algo.separate_sampler:  # the sampling policy as of the rollout (initially the weights themselves)
