@@ -17,7 +17,10 @@ from ..models.tiny_parts import QWEN_VL_CHAT_TEMPLATE
 QWEN2_VL_CHAT_TEMPLATE = QWEN_VL_CHAT_TEMPLATE.replace(
     "{%- for message in messages -%}",
     "{%- for message in messages -%}{%- if loop.first and message['role'] != 'system' -%}"
-    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' -}}{%- endif -%}", 1)
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' -}}{%- endif -%}", 1).replace(
+    "{%- elif part['type'] == 'text' -%}",
+    "{%- elif part['type'] == 'video' -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'text' -%}", 1)
 
 
 def to_transformers445(key: str) -> str:
@@ -29,15 +32,17 @@ def to_transformers445(key: str) -> str:
     return key
 
 
-def _tokenizer(out_dir: Path):
+def qwen2_vl_tokenizer(out_dir: Path, text: str):
+    """Qwen2-VL-Instruct's tokenizer in miniature: byte-level BPE whose words are those of `text`
+    (the reward's instruction) and the tiny vocabulary, Qwen's special and vision tokens, and the
+    chat template; saved to `out_dir`."""
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import Qwen2Tokenizer
 
     from ..models.tiny_parts import tiny_vocabulary, whole_word_merges
-    from .hpsv3 import ASK, INSTRUCTION
 
     vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
-    pieces = {p for p, _ in ByteLevel(add_prefix_space=False).pre_tokenize_str(INSTRUCTION + ASK + " system user")}
+    pieces = {p for p, _ in ByteLevel(add_prefix_space=False).pre_tokenize_str(text + " system user")}
     pieces |= {"Ġ" + w for w in tiny_vocabulary()}
     tok = Qwen2Tokenizer(vocab=vocab, merges=whole_word_merges(vocab, sorted(p for p in pieces if len(p) > 1)))
     tok.add_special_tokens({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
@@ -71,12 +76,12 @@ def write_tiny_hpsv3(out_dir: Path, hidden: int = 32, seed: int = 0) -> tuple[Pa
     from safetensors.torch import save_file
     from transformers import Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
-    from .hpsv3 import REWARD_TOKEN
+    from .hpsv3 import ASK, INSTRUCTION, REWARD_TOKEN
 
     out_dir = Path(out_dir)
     base = out_dir / "Qwen2-VL-Instruct-tiny"
     base.mkdir(parents=True, exist_ok=True)
-    tok = _tokenizer(base)
+    tok = qwen2_vl_tokenizer(base, INSTRUCTION + ASK)
     cfg = tiny_config(tok, hidden)
     cfg.save_pretrained(str(base))
     Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056).save_pretrained(str(base))  # Qwen2-VL's bounds
