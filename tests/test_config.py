@@ -132,7 +132,8 @@ def test_flow_grpo_can_start_each_group_from_one_latent():
 
 def test_the_hunyuan_video_experiment_is_dancegrpos_video_recipe():
     """finetune_hunyuan_grpo.sh: 480² × 53 frames, 16 steps, η 0.25, shift 5, guidance 6018/1000,
-    24 clips per prompt from one latent, best-of-8, timestep_fraction 0.6, clip 1e-4, lr 1e-5."""
+    24 clips per prompt from one latent, best-of-8, timestep_fraction 0.6, clip 1e-4, lr 1e-5;
+    VideoAlign's VQ on clips stored at 8 fps."""
     import numpy as np
 
     from pixrl.algorithms.base import build_algorithm
@@ -146,7 +147,8 @@ def test_the_hunyuan_video_experiment_is_dancegrpos_video_recipe():
     assert (algo.settings.best_of, algo.settings.train_fraction, algo.settings.clip_range, a.lr) == (8, 0.6, 1e-4, 1e-5)
     recipe = algo.rollout_recipe(s, np.random.default_rng(0), "denoise", 0)
     assert recipe.shared_noise and recipe.train_steps == tuple(range(15)) and not a.lora.enabled
-    assert cfg.reward.weights == {"hpsv2": 1.0, "temporal_consistency": 0.5}
+    assert cfg.reward.weights == {"videoalign": 1.0}  # its VQ head: vq_coef 1, mq_coef 0; clips at --fps 8
+    assert (cfg.reward.options["videoalign"]["dimensions"], cfg.reward.options["videoalign"]["clip_fps"]) == (["VQ"], 8)
 
 
 def test_the_skyreels_experiment_is_dancegrpos_image_to_video_recipe():
