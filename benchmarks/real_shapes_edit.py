@@ -1,4 +1,4 @@
-"""A random Qwen-Image-Edit of its real shapes for `gpu_smoke.py` (beside real_shapes.py): nothing
+"""A random Qwen-Image-Edit (and -2511) of its real shapes for `gpu_smoke.py` (beside real_shapes.py): nothing
 is downloaded; the text encoder is shortened as Qwen-Image's is there, and the docstring says so."""
 
 from __future__ import annotations
@@ -10,16 +10,22 @@ class EditPipelineParts:
     """A QwenImageEditPipeline's components, saved in the released layout (its processor's files in
     `processor/`, which `save_pretrained` of the pipeline cannot write without torchvision)."""
 
-    def __init__(self, parts: dict):
-        self.parts = parts
+    def __init__(self, parts: dict, pipeline: str = "QwenImageEditPipeline"):
+        self.parts, self.pipeline = parts, pipeline
 
     def save_pretrained(self, out_dir: str, safe_serialization: bool = True) -> None:
         from pixrl.models.qwen_image_parts import save_edit_pipeline
 
-        save_edit_pipeline(self.parts, Path(out_dir))
+        save_edit_pipeline(self.parts, Path(out_dir), self.pipeline)
 
 
-def qwen_image_edit_pipeline(layers: int | None, device: str, workdir: Path):
+def qwen_image_edit_plus_pipeline(layers: int | None, device: str, workdir: Path):
+    """Qwen-Image-Edit-2511 as below, in a QwenImageEditPlusPipeline, its transformer's `zero_cond_t` on."""
+    parts = qwen_image_edit_pipeline(layers, device, workdir, zero_cond_t=True).parts
+    return EditPipelineParts(parts, "QwenImageEditPlusPipeline")
+
+
+def qwen_image_edit_pipeline(layers: int | None, device: str, workdir: Path, zero_cond_t: bool = False):
     """Qwen-Image-Edit's transformer (the diffusers defaults: Qwen-Image's 60 blocks, `--layers N` of
     them) and VAE, Qwen2.5-VL at its real width (3584) with 2 of its 28 layers and a one-block
     vision tower, the edit template's tokenizer and the processor at Qwen2-VL's pixel bounds."""
@@ -33,7 +39,8 @@ def qwen_image_edit_pipeline(layers: int | None, device: str, workdir: Path):
     parts = tiny_edit_parts(workdir / "edit_build", hidden=3584)
     _, _, sched = qwen_image_core()
     with torch.device(device):  # 20B parameters: created where they run
-        parts["transformer"] = QwenImageTransformer2DModel(num_layers=layers or 60).to(torch.bfloat16)
+        parts["transformer"] = QwenImageTransformer2DModel(num_layers=layers or 60,
+                                                           zero_cond_t=zero_cond_t).to(torch.bfloat16)
     from diffusers import AutoencoderKLQwenImage
 
     parts.update(vae=AutoencoderKLQwenImage(), scheduler=sched,

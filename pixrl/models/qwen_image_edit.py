@@ -54,11 +54,11 @@ class QwenImageEditConditioning(QwenImageConditioning):
                                          self.source_grid)
 
 
-def edit_size(width: int, height: int) -> tuple[int, int]:
-    """(width, height) of the pipeline's `calculate_dimensions(1024 * 1024, width / height)`."""
+def edit_size(width: int, height: int, area: int = EDIT_AREA) -> tuple[int, int]:
+    """(width, height) of the pipeline's `calculate_dimensions(area, width / height)`."""
     from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 
-    w, h, _ = calculate_dimensions(EDIT_AREA, width / height)
+    w, h, _ = calculate_dimensions(area, width / height)
     return int(w), int(h)
 
 
@@ -70,6 +70,9 @@ class QwenImageEditFamily(QwenImageFamily):
     needs_images = True  # and every prompt has one
     image_use = "edits images"
     negative_reads_images = True  # CFG's negative prompt is encoded with each row's source image
+    vl_area = EDIT_AREA  # the source's area as Qwen2.5-VL reads it
+    vae_area = EDIT_AREA  # and as the VAE encodes it into the sequence
+    image_prompt = ""  # what precedes the instruction in the user turn (the template holds the image here)
 
     @staticmethod
     def swap_components(path: Path) -> dict:
@@ -80,13 +83,13 @@ class QwenImageEditFamily(QwenImageFamily):
         return {"processor": lambda: QwenVLProcessor.from_pretrained(path / "processor")}
 
     # --- conditioning -------------------------------------------------------------------------
-    def source(self, image: bytes):
-        """The source as the pipeline reads it: centre-cropped to a square, at its editing size
-        (the pipeline's own `image_processor.resize`)."""
+    def source(self, image: bytes, area: int = EDIT_AREA):
+        """The source as the pipeline reads it: centre-cropped to a square, at `area` pixels (the
+        pipeline's own `image_processor.resize`)."""
         pil = decode_rgb(image)
         side = min(pil.size)
         left, top = (pil.width - side) // 2, (pil.height - side) // 2
-        w, h = edit_size(side, side)
+        w, h = edit_size(side, side, area)
         return self.pipe.image_processor.resize(pil.crop((left, top, left + side, top + side)), h, w)
 
     @encodes_text
@@ -95,15 +98,16 @@ class QwenImageEditFamily(QwenImageFamily):
         if images is None or len(images) != len(prompts) or any(im is None for im in images):
             raise SourceImageError(f"the {self.name} family edits images: every prompt needs a source image (a "
                                    f"dataset whose rows carry an `image`, docs/editing.md)")
-        sources = [self.source(im) for im in images]
-        embeds, mask = self._encode_with_images(prompts, sources)
-        latents, grid = self._source_latents(sources)
+        read = [self.source(im, self.vl_area) for im in images]
+        encoded = read if self.vae_area == self.vl_area else [self.source(im, self.vae_area) for im in images]
+        embeds, mask = self._encode_with_images(prompts, read)
+        latents, grid = self._source_latents(encoded)
         return QwenImageEditConditioning(embeds, mask, latents, grid)
 
     def _encode_with_images(self, prompts: list[str], sources) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The pipeline's `_get_qwen_prompt_embeds` with the processor's `mm_token_type_ids` passed on."""
         proc, enc = self.pipe.processor, self.pipe.text_encoder
-        texts = [self.pipe.prompt_template_encode.format(p) for p in prompts]
+        texts = [self.pipe.prompt_template_encode.format(self.image_prompt + p) for p in prompts]
         inputs = proc(text=texts, images=sources, padding=True, return_tensors="pt").to(self.device)
         hidden = enc(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                      pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
@@ -132,7 +136,7 @@ class QwenImageEditFamily(QwenImageFamily):
 
     # --- a tiny random checkpoint in the real layout --------------------------------------------
     @classmethod
-    def write_tiny(cls, out_dir: Path, seed: int = 0) -> dict:
+    def write_tiny(cls, out_dir: Path, seed: int = 0, **transformer) -> dict:
         """A random Qwen-Image-Edit-shaped pipeline (Qwen-Image's tiny parts; the Qwen2.5-VL text
         encoder with its vision tower, the vision tokens, and the edit template's words whole, so
         that its system part is the 64 tokens the pipeline drops, as with the real tokenizer; the
@@ -144,7 +148,7 @@ class QwenImageEditFamily(QwenImageFamily):
 
         torch.manual_seed(seed)
         build = out_dir.parent / (out_dir.name + "_build")
-        save_edit_pipeline(tiny_edit_parts(build), out_dir)
+        save_edit_pipeline(tiny_edit_parts(build, **transformer), out_dir, cls.pipeline_class)
         shutil.rmtree(build, ignore_errors=True)
         prompts = write_edit_prompts(out_dir / "edits", seed)
         return {"model.family": cls.name, "model.path": str(out_dir), "model.resolution": 32,
