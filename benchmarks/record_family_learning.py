@@ -34,8 +34,9 @@ SEEDS = range(4)
 
 
 def heldout_reward(cfg_overrides: list[str], run: str | None, workdir: Path) -> float:
-    """Mean JPEG-compressibility reward of the held-out prompts × seeds with the eval (ODE) sampler:
-    the base checkpoint (`run` None) or the run's newest published version."""
+    """Mean reward (the run's reward set: JPEG compressibility unless --reward) of the held-out
+    prompts × seeds with the eval (ODE) sampler: the base checkpoint (`run` None) or the run's
+    newest published version."""
     from pixrl.algorithms.recipe import eval_recipe
     from pixrl.config.loader import load_config
     from pixrl.datasets.shapes.evaluate import generate_images
@@ -54,8 +55,8 @@ def heldout_reward(cfg_overrides: list[str], run: str | None, workdir: Path) -> 
     seeds = [10_000 + s for _ in items for s in SEEDS]
     sources = [im for _, im in items for _ in SEEDS] if getattr(policy.family, "needs_images", False) else None
     imgs = generate_images(policy.family, prompts, seeds, recipe, images=sources)
-    scores = RewardSet({"jpeg_compressibility": 1.0}).score(imgs, prompts, [{}] * len(prompts),
-                                                            [f"h{i}" for i in range(len(prompts))])
+    scores = RewardSet(cfg.reward.weights, cfg.reward.options).score(imgs, prompts, [{}] * len(prompts),
+                                                                     [f"h{i}" for i in range(len(prompts))])
     return float(np.mean(scores["reward"]))
 
 
@@ -91,7 +92,22 @@ def weight_change(workdir: Path, run: str, base: dict) -> float:
     return (num / den) ** 0.5
 
 
-def plot(points: list[tuple[int, float]], out: Path, title: str) -> None:
+def reward_overrides(reward: str, work: Path) -> list[str]:
+    """The overrides that score with `reward`; a model reward gets a tiny random checkpoint of its
+    released layout under `work` (videoalign: `write_tiny_videoalign`, its visual-quality head —
+    DanceGRPO's video reward)."""
+    if reward == "jpeg_compressibility":
+        return [f"reward={reward}"]
+    if reward == "videoalign":
+        from pixrl.rewards.videoalign_tiny import write_tiny_videoalign
+
+        root, base = write_tiny_videoalign(work / "reward")
+        return ["reward=videoalign", f"reward.options.videoalign.path={root}", f"reward.options.videoalign.base={base}",
+                "reward.options.videoalign.dtype=float32", "reward.options.videoalign.dimensions=[VQ]"]
+    sys.exit(f"--reward {reward}: the script records jpeg_compressibility or videoalign")
+
+
+def plot(points: list[tuple[int, float]], out: Path, title: str, ylabel: str = "JPEG compressibility") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -104,7 +120,7 @@ def plot(points: list[tuple[int, float]], out: Path, title: str) -> None:
     ax.plot(it, r, alpha=0.4, label="train reward (mean of the iteration)")
     ax.plot(it[k - 1:], smooth, label=f"moving mean of {k}")
     ax.set_xlabel("iteration")
-    ax.set_ylabel("JPEG compressibility")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -119,6 +135,8 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--two-experts", action="store_true", help="wan: the Wan2.2-A14B layout (`pixrl tiny wan "
                                                                 "--two-experts`); model.expert picks the trained one")
+    ap.add_argument("--reward", default="jpeg_compressibility", help="jpeg_compressibility, or videoalign (a tiny "
+                                                                      "random VideoAlign, its VQ head; clips)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     from pixrl.config.environment import apply_defaults
@@ -133,7 +151,7 @@ def main() -> None:
     tiny = get_family(args.family).write_tiny(work / "model", seed=0, **({"two_experts": True} if args.two_experts
                                                                           else {}))
     model = [f"{k}={v}" for k, v in tiny.items()]
-    common = ["reward=jpeg_compressibility", f"run.workdir={work}", "run.eval_every=0", *args.overrides]
+    common = [*reward_overrides(args.reward, work), f"run.workdir={work}", "run.eval_every=0", *args.overrides]
     before = heldout_reward([*model, *common], None, work)
     t0 = time.time()
     cmd = [sys.executable, "-m", "pixrl.cli", "train", "--iterations", str(args.iterations), "--run", name, *model, *common]
@@ -153,10 +171,11 @@ def main() -> None:
     points = curve(work, summary_line["run_id"])
     with open(out / "reward_curve.csv", "w", newline="") as f:
         csv.writer(f).writerows([("iteration", "train_reward"), *points])
-    plot(points, out / "reward_curve.png", f"{args.family} (tiny random checkpoint), JPEG compressibility")
+    label = "JPEG compressibility" if args.reward == "jpeg_compressibility" else f"{args.reward} (tiny random)"
+    plot(points, out / "reward_curve.png", f"{args.family} (tiny random checkpoint), {label}", label)
     r = [v for _, v in points]
     k = max(1, len(r) // 10)
-    summary = {"family": args.family, "iterations": len(points), "minutes": round(minutes, 1), "command": cmd[2:],
+    summary = {"family": args.family, "reward": args.reward, "iterations": len(points), "minutes": round(minutes, 1), "command": cmd[2:],
                "heldout_before": round(before, 4), "heldout_after": round(after, 4),
                "train_first_10pct": round(float(np.mean(r[:k])), 4), "train_last_10pct": round(float(np.mean(r[-k:])), 4),
                "weights_moved_rel_l2": round(weight_change(work, name, base), 5) if base else None,
@@ -170,6 +189,7 @@ def main() -> None:
 def readme(name: str, args, s: dict) -> str:
     cmd = shlex.join(["benchmarks/record_family_learning.py", "--family", args.family, "--iterations",
                     str(args.iterations), *(["--two-experts"] if args.two_experts else []),
+                    *(["--reward", args.reward] if args.reward != "jpeg_compressibility" else []),
                     *(["--name", name] if args.name else []), *args.overrides])
     from pixrl.models.registry import get_family
 
@@ -186,8 +206,7 @@ def readme(name: str, args, s: dict) -> str:
 ```
 
 `pixrl tiny {args.family}{' --two-experts' if args.two_experts else ''}` (the real diffusers classes and layout, tiny widths, random weights, {side} px),
-{algo} as the default recipe sets it but for the overrides above, the JPEG-compressibility
-reward, {s['iterations']} iterations through the real flow (Prefect, Lance, MLflow) in {s['minutes']} minutes on
+{algo} as the default recipe sets it but for the overrides above, {reward_text(args.reward)}, {s['iterations']} iterations through the real flow (Prefect, Lance, MLflow) in {s['minutes']} minutes on
 2 CPU cores, {time.strftime('%Y-%m-%d')}. Held-out: {len(s['heldout']['prompts'])} {held} never trained on × {len(SEEDS)} seeds, the eval
 (ODE) sampler, the base checkpoint against the run's last published version.
 
@@ -204,6 +223,14 @@ reward, {s['iterations']} iterations through the real flow (Prefect, Lance, MLfl
   own classes. What it does not: anything about image quality or a real checkpoint (the Runnable
   and Validated rungs at real scale need a GPU).
 """
+
+
+def reward_text(reward: str) -> str:
+    if reward == "jpeg_compressibility":
+        return "the JPEG-compressibility\nreward"
+    return ("a tiny random VideoAlign (`write_tiny_videoalign`: the released layout — a Qwen2-VL base, LoRA, the\n"
+            "head at three reward tokens — random weights) scoring whole clips by its visual-quality head as\n"
+            "DanceGRPO's video recipe does (`dimensions=[VQ]`, z-normalised)")
 
 
 def _resolved_config(overrides: list[str], out: Path) -> Path:
