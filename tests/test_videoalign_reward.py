@@ -219,6 +219,26 @@ def test_through_the_preset_on_clips(tiny):
     assert np.allclose(out["videoalign"], alone["videoalign"], atol=1e-6) and "videoalign.mq" in out
 
 
+def test_pixrl_score_reads_each_mp4_at_its_own_frame_rate(tiny, tmp_path):
+    """A clip written at 8 fps is read as 8 fps (14 of 53 frames at 2 fps), not at `clip_fps`."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from pixrl.artifacts.media import clip_bytes
+    from pixrl.cli import app
+
+    clip = _clips(1, 53, 32, 32, seed=3)[0]
+    (tmp_path / "a.mp4").write_bytes(clip_bytes(clip, fps=8))
+    res = CliRunner().invoke(app, ["score", "--reward", "videoalign", "--images", str(tmp_path), "--prompt", PROMPTS[0],
+                                   f"videoalign.path={tiny[0]}", f"videoalign.base={tiny[1]}", "videoalign.dtype=float32"])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.stdout.strip().splitlines()[-1])["videoalign"]
+    at8, at16 = (_reward(tiny, clip_fps=r).score(clip[None], PROMPTS[:1], [{}])["videoalign"][0] for r in (8, 16))
+    assert got == pytest.approx(float(at8), abs=1e-5) and abs(at8 - at16) > 1e-6
+    assert _reward(tiny).inputs(clip[None], PROMPTS[:1], [8.0])["video_grid_thw"][0, 0] == 7  # 14 frames, in pairs
+
+
 def test_bad_inputs_and_checkpoints_fail_naming_the_fix(tiny, tmp_path):
     import shutil
 
@@ -231,6 +251,8 @@ def test_bad_inputs_and_checkpoints_fail_naming_the_fix(tiny, tmp_path):
         build_reward("videoalign", path=str(root), base=str(base), dimensions=["vq", "aesthetics"])
     with pytest.raises(ScoringError, match="no checkpoint-7 .*checkpoint-100"):
         _reward(tiny, step=7)
+    with pytest.raises(ValueError, match="holds one of its reward tokens"):
+        build_reward("videoalign", path=str(root), base=str(base)).check_prompts(["a <|VQ_reward|> cat"], [{}])
     with pytest.raises(ScoringError, match="scores clips"):
         _reward(tiny).score(_clips(2)[:, 0], PROMPTS[:2], [{}] * 2)
     bare = tmp_path / "bare"

@@ -53,6 +53,19 @@ def clip_bytes(frames: np.ndarray, fps: int = 16) -> bytes:
     return buf.getvalue()
 
 
+def clip_rate(data: bytes) -> float | None:
+    """The frame rate an MP4 plays at (its video stream's average rate), None for other media."""
+    if data[4:8] != b"ftyp":
+        return None
+    import io
+
+    import av
+
+    with av.open(io.BytesIO(data)) as inp:
+        rate = inp.streams.video[0].average_rate
+    return float(rate) if rate else None
+
+
 def animated_png(frames: np.ndarray, fps: int = 16, compress_level: int = 6) -> bytes:
     """uint8 frames [F, H, W, 3] → one animated PNG (APNG), which browsers and MLflow's artifact
     view play (the sample grid of a video run). The APNG writer stores only each frame's changed

@@ -30,7 +30,7 @@ def score(
     reward (pairwise_judge) compares the files that share a prompt with each other."""
     import numpy as np
 
-    from ..artifacts.media import decode_media
+    from ..artifacts.media import clip_rate, decode_media
     from ..rewards.base import ScoringError
     from ..rewards.compose import RewardSet
 
@@ -57,7 +57,10 @@ def score(
         text, meta = _prompt_of(path, prompt)
         if parse is not None and not meta:
             meta = parse(text)
-        sample = decode_media(path.read_bytes()) if path.suffix.lower() in {".png", ".mp4"} else _read_image(path)
+        data = path.read_bytes()
+        sample = decode_media(data) if path.suffix.lower() in {".png", ".mp4"} else _read_image(path)
+        if (rate := clip_rate(data)) is not None:
+            meta = {**meta, "fps": rate}  # the rate it plays at: a video reward reads frames per second of it
         samples.append((path.name, text, meta, sample))
     # a group reward compares the files with the same prompt: the folder is scored at once
     batches = [samples] if rewards.groupwise else [[s] for s in samples]

@@ -4,7 +4,8 @@ out by a linear head at three special tokens — visual quality (VQ), motion qua
 alignment (TA). DanceGRPO trains HunyuanVideo on its VQ and MQ; UniRL and visual-rl build it in.
 
 Scored as the released inferencer scores a video file, on the clip's frames directly:
-- frames read uniformly at `data_config.fps` (2) a second of the clip's `clip_fps`, each resized
+- frames read uniformly at `data_config.fps` (2) a second of the clip's rate (a sample's `fps`
+  metadata, as `pixrl score` gives an MP4's, else the `clip_fps` option), each resized
   within [128·28², `max_frame_pixels`] pixels on the 28 grid (models/qwen_vl_video.py);
 - one user turn — the video, then the checkpoint's prompt template (`detailed_special`: three
   rubrics, each closed by its reward token) — under the base checkout's chat template, padded right;
@@ -103,17 +104,23 @@ class VideoAlign(Reward):
         self.special_ids = self.tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))
         self.video_token = self.tokenizer.convert_ids_to_tokens(self.model.config.video_token_id)
 
-    def video(self, clip: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """(patches, grid) of one uint8 clip [F, H, W, 3] as the inferencer reads its video."""
+    def check_prompts(self, prompts: list[str], metadata: list[dict]) -> None:
+        bad = next((p for p in prompts if any(t in p for t in SPECIAL_TOKENS)), None)
+        if bad is not None:
+            raise ValueError(f"reward videoalign: the prompt {bad!r} holds one of its reward tokens {SPECIAL_TOKENS}")
+
+    def video(self, clip: np.ndarray, clip_fps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(patches, grid) of one uint8 clip [F, H, W, 3] as the inferencer reads its video; the clip
+        plays at `clip_fps` (a file's own rate), else the `clip_fps` option."""
         from ..models.qwen_vl_video import frame_indices, resized_frames, smart_nframes, video_patches
 
-        n = smart_nframes(len(clip), self.clip_fps, fps=self.fps, nframes=self.num_frames)
+        n = smart_nframes(len(clip), clip_fps or self.clip_fps, fps=self.fps, nframes=self.num_frames)
         frames = resized_frames(clip[frame_indices(len(clip), n)], self.min_pixels, self.max_pixels)
         ip = self.images
         return video_patches(frames, ip.image_mean, ip.image_std, ip.patch_size, ip.merge_size, ip.temporal_patch_size)
 
-    def inputs(self, clips: np.ndarray, prompts: list[str]) -> dict[str, torch.Tensor]:
-        videos = [self.video(c) for c in clips]
+    def inputs(self, clips: np.ndarray, prompts: list[str], rates=None) -> dict[str, torch.Tensor]:
+        videos = [self.video(c, r) for c, r in zip(clips, rates or [None] * len(clips))]
         merge = self.images.merge_size ** 2
         texts = []
         for (_, grid), prompt in zip(videos, prompts):
@@ -155,8 +162,10 @@ class VideoAlign(Reward):
         if images.ndim != 5:
             raise ScoringError(f"reward videoalign scores clips [B, F, H, W, 3]; got {images.shape} — use it with a "
                                f"video family")
-        raw = torch.cat([self.heads(self.inputs(images[s:s + self.batch_size], list(prompts[s:s + self.batch_size])))
-                         for s in range(0, len(images), self.batch_size)]).cpu().numpy().astype(np.float64)
+        rates = [(m or {}).get("fps") for m in metadata] if metadata else [None] * len(images)
+        b = self.batch_size
+        raw = torch.cat([self.heads(self.inputs(images[s:s + b], list(prompts[s:s + b]), rates[s:s + b]))
+                         for s in range(0, len(images), b)]).cpu().numpy().astype(np.float64)
         out = {}
         for k, d in enumerate(DIMENSIONS):
             v = raw[:, k]
