@@ -94,9 +94,7 @@ class PipelineFamily:
         try:
             given = {trained: empty_transformer(p, dtype, trained)} if trainable_device == "meta" else {}
             pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(
-                str(p), dtype=torch_dtype(dtype), **absent, **{k: None for k in swapped}, **given)
-            for name, load in swapped.items():
-                setattr(pipe, name, load())
+                str(p), dtype=torch_dtype(dtype), **absent, **{k: load() for k, load in swapped.items()}, **given)
         except Exception as exc:  # diffusers raises many types; name the path and the cause
             raise ModelLoadError(f"could not load the {cls.pipeline_class} from {str(p)!r}: {exc}") from exc
         for key, module in pipe.components.items():
