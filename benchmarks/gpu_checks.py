@@ -85,6 +85,8 @@ CHECKS = {
     "pixart_sigma": ([SMOKE, "--family", "pixart_sigma"], 150, None),  # new since: PixArt-Σ at full depth
     # new since: Qwen-Image-Edit, 12 of 60 blocks with the 1024² source's 4096 tokens beside the target's
     "qwen_image_edit": ([SMOKE, "--family", "qwen_image_edit", "--layers", "12"], 240, None),
+    # new since: Qwen-Image-2.1 (single-stream DiT over Qwen3-VL, 16× RGBA VAE), 12 of 32 blocks
+    "qwen_image21": ([SMOKE, "--family", "qwen_image21", "--layers", "12"], 240, None),
     # new since: Qwen-Image-Edit-2511 (the Plus pipeline: the source at 384² to Qwen2.5-VL, zero_cond_t)
     "qwen_image_edit_plus": ([SMOKE, "--family", "qwen_image_edit_plus", "--layers", "12"], 240, None),
     "sana": ([SMOKE, "--family", "sana"], 150, None),

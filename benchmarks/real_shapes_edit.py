@@ -1,4 +1,4 @@
-"""A random Qwen-Image-Edit (and -2511) of its real shapes for `gpu_smoke.py` (beside real_shapes.py): nothing
+"""A random Qwen-Image-Edit (and -2511) and Qwen-Image-2.1 of their real shapes for `gpu_smoke.py` (beside real_shapes.py): nothing
 is downloaded; the text encoder is shortened as Qwen-Image's is there, and the docstring says so."""
 
 from __future__ import annotations
@@ -47,3 +47,29 @@ def qwen_image_edit_pipeline(layers: int | None, device: str, workdir: Path, zer
                  processor=QwenVLProcessor(Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056),
                                            parts["tokenizer"]))
     return EditPipelineParts(parts)
+
+
+class Qwen21PipelineParts(EditPipelineParts):
+    """A QwenImage21Pipeline's components, saved in the released layout (`processor/`)."""
+
+    def save_pretrained(self, out_dir: str, safe_serialization: bool = True) -> None:
+        from pixrl.models.qwen_image21_parts import save_pipeline
+
+        save_pipeline(self.parts, Path(out_dir))
+
+
+def qwen_image21_pipeline(layers: int | None, device: str, workdir: Path):
+    """Qwen-Image-2.1's DiT (the diffusers defaults: 32 single-stream blocks of 32×128, 64 latent
+    channels; `--layers N` of them) and 16× RGBA VAE (defaults), Qwen3-VL at the width the DiT reads
+    (4096) with 2 layers and a one-block vision tower."""
+    import torch
+    from diffusers import AutoencoderKLQwenImage21, QwenImage21Transformer2DModel
+
+    from pixrl.models.qwen_image21_parts import qwen3_vl_text_encoder, tiny_parts
+
+    parts = tiny_parts(workdir / "q21_build")
+    parts["text_encoder"] = qwen3_vl_text_encoder(parts["processor"].tokenizer, hidden=4096, layers=2)
+    with torch.device(device):  # created where they run
+        parts["transformer"] = QwenImage21Transformer2DModel(num_layers=layers or 32).to(torch.bfloat16)
+    parts["vae"] = AutoencoderKLQwenImage21()
+    return Qwen21PipelineParts(parts)

@@ -1,0 +1,154 @@
+"""Qwen-Image-2.1 (text-to-image), as QwenImage21Pipeline computes it: a single-stream DiT
+(QwenImage21Transformer2DModel) whose joint sequence is the prompt's Qwen3-VL hidden states with
+the target's latent tokens dropped into slots after them (each slot four tokens), an RGBA VAE
+compressing 16× (AutoencoderKLQwenImage21; latents unpatched, one token per 16² pixels,
+normalised by per-channel mean/std), and a flow-matching Euler schedule with the dynamic shift of
+the latent sequence (the checkpoint's `sample_sigmas` where the step count matches them, else the
+pipeline's linspace(1, 1/T, T)).
+
+Prompt encoding is the pipeline's own `_get_qwen_prompt_embeds`: the raw chat template with its
+system turn ("Comprehend and analyze the provided prompt."), left padding, the last decoder
+layer's output before the final norm, the system tokens dropped; the whole prompt is read (the
+pipeline has no length limit, so `model.max_sequence_length` only bounds nothing here). Guidance
+is true CFG without a rescale: a negative-prompt pass and neg + s·(pos − neg). The transformer's
+prefix KV cache (an inference speed-up for condition tokens that do not change across steps) is
+not used: every step is one forward, as training needs. The decoder's alpha channel is
+composited over white, as the pipeline composites a condition image for its vision encoder;
+rewards read RGB.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .pipelines import PipelineFamily, dynamic_shift_mu, encodes_text
+from .registry import register_family
+from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
+
+__all__ = ["QwenImage21Conditioning", "QwenImage21Family"]
+
+
+@dataclass
+class QwenImage21Conditioning:
+    """Qwen3-VL hidden states of the prompts (system turn dropped), padding and image-slot masks."""
+
+    prompt_embeds: torch.Tensor  # [B, L, D]
+    mask: torch.Tensor | None  # [B, L]; None when no row is padded
+    image_pad_mask: torch.Tensor  # [B, L] bool: the encoder's image slots (none for text-to-image)
+
+    def select(self, idx) -> "QwenImage21Conditioning":
+        return QwenImage21Conditioning(self.prompt_embeds[idx], None if self.mask is None else self.mask[idx],
+                                       self.image_pad_mask[idx])
+
+    def expand(self, n: int) -> "QwenImage21Conditioning":
+        return QwenImage21Conditioning(self.prompt_embeds.expand(n, -1, -1),
+                                       None if self.mask is None else self.mask.expand(n, -1),
+                                       self.image_pad_mask.expand(n, -1))
+
+
+@register_family("qwen_image21")
+class QwenImage21Family(PipelineFamily):
+    name = "qwen_image21"
+    pipeline_class = "QwenImage21Pipeline"
+    semantics = PolicySemantics(regime=Regime.full_sequence, step=PolicyStep.denoise, action=Action.continuous)
+    guidance = "cfg"
+    text_tokens = (1, 4096)  # not a limit the pipeline applies: it reads whole prompts
+    lora_targets = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]
+
+    @staticmethod
+    def swap_components(path: Path) -> dict:
+        """The checkpoint's Qwen3VLProcessor, which transformers builds only with torchvision (its
+        video processor): what it computes, from the same files (models/qwen_vl_processor.py)."""
+        from .qwen_vl_processor import QwenVLProcessor
+
+        return {"processor": lambda: QwenVLProcessor.from_pretrained(path / "processor")}
+
+    @staticmethod
+    def default_resolution(pipe) -> int:
+        return 1024  # the pipeline's output_resolution
+
+    @staticmethod
+    def resolution_multiple(pipe) -> int:
+        return pipe.vae_scale_factor * 2
+
+    # --- conditioning -------------------------------------------------------------------------
+    @encodes_text
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> QwenImage21Conditioning:
+        embeds, mask, image_pad = self.pipe._get_qwen_prompt_embeds(list(prompts), None, self.device)
+        return QwenImage21Conditioning(embeds.to(self.dtype), None if bool(mask.all()) else mask, image_pad)
+
+    # --- dynamics -----------------------------------------------------------------------------
+    def latent_shape(self) -> tuple[int, int, int]:
+        side = 2 * (self.resolution // (self.pipe.vae_scale_factor * 2))
+        return self.transformer.config.in_channels, side, side
+
+    def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(σ [T+1] ending at 0, timesteps [T]) as the pipeline sets them."""
+        from copy import deepcopy
+
+        _, h, w = self.latent_shape()
+        given = self.pipe.config.get("sample_sigmas")
+        sigmas = given if given is not None and len(given) == steps else np.linspace(1.0, 1 / steps, steps)
+        sched = deepcopy(self.scheduler)
+        sched.set_timesteps(sigmas=sigmas, device=self.device, mu=dynamic_shift_mu(sched, h * w))
+        return sched.sigmas.float().clone(), sched.timesteps.float().clone()
+
+    def _predict(self, packed: torch.Tensor, t: torch.Tensor, cond: QwenImage21Conditioning, h: int,
+                 w: int) -> torch.Tensor:
+        b = packed.shape[0]
+        if cond.prompt_embeds.shape[0] != b:  # one encoding for the batch (the negative prompt's)
+            cond = cond.expand(b)
+        slots = cond.image_pad_mask.new_ones(b, h * w // 4)  # the target's slots after the prompt's
+        return self.transformer(hidden_states=packed, timestep=t / 1000, encoder_hidden_states=cond.prompt_embeds,
+                                encoder_hidden_states_mask=cond.mask, img_shapes=[[(1, h, w)]] * b,
+                                img_mask=torch.cat([cond.image_pad_mask, slots], dim=1), return_dict=False)[0]
+
+    def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: QwenImage21Conditioning,
+                 guidance_scale: float = 1.0, neg: QwenImage21Conditioning | None = None) -> torch.Tensor:
+        """v_θ(x, t | c) on latents [B, C, H, W]; above scale 1 the pipeline's true CFG."""
+        b, c, h, w = x.shape
+        t = timestep.reshape(-1).to(x.device, x.dtype)
+        t = t.expand(b) if t.numel() == 1 else t
+        packed = x.reshape(b, c, h * w).transpose(1, 2)
+        v = self._predict(packed, t, cond, h, w)[:, -h * w:]
+        if guidance_scale > 1.0:
+            if neg is None:
+                raise ValueError("guidance_scale > 1 needs the negative-prompt conditioning")
+            v_neg = self._predict(packed, t, neg, h, w)[:, -h * w:]
+            v = v_neg + guidance_scale * (v - v_neg)
+        return v.transpose(1, 2).reshape(b, c, h, w)
+
+    # --- pixels -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> np.ndarray:
+        """Final latents → uint8 [B, H, W, 3]: de-normalised, one-frame decode, the RGBA output's
+        alpha composited over white."""
+        cfg = self.vae.config
+        z = latents.to(self.vae.dtype).unsqueeze(2)
+        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
+        std = torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
+        out = (self.vae.decode(z * std + mean, return_dict=False)[0][:, :, 0].float() / 2 + 0.5).clamp(0, 1)
+        rgb = out[:, :3] * out[:, 3:4] + (1 - out[:, 3:4]) if out.shape[1] == 4 else out
+        return (rgb.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+
+    # --- a tiny random checkpoint in the real layout --------------------------------------------
+    @classmethod
+    def write_tiny(cls, out_dir: Path, seed: int = 0) -> dict:
+        """A random Qwen-Image-2.1-shaped pipeline (Qwen3-VL text encoder with its vision tower and
+        the processor's files in `processor/`, the 16× RGBA VAE, the single-stream DiT) with tiny
+        widths, in the released layout. Returns the overrides that run it (64 px: 4 × 4 tokens)."""
+        import shutil
+
+        from .qwen_image21_parts import save_pipeline, tiny_parts
+
+        torch.manual_seed(seed)
+        build = out_dir.parent / (out_dir.name + "_build")
+        save_pipeline(tiny_parts(build), out_dir)
+        shutil.rmtree(build, ignore_errors=True)
+        return {"model.family": cls.name, "model.path": str(out_dir), "model.resolution": 64,
+                "model.max_sequence_length": 64}

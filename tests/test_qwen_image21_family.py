@@ -1,0 +1,132 @@
+"""Qwen-Image-2.1 on a tiny random checkpoint written by `pixrl tiny qwen_image21` (the released
+layout: QwenImage21Pipeline with a Qwen3-VL text encoder, its processor's files, the 16× RGBA VAE
+and the single-stream DiT): the prompt encoding is the pipeline's (the last decoder layer before
+the final norm, left padding, the system turn dropped), ODE latents equal QwenImage21Pipeline's
+with and without true CFG and with and without its prefix KV cache, the checkpoint's
+sample_sigmas are honoured, the decode composites alpha over white, replay is exact, and two RL
+iterations run through the unchanged flow (LoRA and full fine-tuning, the latter replayed)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import two_iterations
+from family_checks import assert_replay_is_on_policy, gens
+from pixrl.algorithms.sampling import SamplerRecipe, sample
+from pixrl.cli import app
+from pixrl.models.base import ModelLoadError
+from pixrl.models.qwen_image21 import QwenImage21Family
+from pixrl.models.registry import family_of_directory, get_family
+
+PROMPTS = ["a red circle", "two blue squares on the left of a green triangle"]
+
+
+@pytest.fixture(scope="module")
+def tiny_q21(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "tiny-qwen_image21"
+    return out, QwenImage21Family.write_tiny(out, seed=0)
+
+
+@pytest.fixture(scope="module")
+def family(tiny_q21):
+    return QwenImage21Family.load(tiny_q21[0], max_sequence_length=64, resolution=64)
+
+
+def test_registered_and_found_from_its_layout(tiny_q21, family):
+    assert get_family("qwen_image21") is QwenImage21Family and family_of_directory(tiny_q21[0]) == "qwen_image21"
+    index = json.loads((tiny_q21[0] / "model_index.json").read_text())
+    assert index["processor"] == ["transformers", "Qwen3VLProcessor"] and family.latent_shape() == (4, 4, 4)
+    with pytest.raises(ModelLoadError, match="QwenImage21Pipeline, not a QwenImagePipeline"):
+        get_family("qwen_image").load(tiny_q21[0], max_sequence_length=64)
+
+
+def test_prompts_are_encoded_before_the_final_norm_with_the_system_turn_dropped(family):
+    cond = family.encode_prompts(PROMPTS)
+    want, mask, pads = family.pipe.encode_prompt(PROMPTS, device=family.device)
+    assert torch.equal(cond.prompt_embeds, want) and torch.equal(cond.mask, mask) and not cond.image_pad_mask.any()
+    assert cond.mask[0].sum() < cond.mask[1].sum()  # padded, and masked
+    proc = family.pipe.processor
+    enc = proc(text=[family.pipe.prompt_template_t2i.format(PROMPTS[1])], return_tensors="pt")
+    with torch.no_grad():
+        normed = family.pipe.text_encoder.model(**{k: enc[k] for k in ("input_ids", "attention_mask")}).last_hidden_state
+    drop = family.pipe._drop_idx
+    assert proc.tokenizer.decode(enc["input_ids"][0, drop:]).startswith("<|im_start|>user\n" + PROMPTS[1])
+    assert (normed[0, drop:] - cond.prompt_embeds[1]).abs().max() > 1e-3  # the norm is not applied
+
+
+def _pipeline(family, cfg, negative, seeds, steps=6, cache=False):
+    return family.pipe(prompt=PROMPTS, negative_prompt=None if negative is None else [negative] * 2,
+                       true_cfg_scale=cfg, height=64, width=64, num_inference_steps=steps, generator=gens(seeds),
+                       output_type="latent", use_kv_cache=cache).images
+
+
+def _packed(x):
+    b, c, h, w = x.shape
+    return x.reshape(b, c, h * w).transpose(1, 2)
+
+
+@pytest.mark.parametrize("cfg,negative", [(1.0, None), (4.0, " "), (4.0, "blurry, low quality")])
+def test_ode_sampling_equals_the_pipeline(family, cfg, negative):
+    cond = family.encode_prompts(PROMPTS)
+    neg = family.encode_negative(negative) if cfg > 1 else None
+    recipe = SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=(), negative_prompt=negative or "")
+    traj = sample(family, cond, neg, gens([3, 4]), recipe)
+    for cache in (False, True):  # its prefix KV cache changes nothing but speed
+        ref = _pipeline(family, cfg, negative, [3, 4], cache=cache)
+        assert (_packed(traj.final) - ref).abs().max().item() <= 1e-5
+    other = sample(family, family.encode_prompts(PROMPTS[::-1]), neg, gens([3, 4]), recipe)
+    assert (other.final - traj.final).abs().max().item() > 1e-4
+
+
+def test_the_checkpoints_sample_sigmas_set_the_grid_when_the_step_count_matches(family):
+    plain, _ = family.schedule(4)
+    family.pipe.register_to_config(sample_sigmas=[1.0, 0.9, 0.6, 0.25])
+    try:
+        given, _ = family.schedule(4)
+        recipe = SamplerRecipe(4, 0.0, guidance_scale=1.0, train_steps=())
+        traj = sample(family, family.encode_prompts(PROMPTS), None, gens([5, 6]), recipe)
+        assert (_packed(traj.final) - _pipeline(family, 1.0, None, [5, 6], steps=4)).abs().max().item() <= 1e-5
+        other, _ = family.schedule(5)  # another count than the checkpoint's: the pipeline's linspace
+    finally:
+        family.pipe.register_to_config(sample_sigmas=None)
+    assert not torch.allclose(given, plain) and torch.equal(other, family.schedule(5)[0])
+
+
+def test_decode_is_the_pipelines_with_alpha_over_white(family):
+    latents = torch.randn(2, *family.latent_shape(), generator=torch.Generator().manual_seed(0))
+    got = family.decode(latents)
+    cfg = family.vae.config
+    mean = torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1)
+    with torch.no_grad():
+        rgba = family.vae.decode(latents.unsqueeze(2) * std + mean, return_dict=False)[0][:, :, 0]
+    rgba = family.pipe.image_processor.postprocess(rgba, output_type="np")  # [B, H, W, 4] in [0, 1]
+    want = np.round((rgba[..., :3] * rgba[..., 3:] + (1 - rgba[..., 3:])) * 255).astype(np.uint8)
+    assert got.shape == (2, 64, 64, 3) and np.abs(got.astype(int) - want.astype(int)).max() <= 1
+
+
+@pytest.mark.parametrize("sde_type,window", [("sde", None), ("cps", None), ("sde", (1, 2))])
+def test_replayed_log_probs_equal_stored_with_cfg(family, sde_type, window):
+    recipe = SamplerRecipe(steps=4, noise_level=0.7, sde_type=sde_type, guidance_scale=4.0, sde_steps=window,
+                           train_steps=window or (0, 1, 2))
+    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_negative(" "), recipe)
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_two_rl_iterations_through_the_unchanged_flow(tiny_q21, tmp_path, prefect_harness, mode):
+    two_iterations(tiny_q21, tmp_path, f"q21_{mode}", mode, "sampling.guidance_scale=4.0",
+                   "sampling.negative_prompt=' '")
+    if mode == "full":
+        rep = CliRunner().invoke(app, ["replay", f"q21_{mode}", "--iteration", "1", "--workdir", str(tmp_path)])
+        assert rep.exit_code == 0 and json.loads(rep.stdout.strip().splitlines()[-1])["equal"] is True, rep.output
+
+
+def test_the_presets():
+    from pixrl.config.loader import load_config
+
+    cfg = load_config("qwen_image21_geneval", ["model.path=/x"])
+    assert (cfg.model.family, cfg.model.resolution, cfg.sampling.guidance_scale) == ("qwen_image21", 512, 4.0)
+    assert cfg.algorithm.lora.enabled and cfg.algorithm.lora.rank == 64
