@@ -4,7 +4,10 @@ and the single-stream DiT): the prompt encoding is the pipeline's (the last deco
 the final norm, left padding, the system turn dropped), ODE latents equal QwenImage21Pipeline's
 with and without true CFG and with and without its prefix KV cache, the checkpoint's
 sample_sigmas are honoured, the decode composites alpha over white, replay is exact, and two RL
-iterations run through the unchanged flow (LoRA and full fine-tuning, the latter replayed)."""
+iterations run through the unchanged flow (LoRA and full fine-tuning, the latter replayed). Edits:
+each prompt's source read by Qwen3-VL in the edit template and by the VAE with its alpha, ODE
+latents equal the pipeline's with that one condition image under true CFG whose negative is read
+with the source, replay exact, a mixed set refused, two iterations of edits through the flow."""
 
 import json
 
@@ -20,6 +23,7 @@ from pixrl.cli import app
 from pixrl.models.base import ModelLoadError
 from pixrl.models.qwen_image21 import QwenImage21Family
 from pixrl.models.registry import family_of_directory, get_family
+from pixrl.models.source_images import SourceImageError, condition_keys, decode_rgb, png_bytes
 
 PROMPTS = ["a red circle", "two blue squares on the left of a green triangle"]
 
@@ -58,9 +62,12 @@ def test_prompts_are_encoded_before_the_final_norm_with_the_system_turn_dropped(
 
 
 def _pipeline(family, cfg, negative, seeds, steps=6, cache=False):
-    return family.pipe(prompt=PROMPTS, negative_prompt=None if negative is None else [negative] * 2,
-                       true_cfg_scale=cfg, height=64, width=64, num_inference_steps=steps, generator=gens(seeds),
-                       output_type="latent", use_kv_cache=cache).images
+    """The pipeline one prompt a call: batched, it would place a shorter prompt's target tokens
+    after its padding (the family runs each row as alone, whatever its batch)."""
+    return torch.cat([family.pipe(prompt=[p], negative_prompt=None if negative is None else [negative],
+                                  true_cfg_scale=cfg, height=64, width=64, num_inference_steps=steps,
+                                  generator=gens([s]), output_type="latent", use_kv_cache=cache).images
+                      for p, s in zip(PROMPTS, seeds)])
 
 
 def _packed(x):
@@ -79,6 +86,8 @@ def test_ode_sampling_equals_the_pipeline(family, cfg, negative):
         assert (_packed(traj.final) - ref).abs().max().item() <= 1e-5
     other = sample(family, family.encode_prompts(PROMPTS[::-1]), neg, gens([3, 4]), recipe)
     assert (other.final - traj.final).abs().max().item() > 1e-4
+    alone = sample(family, family.encode_prompts(PROMPTS[:1]), neg, gens([3]), recipe)  # its batch changes nothing
+    assert (alone.final[0] - traj.final[0]).abs().max().item() <= 1e-5
 
 
 def test_the_checkpoints_sample_sigmas_set_the_grid_when_the_step_count_matches(family):
@@ -130,3 +139,59 @@ def test_the_presets():
     cfg = load_config("qwen_image21_geneval", ["model.path=/x"])
     assert (cfg.model.family, cfg.model.resolution, cfg.sampling.guidance_scale) == ("qwen_image21", 512, 4.0)
     assert cfg.algorithm.lora.enabled and cfg.algorithm.lora.rank == 64
+
+
+@pytest.fixture(scope="module")
+def sources(family):
+    rng = np.random.default_rng(3)
+    return [png_bytes(rng.integers(0, 256, (48, 48, 3))) for _ in PROMPTS]
+
+
+def test_an_edit_reads_its_source_in_the_template_and_through_the_vae(family, sources):
+    cond = family.encode_prompts(PROMPTS, sources)
+    assert cond.image_latents.shape == (2, 16, 4) and cond.source_grid == (4, 4)  # 64² at 16×
+    assert cond.image_pad_mask.sum(1).tolist() == [4, 4]  # each slot four of those tokens
+    for i, (p, src) in enumerate(zip(PROMPTS, sources)):  # each row as the pipeline encodes it alone
+        want, _, pads = family.pipe._get_qwen_prompt_embeds([p], [family.source(src)], family.device)
+        n = want.shape[1]
+        assert torch.equal(cond.prompt_embeds[i, :n], want[0]) and torch.equal(cond.image_pad_mask[i, :n], pads[0])
+    assert family.source(sources[0]).mode == "RGBA"  # the VAE reads four channels
+    with pytest.raises(SourceImageError, match="mix edits"):
+        family.encode_prompts(PROMPTS, [sources[0], None])
+
+
+@pytest.mark.parametrize("cfg,negative", [(1.0, None), (4.0, " ")])
+def test_an_edit_equals_the_pipeline_with_one_condition_image(family, sources, cfg, negative):
+    from pixrl.engines.prompt_cache import PromptCache
+
+    cond = family.encode_prompts(PROMPTS, sources)
+    keys = condition_keys(PROMPTS, sources)
+    neg = PromptCache(family).negative_rows(negative, keys, sources).of(keys) if cfg > 1 else None
+    recipe = SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=(), negative_prompt=negative or "")
+    traj = sample(family, cond, neg, gens([3, 4]), recipe)
+    for i, (p, src, seed) in enumerate(zip(PROMPTS, sources, [3, 4])):  # the pipeline: one condition image a call
+        ref = family.pipe(prompt=[p], image=[decode_rgb(src)], negative_prompt=None if negative is None else [negative],
+                          true_cfg_scale=cfg, height=64, width=64, output_resolution=64, num_inference_steps=6,
+                          generator=gens([seed]), output_type="latent", use_kv_cache=False).images
+        assert (_packed(traj.final[i:i + 1]) - ref).abs().max().item() <= 1e-5
+    text = sample(family, family.encode_prompts(PROMPTS), neg if neg is None else family.encode_negative(negative),
+                  gens([3, 4]), recipe)
+    assert (text.final - traj.final).abs().max().item() > 1e-4  # the source reaches the velocity
+
+
+def test_edits_replay_exactly(family, sources):
+    from pixrl.engines.prompt_cache import PromptCache
+
+    keys = condition_keys(PROMPTS, sources)
+    neg = PromptCache(family).negative_rows(" ", keys, sources).of(keys)
+    recipe = SamplerRecipe(steps=4, noise_level=0.7, sde_type="sde", guidance_scale=4.0, train_steps=(0, 1, 2))
+    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS, sources), neg, recipe)
+
+
+def test_two_iterations_of_edits_through_the_flow(tiny_q21, tmp_path, prefect_harness):
+    from pixrl.models.flux_kontext import write_edit_prompts
+
+    edits = write_edit_prompts(tmp_path / "edits", seed=2)
+    out, t = two_iterations(tiny_q21, tmp_path, "q21_edit", "lora", "sampling.guidance_scale=4.0",
+                            "sampling.negative_prompt=' '", "dataset=edits", f"dataset.path={edits}")
+    assert t["source_image"].null_count == 0

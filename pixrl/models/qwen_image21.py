@@ -15,6 +15,13 @@ prefix KV cache (an inference speed-up for condition tokens that do not change a
 not used: every step is one forward, as training needs. The decoder's alpha channel is
 composited over white, as the pipeline composites a condition image for its vision encoder;
 rewards read RGB.
+
+Editing: given an editing set, each prompt's source image is its condition image, as the
+pipeline takes `image` (one per prompt; a prompt set is all edits or all text-to-image). The
+source, centre-cropped to a square and read at the target's area (the pipeline's
+`output_resolution` = `model.resolution`), is seen by Qwen3-VL in the edit template (its alpha
+composited over white) and encoded by the VAE with its alpha (RGBA) into latent tokens that fill
+the encoder's image slots; the negative prompt is read with each row's source too.
 """
 
 from __future__ import annotations
@@ -39,15 +46,21 @@ class QwenImage21Conditioning:
     prompt_embeds: torch.Tensor  # [B, L, D]
     mask: torch.Tensor | None  # [B, L]; None when no row is padded
     image_pad_mask: torch.Tensor  # [B, L] bool: the encoder's image slots (none for text-to-image)
+    image_latents: torch.Tensor | None = None  # [B, L_src, C] an edit's source tokens, filling those slots
+    source_grid: tuple[int, int] = (0, 0)  # the source's (h, w) in latent tokens: its img_shapes entry
 
     def select(self, idx) -> "QwenImage21Conditioning":
         return QwenImage21Conditioning(self.prompt_embeds[idx], None if self.mask is None else self.mask[idx],
-                                       self.image_pad_mask[idx])
+                                       self.image_pad_mask[idx],
+                                       None if self.image_latents is None else self.image_latents[idx],
+                                       self.source_grid)
 
     def expand(self, n: int) -> "QwenImage21Conditioning":
         return QwenImage21Conditioning(self.prompt_embeds.expand(n, -1, -1),
                                        None if self.mask is None else self.mask.expand(n, -1),
-                                       self.image_pad_mask.expand(n, -1))
+                                       self.image_pad_mask.expand(n, -1),
+                                       None if self.image_latents is None else self.image_latents.expand(n, -1, -1),
+                                       self.source_grid)
 
 
 @register_family("qwen_image21")
@@ -58,6 +71,8 @@ class QwenImage21Family(PipelineFamily):
     guidance = "cfg"
     text_tokens = (1, 4096)  # not a limit the pipeline applies: it reads whole prompts
     lora_targets = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]
+    takes_images = True  # a prompt may carry a source image: its condition image (an edit)
+    negative_reads_images = True  # an edit's negative prompt is read with its source, as the pipeline reads it
 
     @staticmethod
     def swap_components(path: Path) -> dict:
@@ -78,9 +93,42 @@ class QwenImage21Family(PipelineFamily):
     # --- conditioning -------------------------------------------------------------------------
     @encodes_text
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str]) -> QwenImage21Conditioning:
-        embeds, mask, image_pad = self.pipe._get_qwen_prompt_embeds(list(prompts), None, self.device)
-        return QwenImage21Conditioning(embeds.to(self.dtype), None if bool(mask.all()) else mask, image_pad)
+    def encode_prompts(self, prompts: list[str], images: list[bytes | None] | None = None) -> QwenImage21Conditioning:
+        if images is None or all(im is None for im in images):
+            embeds, mask, image_pad = self.pipe._get_qwen_prompt_embeds(list(prompts), None, self.device)
+            return QwenImage21Conditioning(embeds.to(self.dtype), None if bool(mask.all()) else mask, image_pad)
+        if any(im is None for im in images):
+            from .source_images import SourceImageError
+
+            raise SourceImageError("these prompts mix edits (with a source image) and text-to-image prompts; a "
+                                   "Qwen-Image-2.1 prompt set is all one or the other")
+        sources = [self.source(im) for im in images]
+        rows = [self.pipe._get_qwen_prompt_embeds([p], [src], self.device) for p, src in zip(prompts, sources)]
+        longest = max(e.shape[1] for e, _, _ in rows)
+        pad = lambda t, v: torch.cat([t, t.new_full((1, longest - t.shape[1], *t.shape[2:]), v)], dim=1)  # noqa: E731
+        embeds = torch.cat([pad(e, 0) for e, _, _ in rows])
+        mask = torch.cat([pad(m, 0) for _, m, _ in rows])
+        image_pad = torch.cat([pad(i, False) for _, _, i in rows])
+        w, h = sources[0].size
+        pixels = self.pipe.image_processor.preprocess(sources, height=h, width=w).unsqueeze(2)
+        latents = self.pipe._encode_vae_image(pixels.to(self.device, self.vae.dtype), generator=None)
+        b, c, _, lh, lw = latents.shape
+        return QwenImage21Conditioning(embeds.to(self.dtype), None if bool(mask.all()) else mask, image_pad,
+                                       self.pipe._pack_latents(latents, b, c, lh, lw), (lh, lw))
+
+    def source(self, image: bytes):
+        """An edit's source as the pipeline reads it: RGBA, centre-cropped to a square, at the
+        target's area (`calculate_dimensions(output_resolution², 1)`, the pipeline's own resize)."""
+        from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
+
+        from .source_images import decode_rgb
+
+        pil = decode_rgb(image)
+        side = min(pil.size)
+        left, top = (pil.width - side) // 2, (pil.height - side) // 2
+        w, h, _ = calculate_dimensions(self.resolution * self.resolution, 1.0)
+        square = pil.crop((left, top, left + side, top + side)).convert("RGBA")
+        return self.pipe.image_processor.resize(square, height=int(h), width=int(w))
 
     # --- dynamics -----------------------------------------------------------------------------
     def latent_shape(self) -> tuple[int, int, int]:
@@ -100,13 +148,38 @@ class QwenImage21Family(PipelineFamily):
 
     def _predict(self, packed: torch.Tensor, t: torch.Tensor, cond: QwenImage21Conditioning, h: int,
                  w: int) -> torch.Tensor:
+        """The transformer's output for each row as for that row alone. The target's tokens follow
+        the prompt's in one sequence, so a padded row would place them — and their rotary
+        positions — after its padding: rows are run in groups of one prompt length, unpadded."""
         b = packed.shape[0]
         if cond.prompt_embeds.shape[0] != b:  # one encoding for the batch (the negative prompt's)
             cond = cond.expand(b)
+        if cond.mask is None:
+            return self._forward(packed, t, cond, h, w)
+        lengths = cond.mask.sum(1)
+        out = None
+        for n in lengths.unique().tolist():
+            rows = (lengths == n).nonzero(as_tuple=True)[0]
+            part = cond.select(rows)
+            part = QwenImage21Conditioning(part.prompt_embeds[:, :n], None, part.image_pad_mask[:, :n],
+                                           part.image_latents, part.source_grid)
+            got = self._forward(packed[rows], t[rows], part, h, w)
+            out = got.new_empty(b, *got.shape[1:]) if out is None else out
+            out[rows] = got
+        return out
+
+    def _forward(self, packed: torch.Tensor, t: torch.Tensor, cond: QwenImage21Conditioning, h: int,
+                 w: int) -> torch.Tensor:
+        b = packed.shape[0]
         slots = cond.image_pad_mask.new_ones(b, h * w // 4)  # the target's slots after the prompt's
+        shapes = [(1, h, w)]
+        if cond.image_latents is not None:  # an edit: the source's tokens first, in the encoder's image slots
+            packed = torch.cat([cond.image_latents.to(packed.dtype), packed], dim=1)
+            shapes = [(1, *cond.source_grid), *shapes]
         return self.transformer(hidden_states=packed, timestep=t / 1000, encoder_hidden_states=cond.prompt_embeds,
-                                encoder_hidden_states_mask=cond.mask, img_shapes=[[(1, h, w)]] * b,
-                                img_mask=torch.cat([cond.image_pad_mask, slots], dim=1), return_dict=False)[0]
+                                encoder_hidden_states_mask=cond.mask, img_shapes=[shapes] * b,
+                                img_mask=torch.cat([cond.image_pad_mask, slots], dim=1),
+                                return_dict=False)[0][:, -h * w:]  # the target's tokens, last
 
     def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: QwenImage21Conditioning,
                  guidance_scale: float = 1.0, neg: QwenImage21Conditioning | None = None) -> torch.Tensor:
@@ -115,11 +188,11 @@ class QwenImage21Family(PipelineFamily):
         t = timestep.reshape(-1).to(x.device, x.dtype)
         t = t.expand(b) if t.numel() == 1 else t
         packed = x.reshape(b, c, h * w).transpose(1, 2)
-        v = self._predict(packed, t, cond, h, w)[:, -h * w:]
+        v = self._predict(packed, t, cond, h, w)
         if guidance_scale > 1.0:
             if neg is None:
                 raise ValueError("guidance_scale > 1 needs the negative-prompt conditioning")
-            v_neg = self._predict(packed, t, neg, h, w)[:, -h * w:]
+            v_neg = self._predict(packed, t, neg, h, w)
             v = v_neg + guidance_scale * (v - v_neg)
         return v.transpose(1, 2).reshape(b, c, h, w)
 
