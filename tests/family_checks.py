@@ -38,3 +38,20 @@ def assert_replay_is_on_policy(family, cond, neg, recipe: SamplerRecipe, seeds=(
         out.log_prob.sum().backward()
     assert any(p.grad is not None for p in family.transformer.parameters())
     family.transformer.zero_grad(set_to_none=True)
+
+
+class WithImageMarks(torch.nn.Module):
+    """A Qwen-VL text encoder given the processor's `mm_token_type_ids`, which the Qwen-Image-Edit
+    pipelines' call drops (without them transformers 5 places image tokens sequentially)."""
+
+    def __init__(self, encoder):
+        super().__init__()
+        self.encoder = encoder
+
+    @property
+    def dtype(self):
+        return self.encoder.dtype
+
+    def forward(self, **kw):
+        marks = (kw["input_ids"] == self.encoder.config.image_token_id).to(torch.int32)
+        return self.encoder(**kw, mm_token_type_ids=marks)

@@ -15,7 +15,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from conftest import two_iterations
-from family_checks import assert_replay_is_on_policy, gens
+from family_checks import WithImageMarks, assert_replay_is_on_policy, gens
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.cli import app
 from pixrl.engines.prompt_cache import PromptCache
@@ -43,22 +43,6 @@ def sources(tiny_qie):
     return [(tiny_qie[0] / "edits" / f"source_{i}.png").read_bytes() for i in range(2)]
 
 
-class _WithImageMarks(torch.nn.Module):
-    """The text encoder given the processor's `mm_token_type_ids`, which the pipeline's call drops."""
-
-    def __init__(self, encoder):
-        super().__init__()
-        self.encoder = encoder
-
-    @property
-    def dtype(self):
-        return self.encoder.dtype
-
-    def forward(self, **kw):
-        marks = (kw["input_ids"] == self.encoder.config.image_token_id).to(torch.int32)
-        return self.encoder(**kw, mm_token_type_ids=marks)
-
-
 def test_registered_found_from_its_layout_and_its_template_crop_is_the_releases(tiny_qie, family):
     assert get_family("qwen_image_edit") is QwenImageEditFamily and QwenImageEditFamily.needs_images
     assert family_of_directory(tiny_qie[0]) == "qwen_image_edit"
@@ -74,7 +58,7 @@ def test_encoding_is_the_pipelines_with_the_image_marks(family, sources):
     assert cond.image_latents.shape == (2, 4096, 16) and cond.source_grid == (64, 64)  # 1024² sources, VAE 8×
     plain = family.pipe.text_encoder
     try:
-        family.pipe.text_encoder = _WithImageMarks(plain)
+        family.pipe.text_encoder = WithImageMarks(plain)
         for i, (p, im) in enumerate(zip(PROMPTS, sources)):
             want, _ = family.pipe._get_qwen_prompt_embeds(p, family.source(im), family.device)
             n = want.shape[1]

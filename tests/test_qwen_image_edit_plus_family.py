@@ -15,7 +15,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from conftest import two_iterations
-from family_checks import assert_replay_is_on_policy, gens
+from family_checks import WithImageMarks, assert_replay_is_on_policy, gens
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.cli import app
 from pixrl.engines.prompt_cache import PromptCache
@@ -53,22 +53,6 @@ def sources(tiny_2511):
     return [(tiny_2511[0] / "edits" / f"source_{i}.png").read_bytes() for i in range(2)]
 
 
-class _WithImageMarks(torch.nn.Module):
-    """The text encoder given the processor's `mm_token_type_ids`, which the pipeline's call drops."""
-
-    def __init__(self, encoder):
-        super().__init__()
-        self.encoder = encoder
-
-    @property
-    def dtype(self):
-        return self.encoder.dtype
-
-    def forward(self, **kw):
-        marks = (kw["input_ids"] == self.encoder.config.image_token_id).to(torch.int32)
-        return self.encoder(**kw, mm_token_type_ids=marks)
-
-
 def test_registered_found_from_its_layout_with_2511s_transformer(tiny_2511, family):
     assert get_family("qwen_image_edit_plus") is QwenImageEditPlusFamily and QwenImageEditPlusFamily.needs_images
     assert family_of_directory(tiny_2511[0]) == "qwen_image_edit_plus"
@@ -87,7 +71,7 @@ def test_the_source_is_read_at_384_and_encoded_at_1024_as_the_pipelines_encoding
     assert family.source(sources[0], family.vl_area).size == (384, 384)
     plain = family.pipe.text_encoder
     try:
-        family.pipe.text_encoder = _WithImageMarks(plain)
+        family.pipe.text_encoder = WithImageMarks(plain)
         for i, (p, im) in enumerate(zip(PROMPTS, sources)):
             want, _ = family.pipe._get_qwen_prompt_embeds(p, [family.source(im, 384 * 384)], family.device)
             n = want.shape[1]
