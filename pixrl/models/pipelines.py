@@ -36,6 +36,9 @@ class PipelineFamily:
     #: the pipeline component that denoises (held as `self.transformer` whatever its kind): a
     #: transformer, or SD1.x/2.x's "unet"
     denoiser: str = "transformer"
+    #: swapped components (`swap_components`) are handed to the pipeline's constructor, which reads
+    #: them (a ProcessorMixin by type), instead of being set on the built pipeline
+    swap_at_construction: bool = False
 
     def __init__(self, pipe, path: str, dtype: torch.dtype, max_sequence_length: int = 0,
                  resolution: int | None = None, frames: int | None = None):
@@ -93,8 +96,12 @@ class PipelineFamily:
         trained = cls.trained_component(options)
         try:
             given = {trained: empty_transformer(p, dtype, trained)} if trainable_device == "meta" else {}
+            early = {k: load() for k, load in swapped.items()} if cls.swap_at_construction else {}
             pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(
-                str(p), dtype=torch_dtype(dtype), **absent, **{k: load() for k, load in swapped.items()}, **given)
+                str(p), dtype=torch_dtype(dtype), **absent, **{k: early.get(k) for k in swapped}, **given)
+            for name, load in swapped.items():
+                if name not in early:
+                    setattr(pipe, name, load())
         except Exception as exc:  # diffusers raises many types; name the path and the cause
             raise ModelLoadError(f"could not load the {cls.pipeline_class} from {str(p)!r}: {exc}") from exc
         for key, module in pipe.components.items():

@@ -73,6 +73,7 @@ class QwenImage21Family(PipelineFamily):
     lora_targets = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]
     takes_images = True  # a prompt may carry a source image: its condition image (an edit)
     negative_reads_images = True  # an edit's negative prompt is read with its source, as the pipeline reads it
+    swap_at_construction = True  # its constructor reads the processor (the system turn's length)
 
     @staticmethod
     def swap_components(path: Path) -> dict:
