@@ -60,6 +60,10 @@ class VideoAlign(Reward):
             raise ValueError(f"reward videoalign: dtype {dtype!r} is not one of float32, bfloat16, float16")
         if clip_fps <= 0:
             raise ValueError(f"reward videoalign: clip_fps must be positive (got {clip_fps})")
+        from .videoalign_weights import checkpoint_folder, read_config
+
+        read_config(Path(path))  # its sections, and the checkpoint step, before any work
+        checkpoint_folder(Path(path), int(step))
         self.path, self.base, self.dims, self.normalize = Path(path), str(b), _dimensions(dimensions), normalize
         self.clip_fps, self.fps, self.num_frames, self.step = float(clip_fps), fps, num_frames, int(step)
         self.min_pixels, self.max_pixels, self.batch_size, self.dtype = min_pixels, max_pixels, batch_size, dtype
