@@ -195,3 +195,13 @@ def test_two_iterations_of_edits_through_the_flow(tiny_q21, tmp_path, prefect_ha
     out, t = two_iterations(tiny_q21, tmp_path, "q21_edit", "lora", "sampling.guidance_scale=4.0",
                             "sampling.negative_prompt=' '", "dataset=edits", f"dataset.path={edits}")
     assert t["source_image"].null_count == 0
+
+
+def test_held_out_evaluation_samples_text_to_image_with_one_negative(family):
+    """A family that reads an edit's negative with its source evaluates text prompts with the one
+    encoding of the negative (the evaluation path, not only rollouts)."""
+    from pixrl.datasets.shapes.evaluate import generate_images
+
+    recipe = SamplerRecipe(4, 0.0, guidance_scale=4.0, train_steps=(), negative_prompt=" ")
+    imgs = generate_images(family, PROMPTS, [1, 2], recipe)
+    assert imgs.shape == (2, 64, 64, 3)

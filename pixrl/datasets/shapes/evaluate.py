@@ -94,7 +94,7 @@ def _negatives(family, recipe: SamplerRecipe, n: int, batch: int, images: list[b
     starts = range(0, n, batch)
     if text is None:
         return [None for _ in starts]
-    if getattr(family, "negative_reads_images", False):
+    if getattr(family, "negative_reads_images", False) and images:  # (text-to-image: one negative for all)
         return [family.encode_prompts([text] * len(images[s:s + batch]), images[s:s + batch]) for s in starts]
     neg = family.encode_negative(text)
     return [neg.expand(min(batch, n - s)) for s in starts]
