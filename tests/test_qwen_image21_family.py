@@ -205,3 +205,14 @@ def test_held_out_evaluation_samples_text_to_image_with_one_negative(family):
     recipe = SamplerRecipe(4, 0.0, guidance_scale=4.0, train_steps=(), negative_prompt=" ")
     imgs = generate_images(family, PROMPTS, [1, 2], recipe)
     assert imgs.shape == (2, 64, 64, 3)
+
+
+def test_a_source_the_image_processor_shrinks_is_refused_naming_the_fix(family, sources):
+    ip = family.pipe.processor.image_processor
+    kept = ip.size
+    ip.size = type(kept)(shortest_edge=32 * 32, longest_edge=32 * 32)
+    try:
+        with pytest.raises(SourceImageError, match="max_pixels .* is below 4096; lower model.resolution"):
+            family.encode_prompts(PROMPTS, sources)
+    finally:
+        ip.size = kept

@@ -114,6 +114,13 @@ class QwenImage21Family(PipelineFamily):
         pixels = self.pipe.image_processor.preprocess(sources, height=h, width=w).unsqueeze(2)
         latents = self.pipe._encode_vae_image(pixels.to(self.device, self.vae.dtype), generator=None)
         b, c, _, lh, lw = latents.shape
+        if int(image_pad[0].sum()) * 4 != lh * lw:
+            from .source_images import SourceImageError
+
+            raise SourceImageError(f"the checkpoint's image processor reads a {w}×{h} source as "
+                                   f"{int(image_pad[0].sum())} image tokens, and its {lh}×{lw} latent grid needs "
+                                   f"{lh * lw // 4}: its max_pixels (processor/preprocessor_config.json) is below "
+                                   f"{w * h}; lower model.resolution or raise it")
         return QwenImage21Conditioning(embeds.to(self.dtype), None if bool(mask.all()) else mask, image_pad,
                                        self.pipe._pack_latents(latents, b, c, lh, lw), (lh, lw))
 

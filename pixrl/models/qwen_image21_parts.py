@@ -46,7 +46,8 @@ def tiny_parts(build: Path, hidden: int = 32) -> dict:
     tok = qwen2_tokenizer(build / "tokenizer", extra_pieces=["Comprehend", "Ġanalyze", "Ġprovided"])
     tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     tok.chat_template = QWEN_VL_CHAT_TEMPLATE
-    images = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, min_pixels=64 * 64, max_pixels=64 * 64 * 4)
+    # bounds that keep a source of up to 2048² at its size: its grid must be the VAE's, slot for slot
+    images = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, min_pixels=32 * 32, max_pixels=2048 * 2048)
     vae = AutoencoderKLQwenImage21(base_dim=8, decoder_base_dim=8, z_dim=4, dim_mult=[1, 1, 2, 2, 2], num_res_blocks=1,
                                    temperal_downsample=[False] * 4, latents_mean=[0.1, -0.2, 0.05, 0.0],
                                    latents_std=[1.5, 2.0, 1.2, 1.8])  # 4 downsamples: 16×, as released
