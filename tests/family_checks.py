@@ -55,3 +55,28 @@ class WithImageMarks(torch.nn.Module):
     def forward(self, **kw):
         marks = (kw["input_ids"] == self.encoder.config.image_token_id).to(torch.int32)
         return self.encoder(**kw, mm_token_type_ids=marks)
+
+
+def row_negatives(family, prompts, sources, text):
+    """CFG's negative conditioning of edit rows as the rollout builds it: the negative prompt read
+    with each row's source (`negative_reads_images`) through the prompt cache."""
+    from pixrl.engines.prompt_cache import PromptCache
+    from pixrl.models.source_images import condition_keys
+
+    keys = condition_keys(prompts, sources)
+    return PromptCache(family).negative_rows(text, keys, sources).of(keys)
+
+
+def edit_pipeline_latents(family, cond, neg, images, cfg, seeds, side=32, steps=6):
+    """A Qwen-Image-Edit pipeline's packed final latents, one source image a call, given our
+    encodings (its own encoding would skip the image marks)."""
+    out = []
+    for i, (im, s) in enumerate(zip(images, seeds)):
+        kw = {"prompt_embeds": cond.prompt_embeds[i:i + 1], "prompt_embeds_mask": None if cond.mask is None
+              else cond.mask[i:i + 1]}
+        if neg is not None:
+            kw.update(negative_prompt_embeds=neg.prompt_embeds[i:i + 1],
+                      negative_prompt_embeds_mask=None if neg.mask is None else neg.mask[i:i + 1])
+        out.append(family.pipe(image=im, height=side, width=side, num_inference_steps=steps, true_cfg_scale=cfg,
+                               generator=gens([s]), output_type="latent", **kw).images)
+    return torch.cat(out)

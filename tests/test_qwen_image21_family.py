@@ -17,13 +17,13 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import two_iterations
-from family_checks import assert_replay_is_on_policy, gens
+from family_checks import assert_replay_is_on_policy, gens, row_negatives
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.cli import app
 from pixrl.models.base import ModelLoadError
 from pixrl.models.qwen_image21 import QwenImage21Family
 from pixrl.models.registry import family_of_directory, get_family
-from pixrl.models.source_images import SourceImageError, condition_keys, decode_rgb, png_bytes
+from pixrl.models.source_images import SourceImageError, decode_rgb, png_bytes
 
 PROMPTS = ["a red circle", "two blue squares on the left of a green triangle"]
 
@@ -162,11 +162,8 @@ def test_an_edit_reads_its_source_in_the_template_and_through_the_vae(family, so
 
 @pytest.mark.parametrize("cfg,negative", [(1.0, None), (4.0, " ")])
 def test_an_edit_equals_the_pipeline_with_one_condition_image(family, sources, cfg, negative):
-    from pixrl.engines.prompt_cache import PromptCache
-
     cond = family.encode_prompts(PROMPTS, sources)
-    keys = condition_keys(PROMPTS, sources)
-    neg = PromptCache(family).negative_rows(negative, keys, sources).of(keys) if cfg > 1 else None
+    neg = row_negatives(family, PROMPTS, sources, negative) if cfg > 1 else None
     recipe = SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=(), negative_prompt=negative or "")
     traj = sample(family, cond, neg, gens([3, 4]), recipe)
     for i, (p, src, seed) in enumerate(zip(PROMPTS, sources, [3, 4])):  # the pipeline: one condition image a call
@@ -180,10 +177,7 @@ def test_an_edit_equals_the_pipeline_with_one_condition_image(family, sources, c
 
 
 def test_edits_replay_exactly(family, sources):
-    from pixrl.engines.prompt_cache import PromptCache
-
-    keys = condition_keys(PROMPTS, sources)
-    neg = PromptCache(family).negative_rows(" ", keys, sources).of(keys)
+    neg = row_negatives(family, PROMPTS, sources, " ")
     recipe = SamplerRecipe(steps=4, noise_level=0.7, sde_type="sde", guidance_scale=4.0, train_steps=(0, 1, 2))
     assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS, sources), neg, recipe)
 

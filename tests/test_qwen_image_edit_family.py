@@ -15,7 +15,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from conftest import two_iterations
-from family_checks import WithImageMarks, assert_replay_is_on_policy, gens
+from family_checks import WithImageMarks, assert_replay_is_on_policy, edit_pipeline_latents, gens, row_negatives
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.cli import app
 from pixrl.engines.prompt_cache import PromptCache
@@ -70,31 +70,16 @@ def test_encoding_is_the_pipelines_with_the_image_marks(family, sources):
     assert (unmarked[0] - cond.prompt_embeds[0, :unmarked.shape[1]]).abs().max() > 1e-4  # diffusers' call, as is
 
 
-def _pipeline(family, cond, neg, sources, cfg, seeds):
-    """QwenImageEditPipeline, one source a call, given our encodings (its own would skip the image marks)."""
-    out = []
-    for i, (im, s) in enumerate(zip(sources, seeds)):
-        kw = {"prompt_embeds": cond.prompt_embeds[i:i + 1], "prompt_embeds_mask": None if cond.mask is None
-              else cond.mask[i:i + 1]}
-        if neg is not None:
-            kw.update(negative_prompt_embeds=neg.prompt_embeds[i:i + 1],
-                      negative_prompt_embeds_mask=None if neg.mask is None else neg.mask[i:i + 1])
-        out.append(family.pipe(image=family.source(im), height=32, width=32, num_inference_steps=6,
-                               true_cfg_scale=cfg, generator=gens([s]), output_type="latent", **kw).images)
-    return torch.cat(out)
-
-
 @pytest.mark.parametrize("cfg,negative", [(1.0, None), (4.0, " "), (4.0, "blurry, low quality")])
 def test_ode_sampling_equals_the_pipeline_with_the_negative_read_with_each_image(family, sources, cfg, negative):
     cond = family.encode_prompts(PROMPTS, sources)
-    keys = condition_keys(PROMPTS, sources)
-    neg = PromptCache(family).negative_rows(negative, keys, sources).of(keys) if cfg > 1 else None
+    neg = row_negatives(family, PROMPTS, sources, negative) if cfg > 1 else None
     if neg is not None:  # each row's negative conditioning is the negative prompt with that row's source
         assert torch.equal(neg.prompt_embeds[1], family.encode_prompts([negative], sources[1:]).prompt_embeds[0])
         assert not torch.equal(neg.prompt_embeds[0], neg.prompt_embeds[1])
     recipe = SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=(), negative_prompt=negative or "")
     traj = sample(family, cond, neg, gens([3, 4]), recipe)
-    ref = _pipeline(family, cond, neg, sources, cfg, [3, 4])
+    ref = edit_pipeline_latents(family, cond, neg, [family.source(im) for im in sources], cfg, [3, 4])
     assert (family.pipe._pack_latents(traj.final, 2, *family.latent_shape()) - ref).abs().max().item() <= 1e-5
     other = sample(family, family.encode_prompts(PROMPTS, sources[::-1]), neg, gens([3, 4]), recipe)
     assert (other.final - traj.final).abs().max().item() > 1e-4  # the source reaches the velocity
@@ -102,8 +87,7 @@ def test_ode_sampling_equals_the_pipeline_with_the_negative_read_with_each_image
 
 @pytest.mark.parametrize("sde_type,window", [("sde", None), ("cps", None), ("sde", (1, 2))])
 def test_replayed_log_probs_equal_stored_with_cfg(family, sources, sde_type, window):
-    keys = condition_keys(PROMPTS, sources)
-    neg = PromptCache(family).negative_rows(" ", keys, sources).of(keys)
+    neg = row_negatives(family, PROMPTS, sources, " ")
     recipe = SamplerRecipe(steps=4, noise_level=0.7, sde_type=sde_type, guidance_scale=4.0, sde_steps=window,
                            train_steps=window or (0, 1, 2))
     assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS, sources), neg, recipe)

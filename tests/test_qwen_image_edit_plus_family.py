@@ -15,14 +15,13 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from conftest import two_iterations
-from family_checks import WithImageMarks, assert_replay_is_on_policy, gens
+from family_checks import WithImageMarks, assert_replay_is_on_policy, edit_pipeline_latents, gens, row_negatives
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.cli import app
-from pixrl.engines.prompt_cache import PromptCache
 from pixrl.models.base import ModelLoadError
 from pixrl.models.qwen_image_edit_plus import QwenImageEditPlusFamily
 from pixrl.models.registry import family_of_directory, get_family
-from pixrl.models.source_images import condition_keys, decode_rgb
+from pixrl.models.source_images import decode_rgb
 
 PROMPTS = ["make the sky red", "add a blue square"]
 
@@ -82,31 +81,15 @@ def test_the_source_is_read_at_384_and_encoded_at_1024_as_the_pipelines_encoding
     assert edit.vl_area == 1024 * 1024 and edit.image_prompt == ""
 
 
-def _pipeline(family, cond, neg, sources, cfg, seeds):
-    """QwenImageEditPlusPipeline, one source a call, given our encodings (its own would skip the
-    image marks) and the source as decoded: it sizes the VAE's read itself."""
-    out = []
-    for i, (im, s) in enumerate(zip(sources, seeds)):
-        kw = {"prompt_embeds": cond.prompt_embeds[i:i + 1], "prompt_embeds_mask": None if cond.mask is None
-              else cond.mask[i:i + 1]}
-        if neg is not None:
-            kw.update(negative_prompt_embeds=neg.prompt_embeds[i:i + 1],
-                      negative_prompt_embeds_mask=None if neg.mask is None else neg.mask[i:i + 1])
-        out.append(family.pipe(image=decode_rgb(im), height=32, width=32, num_inference_steps=6,
-                               true_cfg_scale=cfg, generator=gens([s]), output_type="latent", **kw).images)
-    return torch.cat(out)
-
-
 @pytest.mark.parametrize("variant", ["2511", "2509"])
 @pytest.mark.parametrize("cfg,negative", [(1.0, None), (4.0, " ")])
 def test_ode_sampling_equals_the_pipeline(family, family_2509, sources, variant, cfg, negative):
     fam = family if variant == "2511" else family_2509
     cond = fam.encode_prompts(PROMPTS, sources)
-    keys = condition_keys(PROMPTS, sources)
-    neg = PromptCache(fam).negative_rows(negative, keys, sources).of(keys) if cfg > 1 else None
+    neg = row_negatives(fam, PROMPTS, sources, negative) if cfg > 1 else None
     recipe = SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=(), negative_prompt=negative or "")
     traj = sample(fam, cond, neg, gens([3, 4]), recipe)
-    ref = _pipeline(fam, cond, neg, sources, cfg, [3, 4])
+    ref = edit_pipeline_latents(fam, cond, neg, [decode_rgb(im) for im in sources], cfg, [3, 4])  # it sizes both reads
     assert (fam.pipe._pack_latents(traj.final, 2, *fam.latent_shape()) - ref).abs().max().item() <= 1e-5
     other = sample(fam, fam.encode_prompts(PROMPTS, sources[::-1]), neg, gens([3, 4]), recipe)
     assert (other.final - traj.final).abs().max().item() > 1e-4  # the source reaches the velocity
@@ -132,8 +115,7 @@ def test_2511s_source_tokens_are_modulated_at_timestep_zero(family, family_2509,
 
 @pytest.mark.parametrize("sde_type,window", [("sde", None), ("cps", None), ("sde", (1, 2))])
 def test_replayed_log_probs_equal_stored_with_cfg(family, sources, sde_type, window):
-    keys = condition_keys(PROMPTS, sources)
-    neg = PromptCache(family).negative_rows(" ", keys, sources).of(keys)
+    neg = row_negatives(family, PROMPTS, sources, " ")
     recipe = SamplerRecipe(steps=4, noise_level=0.7, sde_type=sde_type, guidance_scale=4.0, sde_steps=window,
                            train_steps=window or (0, 1, 2))
     assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS, sources), neg, recipe)

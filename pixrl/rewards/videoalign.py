@@ -62,7 +62,7 @@ class VideoAlign(Reward):
             raise ValueError(f"reward videoalign: clip_fps must be positive (got {clip_fps})")
         from .videoalign_weights import checkpoint_folder, read_config
 
-        read_config(Path(path))  # its sections, and the checkpoint step, before any work
+        self.config = read_config(Path(path))  # its sections, and the checkpoint step, before any work
         checkpoint_folder(Path(path), int(step))
         self.path, self.base, self.dims, self.normalize = Path(path), str(b), _dimensions(dimensions), normalize
         self.clip_fps, self.fps, self.num_frames, self.step = float(clip_fps), fps, num_frames, int(step)
@@ -73,10 +73,10 @@ class VideoAlign(Reward):
         from transformers import AutoTokenizer, Qwen2VLImageProcessorPil  # the PIL one: no torchvision
 
         from ..models.qwen_vl_video import VIDEO_MIN_PIXELS
-        from .videoalign_weights import load_videoalign, read_config
+        from .videoalign_weights import load_videoalign
 
         super().setup(device)
-        cfg = read_config(self.path)
+        cfg = self.config
         data, mc = cfg["data_config"], cfg["model_config"]
         self.special = bool(mc.get("use_special_tokens", False))
         self.pooling = "special" if self.special else mc.get("reward_token", "last")
@@ -97,7 +97,7 @@ class VideoAlign(Reward):
             if self.special:
                 self.tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS)})
             self.images = Qwen2VLImageProcessorPil.from_pretrained(self.base)
-            self.model, self.folder = load_videoalign(self.path, self.base, self.step, len(self.tokenizer),
+            self.model, self.folder = load_videoalign(self.path, cfg, self.base, self.step, len(self.tokenizer),
                                                       self.special, getattr(torch, self.dtype))
         except ScoringError:
             raise

@@ -72,19 +72,19 @@ def _apply_lora(model: nn.Module, lora: dict[str, torch.Tensor], trained: dict[s
         target_modules=targets))
     result = set_peft_model_state_dict(wrapped, {PEFT_PREFIX + k: v for k, v in lora.items()})
     stray = [k for k in result.unexpected_keys if "lora_" in k]
-    missing, unexpected = wrapped.load_state_dict({PEFT_PREFIX + k: v for k, v in trained.items()}, strict=False)
+    _, unexpected = wrapped.load_state_dict({PEFT_PREFIX + k: v for k, v in trained.items()}, strict=False)
     if stray or unexpected:
         raise ScoringError(f"reward videoalign: {where} does not fit the base model: "
                            f"{(stray + unexpected)[:3]} name nothing in it; is base the Qwen2-VL it was tuned from?")
     return wrapped.merge_and_unload()
 
 
-def load_videoalign(root: Path, base: str, step: int, vocab: int, special: bool, dtype: torch.dtype):
+def load_videoalign(root: Path, cfg: dict, base: str, step: int, vocab: int, special: bool, dtype: torch.dtype):
     """(the Qwen2-VL reward model in `dtype` with its `rm_head`, the checkpoint folder read) from
-    `root` on the base checkout's weights; `vocab`: the tokenizer's size with the special tokens."""
+    `root` (its `read_config`: `cfg`) on the base checkout's weights; `vocab`: the tokenizer's size
+    with the special tokens."""
     from transformers import Qwen2VLForConditionalGeneration
 
-    cfg = read_config(root)
     folder = checkpoint_folder(root, step)
     model = Qwen2VLForConditionalGeneration.from_pretrained(base, dtype=dtype)
     if special:
