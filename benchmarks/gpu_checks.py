@@ -90,6 +90,8 @@ CHECKS = {
     # new since: Qwen-Image-Edit-2511 (the Plus pipeline: the source at 384² to Qwen2.5-VL, zero_cond_t)
     "qwen_image_edit_plus": ([SMOKE, "--family", "qwen_image_edit_plus", "--layers", "12"], 240, None),
     "sana": ([SMOKE, "--family", "sana"], 150, None),
+    # new since: LTX-Video 0.9.1 (2B at full depth, 65 frames at 512²: 9 × 16 × 16 latent tokens)
+    "ltx_video": ([SMOKE, "--family", "ltx_video"], 200, "video"),
     "qwen_image": ([SMOKE, "--family", "qwen_image", "--layers", "12"], 200, None),
     # the same without the offload: the accelerator memory the offload frees (Mistral-3 at real width)
     "flux2_resident": ([SMOKE, "--family", "flux2", "--layers", "2", "--set", "model.offload_text_encoders=false"],

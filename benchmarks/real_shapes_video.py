@@ -96,3 +96,28 @@ def hunyuan_video15_i2v_pipeline(layers: int | None, device: str, workdir: Path)
                                                   num_attention_heads=16, image_size=384, patch_size=14))
     return HunyuanVideo15ImageToVideoPipeline(**parts, image_encoder=siglip,
                                               feature_extractor=SiglipImageProcessor(size={"height": 384, "width": 384}))
+
+
+def ltx_video_pipeline(layers: int | None, device: str, workdir: Path):
+    """A random LTXPipeline with LTX-Video 0.9.1's shapes: the 2B transformer (its diffusers
+    defaults: 28 blocks of 32×64 heads over 128-channel latents), the 0.9.1 VAE (×32 in space, ×8
+    in time; a decoder of 256/512/1024 channels conditioned on the decode timestep, injecting
+    noise), T5-XXL at its real width (4096) with 2 of its 24 layers, LTX-Video's dynamic-shift
+    scheduler. `--layers N`: N blocks."""
+    import torch
+    from diffusers import AutoencoderKLLTXVideo, LTXPipeline, LTXVideoTransformer3DModel
+
+    from pixrl.models.ltx_video import ltx_scheduler
+    from pixrl.models.tiny_parts import t5_encoder, t5_tokenizer
+
+    tok = t5_tokenizer(workdir / "tokenizer", 128)
+    text = t5_encoder(tok, d_model=4096, layers=2)
+    vae = AutoencoderKLLTXVideo(
+        block_out_channels=(128, 256, 512, 512), layers_per_block=(4, 3, 3, 3, 4),
+        spatio_temporal_scaling=(True, True, True, False), decoder_block_out_channels=(256, 512, 1024),
+        decoder_layers_per_block=(5, 6, 7, 8), decoder_spatio_temporal_scaling=(True, True, True),
+        decoder_inject_noise=(True, True, True, False), upsample_residual=(True, True, True),
+        upsample_factor=(2, 2, 2), timestep_conditioning=True)
+    with torch.device(device):
+        transformer = LTXVideoTransformer3DModel(num_layers=layers or 28).to(torch.bfloat16)
+    return LTXPipeline(tokenizer=tok, text_encoder=text, vae=vae, transformer=transformer, scheduler=ltx_scheduler())

@@ -35,11 +35,18 @@ class ModelConfig(_Section):
         "guidance_scale_2; Wan2.2-T2V-A14B ships 3.0 beside 4.0); None: sampling.guidance_scale")
     cfg_normalization: bool | None = Field(None, description="Lumina-2: CFG rescaled to the conditional output's norm")
     shift: float | None = Field(None, gt=0, description="fixed-shift flow schedulers: the sampling grid's shift instead of the checkpoint's")
+    frame_rate: float | None = Field(None, gt=0, description="LTX-Video: frames per second its rotary time axis "
+                                     "is scaled to; None: the pipeline's 25")
+    decode_timestep: float | None = Field(None, ge=0, le=1, description="LTX-Video 0.9.1+: the timestep its VAE "
+                                          "decodes at (0.03 recommended for 0.9.1); None: the pipeline's 0")
+    decode_noise_scale: float | None = Field(None, ge=0, le=1, description="LTX-Video 0.9.1+: the share of fresh "
+                                             "noise mixed into the latents before decoding; None: decode_timestep")
 
     def family_options(self) -> dict:
         """The settings only some families read, as `Family.load` keywords: those that are set."""
-        return {k: getattr(self, k) for k in ("expert", "guidance_scale_2", "cfg_normalization", "shift")
-                if getattr(self, k) is not None}
+        keys = ("expert", "guidance_scale_2", "cfg_normalization", "shift", "frame_rate", "decode_timestep",
+                "decode_noise_scale")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
 
 class LoraConfig(_Section):

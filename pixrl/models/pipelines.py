@@ -129,11 +129,11 @@ class PipelineFamily:
                                  f"{why}; unset model.shift")
         self.scheduler = self.pipe.scheduler = type(self.scheduler).from_config(cfg, shift=float(shift))
 
-    def set_clip_frames(self) -> None:
+    def set_clip_frames(self, step: int | None = None) -> None:
         """A video family's `model.frames` (its default when unset), which its causal VAE needs as
-        k·(time compression) + 1."""
+        k·(time compression) + 1 (`step`: the compression, when the pipeline names it otherwise)."""
         self.frames = self.frames or self.default_frames
-        step = self.pipe.vae_scale_factor_temporal
+        step = step or self.pipe.vae_scale_factor_temporal
         if (self.frames - 1) % step:
             raise ModelLoadError(f"model.frames={self.frames}: this VAE compresses time ×{step}, so a clip has "
                                  f"{step}k+1 frames (e.g. {self.default_frames}, or {(self.frames // step) * step + 1})")
