@@ -77,6 +77,10 @@ CHECKS = {
     # HunyuanVideo 1.0 (new since): 8 dual- and 16 single-stream blocks at the real width, 33 frames
     "hunyuan_video": ([SMOKE, "--family", "hunyuan_video", "--layers", "8"], 240, "video"),
     "skyreels_i2v": ([SMOKE, "--family", "skyreels_i2v", "--layers", "8"], 240, "video"),  # its image-to-video
+    # new since: LTX-Video 0.9.1 (2B at full depth, 65 frames at 512²: 9 × 16 × 16 latent tokens)
+    "ltx_video": ([SMOKE, "--family", "ltx_video"], 200, "video"),
+    # new since: Mochi 1, 16 of its 48 blocks at the real width, 19 frames (4 × 32 × 32 latents at 512²)
+    "mochi": ([SMOKE, "--family", "mochi", "--layers", "16"], 240, "video"),
     # passed there: sd3 (issue 14's line) 144 s, sana 68 s, qwen_image (12 blocks) 79 s
     "sd3": ([SMOKE, "--family", "sd3"], 240, None),
     # new since: SD1.5's UNet with DDPO's recipe (860M, every step of DDIM-η stored)
@@ -90,8 +94,6 @@ CHECKS = {
     # new since: Qwen-Image-Edit-2511 (the Plus pipeline: the source at 384² to Qwen2.5-VL, zero_cond_t)
     "qwen_image_edit_plus": ([SMOKE, "--family", "qwen_image_edit_plus", "--layers", "12"], 240, None),
     "sana": ([SMOKE, "--family", "sana"], 150, None),
-    # new since: LTX-Video 0.9.1 (2B at full depth, 65 frames at 512²: 9 × 16 × 16 latent tokens)
-    "ltx_video": ([SMOKE, "--family", "ltx_video"], 200, "video"),
     "qwen_image": ([SMOKE, "--family", "qwen_image", "--layers", "12"], 200, None),
     # the same without the offload: the accelerator memory the offload frees (Mistral-3 at real width)
     "flux2_resident": ([SMOKE, "--family", "flux2", "--layers", "2", "--set", "model.offload_text_encoders=false"],

@@ -43,6 +43,8 @@ images/s and peak memory.
 - `--family ltx_video`: LTX-Video 0.9.1 — the real 2B transformer and 0.9.1 VAE (×32 in space,
   ×8 in time, timestep-conditioned decoder), 65 frames, CFG 3, decode at timestep 0.03; T5-XXL at
   its real width with 2 layers; LoRA r32.
+- `--family mochi`: Mochi 1 — the real 10B asymmetric transformer and VAE, 19 frames, CFG 4.5;
+  T5-XXL at its real width with 2 layers; LoRA r32. `--layers N` blocks.
 - `--family pixart_sigma`: PixArt-Σ XL-2 512 — the real DiT (28 blocks, learned variance) and SDXL
   VAE, T5-XXL at its real width with 2 layers, CFG 4.5 on its DDIM grid; LoRA r32.
 - `--family sd15`: Stable Diffusion 1.5 — the real UNet (860M), SD VAE and CLIP-L; DDPO's recipe
@@ -122,6 +124,9 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
                                "model.frames=9" if tiny else "model.frames=65", "sampling.guidance_scale=3.0",
                                "model.decode_timestep=0.03", "model.decode_noise_scale=0.025",
                                *([] if tiny else [GC, "algorithm=flow_grpo_wan"])],
+    "mochi": lambda tiny: [GC, "model.max_sequence_length=32" if tiny else "model.max_sequence_length=256",
+                           "model.frames=7" if tiny else "model.frames=19", "sampling.guidance_scale=4.5",
+                           *([] if tiny else ["algorithm=flow_grpo_wan"])],
     "sd15": lambda tiny: ["algorithm=ddpo", "sampling.sde_type=ddim", "sampling.noise_level=1.0",
                           "sampling.window_size=null", "sampling.window_range=null", "sampling.timestep_fraction=1.0",
                           "sampling.guidance_scale=5.0", "algorithm.min_count=4"],

@@ -121,3 +121,23 @@ def ltx_video_pipeline(layers: int | None, device: str, workdir: Path):
     with torch.device(device):
         transformer = LTXVideoTransformer3DModel(num_layers=layers or 28).to(torch.bfloat16)
     return LTXPipeline(tokenizer=tok, text_encoder=text, vae=vae, transformer=transformer, scheduler=ltx_scheduler())
+
+
+def mochi_pipeline(layers: int | None, device: str, workdir: Path):
+    """A random MochiPipeline with Mochi 1's shapes: the 10B asymmetric transformer (its diffusers
+    defaults: 48 blocks, 24×128 heads over the visual stream, 1536 wide for text, 12-channel
+    latents in 2×2 patches), Mochi's VAE (its defaults: ×6 in time, ×8 in space), T5-XXL at its
+    real width (4096) with 2 of its 24 layers, the inverted Euler scheduler; empty prompts zeroed.
+    `--layers N`: N blocks."""
+    import torch
+    from diffusers import AutoencoderKLMochi, MochiPipeline, MochiTransformer3DModel
+
+    from pixrl.models.mochi import mochi_scheduler
+    from pixrl.models.tiny_parts import t5_encoder, t5_tokenizer
+
+    tok = t5_tokenizer(workdir / "tokenizer", 256)
+    text = t5_encoder(tok, d_model=4096, layers=2)
+    with torch.device(device):
+        transformer = MochiTransformer3DModel(num_layers=layers or 48).to(torch.bfloat16)
+    return MochiPipeline(tokenizer=tok, text_encoder=text, vae=AutoencoderKLMochi(), transformer=transformer,
+                         scheduler=mochi_scheduler(), force_zeros_for_empty_prompt=True)
