@@ -81,6 +81,8 @@ CHECKS = {
     "ltx_video": ([SMOKE, "--family", "ltx_video"], 200, "video"),
     # new since: Mochi 1, 16 of its 48 blocks at the real width, 19 frames (4 × 32 × 32 latents at 512²)
     "mochi": ([SMOKE, "--family", "mochi", "--layers", "16"], 240, "video"),
+    # new since: CogVideoX-5B at full depth, 25 frames (7 × 32 × 32 latents at 512²)
+    "cogvideox": ([SMOKE, "--family", "cogvideox"], 240, "video"),
     # passed there: sd3 (issue 14's line) 144 s, sana 68 s, qwen_image (12 blocks) 79 s
     "sd3": ([SMOKE, "--family", "sd3"], 240, None),
     # new since: SD1.5's UNet with DDPO's recipe (860M, every step of DDIM-η stored)

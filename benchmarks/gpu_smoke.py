@@ -45,6 +45,9 @@ images/s and peak memory.
   its real width with 2 layers; LoRA r32.
 - `--family mochi`: Mochi 1 — the real 10B asymmetric transformer and VAE, 19 frames, CFG 4.5;
   T5-XXL at its real width with 2 layers; LoRA r32. `--layers N` blocks.
+- `--family cogvideox`: CogVideoX-5B — the real transformer (42 blocks, rotary) and VAE, 25
+  frames, CFG 6 on the DDIM grid of its zero-terminal-SNR table; T5-XXL at its real width with 2
+  layers; LoRA r32.
 - `--family pixart_sigma`: PixArt-Σ XL-2 512 — the real DiT (28 blocks, learned variance) and SDXL
   VAE, T5-XXL at its real width with 2 layers, CFG 4.5 on its DDIM grid; LoRA r32.
 - `--family sd15`: Stable Diffusion 1.5 — the real UNet (860M), SD VAE and CLIP-L; DDPO's recipe
@@ -127,6 +130,9 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
     "mochi": lambda tiny: [GC, "model.max_sequence_length=32" if tiny else "model.max_sequence_length=256",
                            "model.frames=7" if tiny else "model.frames=19", "sampling.guidance_scale=4.5",
                            *([] if tiny else ["algorithm=flow_grpo_wan"])],
+    "cogvideox": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=226",
+                               "model.frames=9" if tiny else "model.frames=25", "sampling.guidance_scale=6.0",
+                               *([] if tiny else ["algorithm=flow_grpo_wan"])],
     "sd15": lambda tiny: ["algorithm=ddpo", "sampling.sde_type=ddim", "sampling.noise_level=1.0",
                           "sampling.window_size=null", "sampling.window_range=null", "sampling.timestep_fraction=1.0",
                           "sampling.guidance_scale=5.0", "algorithm.min_count=4"],

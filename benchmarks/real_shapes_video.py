@@ -141,3 +141,26 @@ def mochi_pipeline(layers: int | None, device: str, workdir: Path):
         transformer = MochiTransformer3DModel(num_layers=layers or 48).to(torch.bfloat16)
     return MochiPipeline(tokenizer=tok, text_encoder=text, vae=AutoencoderKLMochi(), transformer=transformer,
                          scheduler=mochi_scheduler(), force_zeros_for_empty_prompt=True)
+
+
+def cogvideox_pipeline(layers: int | None, device: str, workdir: Path):
+    """A random CogVideoXPipeline with CogVideoX-5B's shapes: the transformer (42 blocks of 48×64
+    heads, 3-D rotary positions, 16-channel latents in 2×2 patches), the video VAE (its diffusers
+    defaults: ×4 in time, ×8 in space; the 5B's scaling 0.7), T5-XXL at its real width (4096) with
+    2 of its 24 layers, the 5B's DPM-Solver (v-prediction, zero terminal SNR, no SNR shift), whose
+    table's DDIM grid rollouts step. `--layers N`: N blocks."""
+    import torch
+    from diffusers import AutoencoderKLCogVideoX, CogVideoXDPMScheduler, CogVideoXPipeline, CogVideoXTransformer3DModel
+
+    from pixrl.models.tiny_parts import t5_encoder, t5_tokenizer
+
+    tok = t5_tokenizer(workdir / "tokenizer", 226)
+    text = t5_encoder(tok, d_model=4096, layers=2)
+    with torch.device(device):
+        transformer = CogVideoXTransformer3DModel(num_attention_heads=48, num_layers=layers or 42,
+                                                  use_rotary_positional_embeddings=True).to(torch.bfloat16)
+    sched = CogVideoXDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False,
+                                  prediction_type="v_prediction", rescale_betas_zero_snr=True, set_alpha_to_one=True,
+                                  snr_shift_scale=1.0, timestep_spacing="trailing")
+    return CogVideoXPipeline(tokenizer=tok, text_encoder=text, vae=AutoencoderKLCogVideoX(scaling_factor=0.7),
+                             transformer=transformer, scheduler=sched)

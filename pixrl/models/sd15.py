@@ -63,9 +63,12 @@ class SD15Family(PipelineFamily):
     text_tokens = (0, 77)  # CLIP always reads its 77 tokens; model.max_sequence_length is not used
     variance_preserving = True  # the sampler enters with n(σ0)·ε and hands the decoder x/n(σ_T)
 
+    #: the DDIM class whose ᾱ table and grid rollouts step (CogVideoX's own shifts its SNR)
+    ddim_class = "DDIMScheduler"
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        from diffusers import DDIMScheduler
+        import diffusers
 
         config = self.scheduler.config
         if config.get("thresholding"):
@@ -74,7 +77,7 @@ class SD15Family(PipelineFamily):
                                  f"scheduler/scheduler_config.json (SD1.x/2.x ship it false)")
         # no clipping of x̂0: StableDiffusionPipeline itself resets a clip_sample of its scheduler to
         # false, and PNDM (SD1.5's shipped scheduler) has none
-        self.ddim = DDIMScheduler.from_config(config, clip_sample=False)
+        self.ddim = getattr(diffusers, self.ddim_class).from_config(config, clip_sample=False)
         table = self.ddim.alphas_cumprod.double()
         self._alpha_bar = table
         self._log_snr = (table / (1 - table)).log()  # decreasing in t
@@ -150,13 +153,14 @@ class SD15Family(PipelineFamily):
 
     def timesteps_at(self, sigma: torch.Tensor) -> torch.Tensor:
         """The continuous DDPM timestep of flow noise levels σ (the inverse of `alpha_bar_at`):
-        log-SNR 2·log((1 − σ)/σ) located in the table."""
+        log-SNR 2·log((1 − σ)/σ) located in the table. A zero-terminal-SNR table (CogVideoX) ends
+        at log-SNR −∞: σ = 1 is its last timestep, and between its last two the earlier one."""
         s = sigma.double().cpu()
         target = 2 * ((1 - s) / s).log()
         desc = -self._log_snr  # increasing in t
         hi = torch.searchsorted(desc, -target).clamp(1, len(desc) - 1)
         lo = hi - 1
-        w = ((-target) - desc[lo]) / (desc[hi] - desc[lo])
+        w = torch.nan_to_num(((-target) - desc[lo]) / (desc[hi] - desc[lo]), nan=1.0)  # ∞/∞: σ = 1 at the end
         return (lo.double() + w.clamp(0, 1)).float().to(sigma.device)
 
     def training_noise_levels(self, n: int, generator: torch.Generator) -> torch.Tensor:
@@ -188,8 +192,9 @@ class SD15Family(PipelineFamily):
         t = timestep.reshape(-1).to(x.device)
         t = t.expand(b) if t.numel() == 1 else t
         alpha_bar = self.alpha_bar_at(t).to(x.device)
-        a = alpha_bar.sqrt().float().reshape(-1, 1, 1, 1)
-        s = (1 - alpha_bar).sqrt().float().reshape(-1, 1, 1, 1)
+        per_row = (-1,) + (1,) * (x.dim() - 1)  # images [B, C, H, W], clips one axis more
+        a = alpha_bar.sqrt().float().reshape(per_row)
+        s = (1 - alpha_bar).sqrt().float().reshape(per_row)
         x_t = (x.float() * (a + s)).to(self.dtype)
         if guidance_scale > 1.0:
             if neg is None:
