@@ -12,7 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import two_iterations
+from conftest import tiny_overrides, two_iterations
 from family_checks import assert_replay_is_on_policy, gens
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.artifacts.media import decode_media
@@ -160,6 +160,17 @@ def test_two_rl_iterations_with_lora(tiny_cvx, tmp_path, prefect_harness):
     out, t = two_iterations(tiny_cvx, tmp_path, "cvx-lora", "lora", "sampling.guidance_scale=6.0")
     assert decode_media(t["image"][0].as_py()).shape == (9, 32, 32, 3)
     assert t["final_latent"].type.shape == [3, 4, 8, 8]
+
+
+def test_ddpo_onto_the_last_step_is_refused_in_preflight(tiny_cvx, tmp_path):
+    """Its table ends at ᾱ = 1 (σ = 0), where the DDIM-η step has no log-prob: refused before any work."""
+    tiny = {k: v for k, v in tiny_cvx[1].items() if k != "model.path"}
+    res = CliRunner().invoke(app, ["train", "--iterations", "1", "--run", "cvx-refused", "reward=jpeg_compressibility",
+                                   "algorithm=ddpo", *tiny_overrides(tiny_cvx[0], tmp_path, **tiny),
+                                   "sampling.sde_type=ddim", "sampling.noise_level=1.0", "sampling.window_size=null",
+                                   "sampling.window_range=null", "sampling.timestep_fraction=1.0"])
+    assert res.exit_code == 2 and "ends its grid at ᾱ = 1" in res.output and "timestep_fraction" in res.output
+    assert not (tmp_path / "cvx-refused").exists() and not list(tmp_path.glob("**/*.lance"))
 
 
 def test_two_ddpo_iterations_full_fine_tune_replay_exactly(tiny_cvx, tmp_path, prefect_harness):

@@ -94,6 +94,29 @@ class SD15Family(PipelineFamily):
         return super().load(path, dtype, device, max_sequence_length, resolution, frames, trainable_device,
                             text_towers)
 
+    @classmethod
+    def check_options(cls, path: Path, options: dict, sampling) -> None:
+        """Preflight: DDPO's DDIM-η stored onto the grid's last step, when the checkpoint's table
+        ends at ᾱ = 1 (σ = 0: `set_alpha_to_one`, CogVideoX) — a deterministic step without a
+        log-prob, refused before anything runs rather than at the first rollout."""
+        import diffusers
+
+        from ..algorithms.recipe import trained_step_count, window_bounds
+
+        if sampling.sde_type != "ddim":
+            return
+        config = getattr(diffusers, cls.ddim_class).load_config(str(Path(path) / "scheduler"))
+        ddim = getattr(diffusers, cls.ddim_class).from_config(config)
+        if float(ddim.final_alpha_cumprod) < 1.0:
+            return
+        last = sampling.steps - 1
+        reaches = window_bounds(sampling)[1] > last if sampling.window_size else trained_step_count(sampling) > last
+        if reaches:
+            raise ModelLoadError(f"sampling.sde_type=ddim: the scheduler of {str(path)!r} ends its grid at ᾱ = 1 "
+                                 f"(σ = 0), where step {last}'s DDIM-η transition is deterministic and has no "
+                                 f"log-prob; store fewer steps (sampling.timestep_fraction < 1, e.g. "
+                                 f"{last / sampling.steps:.2f}, or a window_range ending before {last})")
+
     @staticmethod
     def default_resolution(pipe) -> int:
         return pipe.unet.config.sample_size * pipe.vae_scale_factor
