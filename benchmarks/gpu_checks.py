@@ -83,6 +83,8 @@ CHECKS = {
     "mochi": ([SMOKE, "--family", "mochi", "--layers", "16"], 240, "video"),
     # new since: CogVideoX-5B at full depth, 25 frames (7 × 32 × 32 latents at 512²)
     "cogvideox": ([SMOKE, "--family", "cogvideox"], 240, "video"),
+    # new since: Wan2.2-TI2V-5B's image-to-video at full depth, 33 frames of 8 random first frames
+    "wan_ti2v": ([SMOKE, "--family", "wan_ti2v"], 240, "video"),
     # passed there: sd3 (issue 14's line) 144 s, sana 68 s, qwen_image (12 blocks) 79 s
     "sd3": ([SMOKE, "--family", "sd3"], 240, None),
     # new since: SD1.5's UNet with DDPO's recipe (860M, every step of DDIM-η stored)

@@ -27,6 +27,9 @@ images/s and peak memory.
 - `--family wan_i2v`: Wan2.1-I2V-14B-480P — the real-width transformer (40×128 heads, FFN 13824,
   36 input channels, CLIP image cross-attention), CLIP ViT-H/14, the causal video VAE, 33 frames
   animating 8 random first frames, CFG 5; LoRA r32. `--layers N` blocks (40 in the real one).
+- `--family wan_ti2v`: Wan2.2-TI2V-5B's image-to-video — the real-width 5B transformer (a timestep
+  per token) and the Wan2.2 VAE (×16 in space, ×4 in time, 48 channels), 33 frames animating 8
+  random first frames held clean, CFG 5; UMT5-XXL at real width with 2 layers; LoRA r32.
 - `--family z_image`: Z-Image-Turbo — the real single-stream transformer (30 blocks of width 3840,
   30 heads, its 2 + 2 refiner blocks; 6.2B), the FLUX.1 VAE; Qwen3-4B at its real width (2560)
   with 2 of its 36 layers; the Turbo's sampling without CFG; LoRA r64.
@@ -109,6 +112,9 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
     "wan_i2v": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
                              "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=5.0",
                              *([] if tiny else ["algorithm=flow_grpo_wan"])],
+    "wan_ti2v": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
+                              "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=5.0",
+                              *([] if tiny else ["algorithm=flow_grpo_wan"])],
     "z_image": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
                              "sampling.guidance_scale=1.0", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
     "hunyuan_video": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=256",

@@ -164,3 +164,28 @@ def cogvideox_pipeline(layers: int | None, device: str, workdir: Path):
                                   snr_shift_scale=1.0, timestep_spacing="trailing")
     return CogVideoXPipeline(tokenizer=tok, text_encoder=text, vae=AutoencoderKLCogVideoX(scaling_factor=0.7),
                              transformer=transformer, scheduler=sched)
+
+
+def wan22_ti2v_5b_pipeline(layers: int | None, device: str, workdir: Path):
+    """A random WanPipeline with Wan2.2-TI2V-5B's shapes: the 5B transformer (30 blocks of 24×128
+    heads, FFN 14336, 48-channel latents in 1×2×2 patches, a timestep per token), the Wan2.2 VAE
+    (residual, 2×2-patchified: ×16 in space, ×4 in time, 48 channels; unit latent statistics here),
+    UMT5-XXL at its real width with 2 of its 24 layers, UniPC with flow shift 5. Image-to-video
+    (`wan_ti2v`) and text-to-video (`wan`) both load it. `--layers N`: N blocks."""
+    import torch
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+
+    from real_shapes import wan21_1_3b_pipeline
+
+    base = wan21_1_3b_pipeline(1, "cpu", workdir)  # its tokenizer and UMT5 (the transformer is replaced)
+    vae = AutoencoderKLWan(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                           temperal_downsample=[False, True, True], is_residual=True, patch_size=2, in_channels=12,
+                           out_channels=12, latents_mean=[0.0] * 48, latents_std=[1.0] * 48, scale_factor_temporal=4,
+                           scale_factor_spatial=16)
+    with torch.device(device):
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=24, attention_head_dim=128, in_channels=48, out_channels=48,
+            text_dim=4096, freq_dim=256, ffn_dim=14336, num_layers=layers or 30).to(torch.bfloat16)
+    sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
+    return WanPipeline(tokenizer=base.tokenizer, text_encoder=base.text_encoder, vae=vae, transformer=transformer,
+                       scheduler=sched, expand_timesteps=True)

@@ -148,26 +148,12 @@ def test_two_rl_iterations_full_fine_tune(tiny_wan, tmp_path, prefect_harness):
 
 @pytest.fixture(scope="module")
 def ti2v(tmp_path_factory):
-    """A tiny Wan2.2-TI2V-5B-shaped pipeline: `expand_timesteps` (a timestep per latent token) and
-    the residual, 2×2-patchified VAE of the 5B model (×8 in space here, ×16 in the real one)."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    """A tiny Wan2.2-TI2V-5B-shaped pipeline (`tiny_ti2v_pipeline`: `expand_timesteps`, a timestep
+    per latent token, and the residual, 2×2-patchified VAE of the 5B model) as text-to-video."""
+    from pixrl.models.wan_ti2v import tiny_ti2v_pipeline
 
-    src = WanFamily.write_tiny(tmp_path_factory.mktemp("ckpt") / "base", seed=1)
-    base = WanFamily.load(src["model.path"], max_sequence_length=64, resolution=32, frames=5)
-    torch.manual_seed(2)
-    z = 4
-    vae = AutoencoderKLWan(base_dim=8, decoder_base_dim=8, z_dim=z, dim_mult=[1, 2, 2], num_res_blocks=1,
-                           temperal_downsample=[False, True], is_residual=True, patch_size=2, in_channels=12,
-                           out_channels=12, latents_mean=[0.0] * z, latents_std=[1.0] * z, scale_factor_temporal=2,
-                           scale_factor_spatial=8)
-    transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8,
-                                        in_channels=z, out_channels=z, text_dim=32, freq_dim=32, ffn_dim=32,
-                                        num_layers=1, rope_max_seq_len=32)
     out = tmp_path_factory.mktemp("ckpt") / "tiny-wan22-ti2v"
-    WanPipeline(tokenizer=base.pipe.tokenizer, text_encoder=base.pipe.text_encoder, vae=vae, transformer=transformer,
-                scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
-                                                  flow_shift=5.0),
-                expand_timesteps=True).save_pretrained(str(out), safe_serialization=True)
+    tiny_ti2v_pipeline(out.parent / "build", seed=1).save_pretrained(str(out), safe_serialization=True)
     return WanFamily.load(out, max_sequence_length=64, resolution=32, frames=5)
 
 

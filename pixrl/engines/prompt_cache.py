@@ -66,7 +66,7 @@ class PromptCache:
         if not getattr(self.family, "takes_images", False):
             raise SourceImageError(f"the {self.family.name} family generates from text alone, and these prompts carry "
                                    f"source images (an editing dataset); use a family that takes them (flux1_kontext, "
-                                   f"flux2, qwen_image21, qwen_image_edit, wan_i2v) or a dataset without images")
+                                   f"flux2, qwen_image21, qwen_image_edit, wan_i2v, wan_ti2v) or a dataset without images")
         lost = sorted({dig for _, dig in parts if dig and dig not in bank})
         if lost:
             raise RuntimeError(f"no source image with digest {lost[0]} was given with the prompts to encode")

@@ -17,9 +17,8 @@ the text, as the pipeline's does. The source is resized to the square `model.res
 kept, centre-cropped), and that same picture is what the VAE and the CLIP encoder read (the
 pipeline gives CLIP the image as passed; for a square source of that size the two agree).
 
-Not supported: Wan2.2-TI2V-5B's image-to-video (`expand_timesteps`), which overwrites the first
-latent frame at every step and gives its tokens timestep 0 — the sampler would have to hold
-part of its state fixed; its text-to-video runs as family `wan`. Nor first-last-frame (FLF2V).
+Wan2.2-TI2V-5B's image-to-video (`expand_timesteps`: the first latent frame held clean, its tokens
+at timestep 0) is family `wan_ti2v` (models/wan_ti2v.py). Not supported: first-last-frame (FLF2V).
 """
 
 from __future__ import annotations
@@ -74,8 +73,8 @@ class WanI2VFamily(WanFamily):
     def __init__(self, pipe, *args, **kwargs):
         if pipe.config.expand_timesteps:
             raise ModelLoadError("this checkpoint is Wan2.2-TI2V-5B's image-to-video (expand_timesteps: the first latent "
-                                 "frame is overwritten at every step), which the wan_i2v family does not step; train "
-                                 "its text-to-video with model.family=wan")
+                                 "frame held clean at timestep 0): train it with model.family=wan_ti2v (its "
+                                 "text-to-video: model.family=wan)")
         super().__init__(pipe, *args, **kwargs)
         if self.transformer.config.pos_embed_seq_len is not None:
             raise ModelLoadError(f"{self.path!r} is a first-last-frame checkpoint (Wan2.1-FLF2V: its image embedder reads "

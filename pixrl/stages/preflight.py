@@ -120,7 +120,7 @@ def check_source_images(cfg: ExperimentConfig, family, items) -> None:
     if with_image and not getattr(family, "takes_images", False):
         raise ValueError(f"{with_image} prompts of {where} carry source images (an editing dataset), and the "
                          f"{family.name} family generates from text alone; use a family that takes them (flux1_kontext, "
-                         f"flux2, flux2_klein, qwen_image21, qwen_image_edit, wan_i2v) or a prompt set without images")
+                         f"flux2, flux2_klein, qwen_image21, qwen_image_edit, wan_i2v, wan_ti2v) or a prompt set without images")
     if 0 < with_image < len(items):
         raise ValueError(f"{with_image} of the {len(items)} prompts of {where} carry source images: a prompt set is "
                          f"all edits or all text-to-image; split it in two")
