@@ -46,6 +46,8 @@ images/s and peak memory.
 - `--family ltx_video`: LTX-Video 0.9.1 — the real 2B transformer and 0.9.1 VAE (×32 in space,
   ×8 in time, timestep-conditioned decoder), 65 frames, CFG 3, decode at timestep 0.03; T5-XXL at
   its real width with 2 layers; LoRA r32.
+- `--family ltx_video_i2v`: its image-to-video — the same shapes animating 8 random first frames
+  held clean.
 - `--family mochi`: Mochi 1 — the real 10B asymmetric transformer and VAE, 19 frames, CFG 4.5;
   T5-XXL at its real width with 2 layers; LoRA r32. `--layers N` blocks.
 - `--family cogvideox`: CogVideoX-5B — the real transformer (42 blocks, rotary) and VAE, 25
@@ -133,6 +135,10 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
                                "model.frames=9" if tiny else "model.frames=65", "sampling.guidance_scale=3.0",
                                "model.decode_timestep=0.03", "model.decode_noise_scale=0.025",
                                *([] if tiny else [GC, "algorithm=flow_grpo_wan"])],
+    "ltx_video_i2v": lambda tiny: ["model.max_sequence_length=32" if tiny else "model.max_sequence_length=128",
+                                   "model.frames=9" if tiny else "model.frames=65", "sampling.guidance_scale=3.0",
+                                   "model.decode_timestep=0.03", "model.decode_noise_scale=0.025",
+                                   *([] if tiny else [GC, "algorithm=flow_grpo_wan"])],
     "mochi": lambda tiny: [GC, "model.max_sequence_length=32" if tiny else "model.max_sequence_length=256",
                            "model.frames=7" if tiny else "model.frames=19", "sampling.guidance_scale=4.5",
                            *([] if tiny else ["algorithm=flow_grpo_wan"])],

@@ -379,5 +379,5 @@ BUILDERS = {"sd15": sd15_pipeline, "sdxl": sdxl_pipeline, "flux1": flux1_dev_pip
             "hunyuan_video15_i2v": hunyuan_video15_i2v_pipeline, "skyreels_i2v": skyreels_i2v_pipeline,
             "pixart_sigma": pixart_sigma_pipeline, "qwen_image_edit": qwen_image_edit_pipeline,
             "qwen_image_edit_plus": qwen_image_edit_plus_pipeline, "qwen_image21": qwen_image21_pipeline,
-            "ltx_video": ltx_video_pipeline, "mochi": mochi_pipeline, "cogvideox": cogvideox_pipeline,
+            "ltx_video": ltx_video_pipeline, "ltx_video_i2v": ltx_video_pipeline, "mochi": mochi_pipeline, "cogvideox": cogvideox_pipeline,
             "wan_ti2v": wan22_ti2v_5b_pipeline}

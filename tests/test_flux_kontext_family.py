@@ -115,7 +115,9 @@ def test_preflight_matches_family_and_dataset(tiny_flux_kontext, tiny_flux, tmp_
     res = CliRunner().invoke(app, [*base, "model.family=flux1", f"model.path={tiny_flux[0]}", "model.max_sequence_length=64",
                                    f"dataset.path={overrides['dataset.path']}", "dataset.name=edits",
                                    "dataset.heldout_path=null", "dataset.categories=null"])
-    assert res.exit_code == 2 and "generates from text alone" in " ".join(res.output.split())
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and "generates from text alone" in said
+    assert "(flux1_kontext, flux2, flux2_klein," in said and "wan_ti2v" in said  # every family that takes images
     assert not (tmp_path / "wd").exists()
 
 

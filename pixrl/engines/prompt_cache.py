@@ -64,9 +64,11 @@ class PromptCache:
         if not any(dig for _, dig in parts):
             return self.family.encode_prompts(keys)
         if not getattr(self.family, "takes_images", False):
+            from ..models.registry import image_taking_families
+
             raise SourceImageError(f"the {self.family.name} family generates from text alone, and these prompts carry "
-                                   f"source images (an editing dataset); use a family that takes them (flux1_kontext, "
-                                   f"flux2, qwen_image21, qwen_image_edit, wan_i2v, wan_ti2v) or a dataset without images")
+                                   f"source images (an editing dataset); use a family that takes them "
+                                   f"({image_taking_families()}) or a dataset without images")
         lost = sorted({dig for _, dig in parts if dig and dig not in bank})
         if lost:
             raise RuntimeError(f"no source image with digest {lost[0]} was given with the prompts to encode")

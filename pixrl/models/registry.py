@@ -7,7 +7,7 @@ from ..config.registry import Registry, UnknownNameError
 
 def _builtin() -> None:
     from . import (flux, flux2, flux2_klein, flux_kontext, hunyuan_video, hunyuan_video15, hunyuan_video15_i2v,  # noqa: F401
-                   cogvideox, janus, ltx_video, lumina2, mochi, pixart_sigma, qwen_image, qwen_image21, qwen_image_edit, qwen_image_edit_plus, sana, sd3, sd15, sdxl, skyreels_i2v, wan, wan_i2v, wan_ti2v, z_image)  # (register each by its name)
+                   cogvideox, janus, ltx_video, ltx_video_i2v, lumina2, mochi, pixart_sigma, qwen_image, qwen_image21, qwen_image_edit, qwen_image_edit_plus, sana, sd3, sd15, sdxl, skyreels_i2v, wan, wan_i2v, wan_ti2v, z_image)  # (register each by its name)
 
 
 FAMILIES: Registry[type] = Registry("model family", "families", _builtin)
@@ -35,3 +35,9 @@ def family_of_directory(path) -> str | None:
         if get_family(family).pipeline_class in names:
             return family
     return None
+
+
+def image_taking_families() -> str:
+    """The registered families that take a source image with a prompt (editing, image-to-video),
+    comma-separated: what an error about an image dataset on a text-only family points to."""
+    return ", ".join(n for n in registered_families() if getattr(get_family(n), "takes_images", False))

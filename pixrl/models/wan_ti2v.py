@@ -9,15 +9,12 @@ image-to-video adds, as the pipeline builds it:
   that condition, and its tokens at timestep 0 (the others at the step's t); after the last step
   the pipeline overwrites the first frame with the condition.
 
-The sampler's state keeps the pipeline's latents; the first latent frame's velocity is not the
-transformer's (whose output there the pipeline discards) but the exact flow velocity towards the
-known clean frame, (x − c)/σ: Euler then lands on c at σ = 0, as the pipeline's overwrite does, and
-that part of every transition carries no policy parameter — its log-prob terms are equal under
-any weights (the ratio is untouched), and DPO's and DiffusionNFT's targets there are met exactly.
-The ODE's final latents equal the pipeline's. The unconditional CFG pass keeps the condition, as
-the pipeline's does. Sources are resized to the square `model.resolution` (aspect kept,
-centre-cropped). Select it with model.family=wan_ti2v on a Wan2.2-TI2V-5B checkout; its
-text-to-video is family `wan`.
+The sampler's state keeps the pipeline's latents; the first latent frame's velocity is the exact
+one towards the condition (models/held_frame.py), so Euler lands on it as the pipeline's overwrite
+does, and that part of every transition holds no policy parameter. The ODE's final latents equal
+the pipeline's. The unconditional CFG pass keeps the condition, as the pipeline's does. Sources
+are resized to the square `model.resolution` (aspect kept, centre-cropped). Select it with
+model.family=wan_ti2v on a Wan2.2-TI2V-5B checkout; its text-to-video is family `wan`.
 """
 
 from __future__ import annotations
@@ -28,6 +25,7 @@ from pathlib import Path
 import torch
 
 from .base import ModelLoadError
+from .held_frame import held_input, held_velocity
 from .pipelines import encodes_text
 from .registry import register_family
 from .source_images import SourceImageError, decode_rgb, write_prompt_images
@@ -107,8 +105,7 @@ class WanTI2VFamily(WanFamily):
         b, _, f, h, w = x.shape
         t = timestep.reshape(-1).to(x.device)
         t = t.expand(b) if t.numel() == 1 else t
-        c = cond.condition.to(x.device, x.dtype)
-        hidden = torch.cat([c, x[:, :, 1:]], dim=2)  # the pipeline's (1 − mask)·c + mask·x
+        hidden = held_input(x, cond.condition)
         _, ph, pw = self.transformer.config.patch_size
         per_frame = (h // ph) * (w // pw)
         t_tokens = t[:, None].expand(b, f * per_frame).clone()
@@ -117,9 +114,7 @@ class WanTI2VFamily(WanFamily):
         if guidance_scale > 1.0:
             v_u = self._predict(self.transformer, hidden, t_tokens, WanConditioning(neg.prompt_embeds))
             v = v_u + guidance_scale * (v - v_u)
-        sigma = (t / self.scheduler.config.num_train_timesteps).reshape(-1, 1, 1, 1, 1).to(x.dtype)
-        toward = (x[:, :, :1] - c) / sigma
-        return torch.cat([toward, v[:, :, 1:].to(x.dtype)], dim=2)
+        return held_velocity(x, cond.condition, v, t / self.scheduler.config.num_train_timesteps)
 
     # --- a tiny random checkpoint in the real layout --------------------------------------------
     @classmethod

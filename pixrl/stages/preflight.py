@@ -10,7 +10,7 @@ from ..config.schema import ExperimentConfig
 from ..datasets.prompts import load_prompt_set, select_categories
 from ..errors import ExpectedError
 from ..models.base import ModelLoadError, check_layout
-from ..models.registry import get_family, registered_families
+from ..models.registry import get_family, image_taking_families, registered_families
 from ..rewards.compose import RewardSet
 from ..engines.assets import resolve_asset, resolve_model_path
 
@@ -119,8 +119,8 @@ def check_source_images(cfg: ExperimentConfig, family, items) -> None:
                          f"{len(items)} prompts of {where} have no source image; give each an image (docs/editing.md)")
     if with_image and not getattr(family, "takes_images", False):
         raise ValueError(f"{with_image} prompts of {where} carry source images (an editing dataset), and the "
-                         f"{family.name} family generates from text alone; use a family that takes them (flux1_kontext, "
-                         f"flux2, flux2_klein, qwen_image21, qwen_image_edit, wan_i2v, wan_ti2v) or a prompt set without images")
+                         f"{family.name} family generates from text alone; use a family that takes them "
+                         f"({image_taking_families()}) or a prompt set without images")
     if 0 < with_image < len(items):
         raise ValueError(f"{with_image} of the {len(items)} prompts of {where} carry source images: a prompt set is "
                          f"all edits or all text-to-image; split it in two")
