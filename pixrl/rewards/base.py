@@ -87,7 +87,7 @@ def group_keys(prompts: list[str], sample_ids: list[str]) -> list[str]:
 
 
 def _builtin() -> None:
-    from . import (aesthetic, clip_score, hpsv2, hpsv3, image_similarity, imagereward, jpeg, nsfw, ocr,  # noqa: F401
+    from . import (aesthetic, clip_score, editreward, hpsv2, hpsv3, image_similarity, imagereward, jpeg, nsfw, ocr,  # noqa: F401
                    pickscore, remote, shapes, temporal, vlm_judge, pairwise_judge, brisque, people, videoalign)
 
 

@@ -23,13 +23,15 @@ def to_transformers5(key: str) -> str:
     return key
 
 
-def reward_head(state: dict[str, torch.Tensor], path: str) -> nn.Sequential:
-    """HPSv3's `ranknet` head with the checkpoint's widths, in float32 (as HPSv3 keeps it)."""
+def reward_head(state: dict[str, torch.Tensor], path: str, reward: str = "hpsv3", prefix: str = "rm_head.",
+                fix: str = "is it a plain Qwen2-VL checkpoint? Set reward.options.hpsv3.path to HPSv3.safetensors"
+                ) -> nn.Sequential:
+    """HPSv3's `ranknet` head (EditReward's heads share its shape) with the checkpoint's widths, in
+    float32 (as both keep it); `state` holds the head's keys without `prefix`."""
     want = [f"{i}.{p}" for i in HEAD_LAYERS for p in ("weight", "bias")]
     lacking = [k for k in want if k not in state]
     if lacking:
-        raise ScoringError(f"reward hpsv3: {path!r} holds no HPSv3 reward head (rm_head.{lacking[0]} is missing); "
-                           f"is it a plain Qwen2-VL checkpoint? Set reward.options.hpsv3.path to HPSv3.safetensors")
+        raise ScoringError(f"reward {reward}: {path!r} holds no reward head ({prefix}{lacking[0]} is missing); {fix}")
     (h0, d), (h1, _), (out, _) = (tuple(state[f"{i}.weight"].shape) for i in HEAD_LAYERS)
     head = nn.Sequential(nn.Linear(d, h0), nn.ReLU(), nn.Dropout(0.05), nn.Linear(h0, h1), nn.ReLU(),
                          nn.Linear(h1, out))

@@ -32,6 +32,9 @@ class ImageSimilarity(Reward):
         super().setup(device)
         self.clip = ClipBackbone(self.path, device, self.name)
 
+    def check_prompts(self, prompts: list[str], metadata: list[dict]) -> None:
+        check_sources(metadata, self.name)
+
     def score(self, images, prompts, metadata):
         sources = source_arrays(metadata, self.name)
         out = []
@@ -40,6 +43,15 @@ class ImageSimilarity(Reward):
             source = self.clip.image_embeds(sources[s:s + self.batch_size])
             out.append((edited * source).sum(-1).cpu().numpy())
         return {self.name: np.concatenate(out).astype(np.float32)}
+
+
+def check_sources(metadata: list[dict], reward: str) -> None:
+    """Preflight: every prompt of the set carries a source image (its metadata's `source_image`)."""
+    lacking = sum(not m.get("source_image") for m in metadata)
+    if lacking:
+        raise ValueError(f"reward {reward} compares each edit with its source image, and {lacking} of the "
+                         f"{len(metadata)} prompts carry none; train on an editing dataset whose rows carry an "
+                         "`image` (docs/editing.md), or remove the reward")
 
 
 def source_arrays(metadata: list[dict], reward: str) -> list[np.ndarray]:

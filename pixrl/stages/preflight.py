@@ -68,7 +68,8 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
         if rewards.groupwise:
             check_group_scoring(cfg, [n for n, r in rewards.rewards.items() if r.groupwise])
         rewards.check_installed()
-        rewards.check_prompts([it.prompt for it in items], [it.meta for it in items])
+        rewards.check_prompts([it.prompt for it in items], [{**it.meta, **({"source_image": it.image} if it.image
+                                                                            else {})} for it in items])
     except (KeyError, ValueError, FileNotFoundError, ModelLoadError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
         raise PreflightError(msg) from None
