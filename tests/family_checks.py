@@ -80,3 +80,21 @@ def edit_pipeline_latents(family, cond, neg, images, cfg, seeds, side=32, steps=
         out.append(family.pipe(image=im, height=side, width=side, num_inference_steps=steps, true_cfg_scale=cfg,
                                generator=gens([s]), output_type="latent", **kw).images)
     return torch.cat(out)
+
+
+def assert_held_frame_is_parameter_free(family, cond, neg, scale: float, sigma: float) -> None:
+    """An image-to-video family holding its first latent frame clean (models/held_frame.py): that
+    frame's velocity is (x − c)/σ whatever the weights, the others move with them."""
+    x = torch.randn((2, *family.latent_shape()), generator=torch.Generator().manual_seed(1))
+    t = torch.full((2,), sigma * 1000.0)
+    v = family.velocity(x, t, cond, scale, neg)
+    assert torch.allclose(v[:, :, :1], (x[:, :, :1] - cond.condition) / sigma, atol=1e-5)
+    with torch.no_grad():
+        for p in family.transformer.parameters():
+            p.add_(0.01)
+        try:
+            moved = family.velocity(x, t, cond, scale, neg)
+        finally:
+            for p in family.transformer.parameters():
+                p.sub_(0.01)
+    assert torch.equal(moved[:, :, :1], v[:, :, :1]) and not torch.allclose(moved[:, :, 1:], v[:, :, 1:])

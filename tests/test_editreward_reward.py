@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from qwen_vl_checks import upstream_size
 from pixrl.models.source_images import png_bytes
 from pixrl.rewards.base import ScoringError, build_reward
 from pixrl.rewards.editreward import RUBRICS
@@ -41,18 +42,6 @@ def _images(n=3, h=96, w=96, seed=0):
 
 def _meta(sources):
     return [{"source_image": png_bytes(s)} for s in sources]
-
-
-def _upstream_size(h, w, factor=28, pixels=256 * 28 * 28):
-    """EditReward's smart_resize (EditReward/dataset/utils.py) at min_pixels = max_pixels, written out."""
-    hb, wb = max(factor, round(h / factor) * factor), max(factor, round(w / factor) * factor)
-    if hb * wb > pixels:
-        beta = math.sqrt(h * w / pixels)
-        hb, wb = math.floor(h / beta / factor) * factor, math.floor(w / beta / factor) * factor
-    elif hb * wb < pixels:
-        beta = math.sqrt(pixels / (h * w))
-        hb, wb = math.ceil(h * beta / factor) * factor, math.ceil(w * beta / factor) * factor
-    return hb, wb
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +76,7 @@ def _reference(reference, base, sources, edits, prompts, image_aware=False):
 
     tok, model, heads = reference
     proc = Qwen2VLImageProcessorPil.from_pretrained(str(base))
-    size = lambda im: _upstream_size(*im.shape[:2])[::-1]  # noqa: E731
+    size = lambda im: upstream_size(*im.shape[:2])[::-1]  # noqa: E731
     outs, states = [], []
     for k, rubric in enumerate(RUBRICS.values()):
         pils = [Image.fromarray(im).resize(size(im), Image.BICUBIC) for pair in zip(sources, edits) for im in pair]
@@ -127,7 +116,7 @@ def test_the_score_fuses_both_readings_as_the_released_inferencer(reward, refere
     assert np.allclose(out["editreward.following"], per_head[0].numpy(), atol=1e-5)
     assert np.allclose(out["editreward.quality"], per_head[1].numpy(), atol=1e-5)
     grids = reward.inputs(list(sources[:1]), edits[:1], PROMPTS[:1], "quality")["image_grid_thw"].tolist()
-    h, w = _upstream_size(120, 200)
+    h, w = upstream_size(120, 200)
     assert grids == [[1, 32, 32], [1, h // 14, w // 14]] and (h, w) == (364, 588)  # 96² is read at 448²
 
 

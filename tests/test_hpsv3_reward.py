@@ -5,13 +5,12 @@ the weights through transformers' own legacy-key conversion, resizes the image w
 smart_resize formula and runs the language model at sequential positions — a batch scores as its
 rows alone, clips average their frames, and bad paths fail naming the fix."""
 
-import math
-
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from qwen_vl_checks import upstream_size
 from pixrl.rewards.base import ScoringError, build_reward
 from pixrl.rewards.hpsv3 import ASK, INSTRUCTION, REWARD_TOKEN
 
@@ -34,18 +33,6 @@ def reward(tiny):
 
 def _images(n=3, h=512, w=512, seed=0):
     return np.random.default_rng(seed).integers(0, 256, (n, h, w, 3), dtype=np.uint8)
-
-
-def _upstream_size(h, w, factor=28, pixels=256 * 28 * 28):
-    """HPSv3's smart_resize (hpsv3/dataset/utils.py) at min_pixels = max_pixels, written out."""
-    hb, wb = max(factor, round(h / factor) * factor), max(factor, round(w / factor) * factor)
-    if hb * wb > pixels:
-        beta = math.sqrt(h * w / pixels)
-        hb, wb = math.floor(h / beta / factor) * factor, math.floor(w / beta / factor) * factor
-    elif hb * wb < pixels:
-        beta = math.sqrt(pixels / (h * w))
-        hb, wb = math.ceil(h * beta / factor) * factor, math.ceil(w * beta / factor) * factor
-    return hb, wb
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +63,7 @@ def _reference_mu_sigma(reference, base, images, prompts):
 
     tok, model, head = reference
     proc = Qwen2VLImageProcessorPil.from_pretrained(str(base))
-    pils = [Image.fromarray(im).resize(_upstream_size(*im.shape[:2])[::-1], Image.BICUBIC) for im in images]
+    pils = [Image.fromarray(im).resize(upstream_size(*im.shape[:2])[::-1], Image.BICUBIC) for im in images]
     pix = proc(images=pils, return_tensors="pt")
     rows = []
     for p, grid in zip(prompts, pix["image_grid_thw"]):
@@ -103,7 +90,7 @@ def test_the_score_is_mu_of_the_head_at_the_reward_token_as_the_released_model_c
         assert abs(out["hpsv3"][k] - float(want[0, 0])) <= 1e-5 and abs(out["hpsv3.sigma"][k] - float(want[0, 1])) <= 1e-5
     grid = reward.inputs(np.stack([imgs[0]]), PROMPTS[:1])["image_grid_thw"]
     assert grid.tolist() == [[1, 32, 32]]  # 512² is read at 448²: 256 visual tokens
-    h, w = _upstream_size(384, 640)
+    h, w = upstream_size(384, 640)
     assert reward.resized(imgs[2]).size == (w, h) and abs(h * w - 256 * 28 * 28) < 28 * 28 * 20
 
 

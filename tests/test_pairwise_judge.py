@@ -26,7 +26,7 @@ IDS = ["00000-000-00", "00000-001-00", "00000-000-01", "00000-001-01", "00000-00
 
 @pytest.fixture(scope="module")
 def judge_path(tmp_path_factory):
-    from pixrl.models.tiny_parts import write_tiny_qwen25_vl
+    from pixrl.models.tiny_qwen_vl import write_tiny_qwen25_vl
 
     return write_tiny_qwen25_vl(tmp_path_factory.mktemp("vlm") / "Qwen2.5-VL-tiny")
 

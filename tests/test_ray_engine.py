@@ -332,7 +332,7 @@ def test_a_group_reward_is_scored_in_whole_groups_by_the_reward_workers(ray_clus
     """Pref-GRPO's pairwise win rate on 2 reward workers: each gets whole groups (rows of one group
     never split between them), so the rewards equal one process's."""
     from pixrl.engines.ray_engine import RayEngine
-    from pixrl.models.tiny_parts import write_tiny_qwen25_vl
+    from pixrl.models.tiny_qwen_vl import write_tiny_qwen25_vl
 
     judge = write_tiny_qwen25_vl(tmp_path / "judge")
     cfg = _cfg(tiny_checkpoint, tmp_path, "ray.rollout_workers=1", "ray.reward_workers=2",

@@ -14,7 +14,7 @@ PROMPTS = ["a red circle", "two blue squares on the left of a green triangle", "
 
 @pytest.fixture(scope="module")
 def judge(tmp_path_factory):
-    from pixrl.models.tiny_parts import write_tiny_qwen25_vl
+    from pixrl.models.tiny_qwen_vl import write_tiny_qwen25_vl
 
     path = write_tiny_qwen25_vl(tmp_path_factory.mktemp("vlm") / "Qwen2.5-VL-tiny")
     r = build_reward("vlm_judge", path=str(path), batch_size=2)

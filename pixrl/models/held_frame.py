@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["held_input", "held_velocity"]
+__all__ = ["held_input", "held_timesteps", "held_velocity"]
 
 
 def held_input(x: torch.Tensor, condition: torch.Tensor) -> torch.Tensor:
@@ -24,3 +24,22 @@ def held_velocity(x: torch.Tensor, condition: torch.Tensor, v: torch.Tensor, sig
     s = sigma.reshape(-1, 1, 1, 1, 1).to(x.device, x.dtype)
     toward = (x[:, :, :1] - condition.to(x.device, x.dtype)) / s
     return torch.cat([toward, v[:, :, 1:].to(x.dtype)], dim=2)
+
+
+def held_timesteps(family, x: torch.Tensor, timestep: torch.Tensor, cond, guidance_scale: float, neg,
+                   per_frame: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's timestep [B], each token's [B, F'·per_frame] with the first latent frame's at 0),
+    after the checks every held-frame velocity makes (a condition encoded, a negative for CFG)."""
+    from .source_images import SourceImageError
+
+    if cond.condition is None:
+        raise SourceImageError(f"the {family.name} family animates a first frame: these prompts were encoded without "
+                               "source images")
+    if guidance_scale > 1.0 and neg is None:
+        raise ValueError("guidance_scale > 1 needs the negative-prompt conditioning")
+    b, f = x.shape[0], x.shape[2]
+    t = timestep.reshape(-1).to(x.device)
+    t = t.expand(b) if t.numel() == 1 else t
+    tokens = t[:, None].expand(b, f * per_frame).clone()
+    tokens[:, :per_frame] = 0  # the condition frame's tokens are clean
+    return t, tokens

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .held_frame import held_input, held_velocity
+from .held_frame import held_input, held_timesteps, held_velocity
 from .ltx_video import LTXVideoConditioning, LTXVideoFamily
 from .pipelines import encodes_text
 from .registry import register_family
@@ -83,18 +83,9 @@ class LTXVideoI2VFamily(LTXVideoFamily):
                  guidance_scale: float = 1.0, neg: LTXVideoConditioning | None = None) -> torch.Tensor:
         """v on video latents [B, C, F', H', W']: the transformer's (with the pipeline's CFG) on
         every latent frame but the first, whose velocity is the one towards its condition."""
-        if cond.condition is None:
-            raise SourceImageError(f"the {self.name} family animates a first frame: these prompts were encoded without "
-                                   "source images")
-        if guidance_scale > 1.0 and neg is None:
-            raise ValueError("guidance_scale > 1 needs the negative-prompt conditioning")
-        b, _, f, h, w = x.shape
-        t = timestep.reshape(-1).to(x.device)
-        t = t.expand(b) if t.numel() == 1 else t
+        _, _, _, h, w = x.shape
         p = self.pipe.transformer_spatial_patch_size
-        per_frame = (h // p) * (w // p)
-        t_tokens = t[:, None].expand(b, f * per_frame).clone()
-        t_tokens[:, :per_frame] = 0  # the pipeline's t·(1 − conditioning_mask): the first frame is clean
+        t, t_tokens = held_timesteps(self, x, timestep, cond, guidance_scale, neg, (h // p) * (w // p))
         hidden = held_input(x, cond.condition)
         v = self._predict(hidden, t_tokens, cond)
         if guidance_scale > 1.0:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from .base import ModelLoadError
-from .held_frame import held_input, held_velocity
+from .held_frame import held_input, held_timesteps, held_velocity
 from .pipelines import encodes_text
 from .registry import register_family
 from .source_images import SourceImageError, decode_rgb, write_prompt_images
@@ -97,19 +97,10 @@ class WanTI2VFamily(WanFamily):
                  guidance_scale: float = 1.0, neg: WanConditioning | None = None) -> torch.Tensor:
         """v on video latents [B, C, F', H', W']: the transformer's (with the pipeline's CFG) on
         every latent frame but the first, whose velocity is (x − c)/σ towards its condition c."""
-        if cond.condition is None:
-            raise SourceImageError(f"the {self.name} family animates a first frame: these prompts were encoded without "
-                                   "source images")
-        if guidance_scale > 1.0 and neg is None:
-            raise ValueError("guidance_scale > 1 needs the negative-prompt conditioning")
-        b, _, f, h, w = x.shape
-        t = timestep.reshape(-1).to(x.device)
-        t = t.expand(b) if t.numel() == 1 else t
-        hidden = held_input(x, cond.condition)
+        _, _, _, h, w = x.shape
         _, ph, pw = self.transformer.config.patch_size
-        per_frame = (h // ph) * (w // pw)
-        t_tokens = t[:, None].expand(b, f * per_frame).clone()
-        t_tokens[:, :per_frame] = 0  # the condition frame's tokens are clean
+        t, t_tokens = held_timesteps(self, x, timestep, cond, guidance_scale, neg, (h // ph) * (w // pw))
+        hidden = held_input(x, cond.condition)
         v = self._predict(self.transformer, hidden, t_tokens, cond)
         if guidance_scale > 1.0:
             v_u = self._predict(self.transformer, hidden, t_tokens, WanConditioning(neg.prompt_embeds))

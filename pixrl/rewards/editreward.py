@@ -85,11 +85,9 @@ class EditReward(Reward):
 
     def resized(self, image: np.ndarray):
         """An image as the inferencer reads it: PIL bicubic to `pixels` on the 28-pixel grid."""
-        from PIL import Image
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+        from .qwen_vl_inputs import fixed_area
 
-        h, w = smart_resize(image.shape[0], image.shape[1], factor=28, min_pixels=self.pixels, max_pixels=self.pixels)
-        return Image.fromarray(np.asarray(image, dtype=np.uint8)).convert("RGB").resize((w, h), Image.BICUBIC)
+        return fixed_area(image, self.pixels)
 
     def inputs(self, sources: list[np.ndarray], edits: np.ndarray, prompts: list[str],
                rubric: str) -> dict[str, torch.Tensor]:

@@ -100,12 +100,10 @@ class HPSv3(Reward):
         self.image_token = self.tokenizer.convert_ids_to_tokens(self.model.config.image_token_id)
 
     def resized(self, image: np.ndarray):
-        """The image as the inferencer reads it: PIL bicubic to `pixels` on the 28-pixel grid."""
-        from PIL import Image
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+        """An image as the inferencer reads it: PIL bicubic to `pixels` on the 28-pixel grid."""
+        from .qwen_vl_inputs import fixed_area
 
-        h, w = smart_resize(image.shape[0], image.shape[1], factor=28, min_pixels=self.pixels, max_pixels=self.pixels)
-        return Image.fromarray(np.asarray(image, dtype=np.uint8)).convert("RGB").resize((w, h), Image.BICUBIC)
+        return fixed_area(image, self.pixels)
 
     def inputs(self, images: np.ndarray, prompts: list[str]) -> dict[str, torch.Tensor]:
         from .qwen_vl_inputs import chat_inputs

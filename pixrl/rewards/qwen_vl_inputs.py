@@ -29,3 +29,14 @@ def chat_inputs(tokenizer, image_processor, image_token: str, image_sets: list[l
     flat = [img for images in image_sets for img in images]
     enc = QwenVLProcessor(image_processor, tokenizer, image_token)(rows, images=flat)
     return {k: v.to(device, dtype) if k == "pixel_values" else v.to(device) for k, v in enc.items()}
+
+
+def fixed_area(image, pixels: int):
+    """An image as HPSv3's and EditReward's inferencers read it (qwen-vl-utils' fetch_image at
+    min_pixels = max_pixels = `pixels`): PIL bicubic to that area on the 28-pixel grid."""
+    import numpy as np
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    h, w = smart_resize(image.shape[0], image.shape[1], factor=28, min_pixels=pixels, max_pixels=pixels)
+    return Image.fromarray(np.asarray(image, dtype=np.uint8)).convert("RGB").resize((w, h), Image.BICUBIC)
