@@ -304,3 +304,58 @@ def test_wan_trains_on_videoalign_through_the_flow(tiny_wan, tiny_reward, tmp_pa
     assert "reward/videoalign.mq/mean" in metrics and "reward/videoalign/mean" in metrics
     rep = CliRunner().invoke(app, ["replay", "wan-va", "--iteration", "1", "--workdir", str(tmp_path)])
     assert rep.exit_code == 0 and json.loads(rep.stdout.strip().splitlines()[-1])["equal"] is True, rep.output
+
+
+def test_dance_grpos_two_rewards_vq_and_mq_normalised_apart(tiny_wan, tiny_reward, tmp_path, prefect_harness):
+    """DanceGRPO's VideoAlign loss with both heads (vq_coef, mq_coef): VQ and MQ each normalised in
+    its group by the algorithm's estimator and clipped, then weighted and summed —
+    reward.aggregate=advantage over the components VideoAlign stores (reward.advantage_weights)."""
+    import json
+
+    import lance
+    from typer.testing import CliRunner
+
+    from pixrl.algorithms.advantages import aggregated_advantages
+    from pixrl.algorithms.base import build_algorithm
+    from pixrl.cli import app
+    from pixrl.config.schema import AlgorithmConfig
+    from tests.conftest import tiny_overrides
+
+    path, o = tiny_wan
+    extra = {k: v for k, v in o.items() if k != "model.path"}
+    res = CliRunner().invoke(app, ["train", "--iterations", "1", "--run", "wan-vqmq", "reward=videoalign",
+                                   f"reward.options.videoalign.path={tiny_reward[0]}",
+                                   f"reward.options.videoalign.base={tiny_reward[1]}",
+                                   "reward.options.videoalign.dtype=float32", "reward.options.videoalign.dimensions=[VQ,MQ]",
+                                   "reward.aggregate=advantage", "reward.advantage_weights={videoalign.vq: 1.0, videoalign.mq: 0.5}",
+                                   *tiny_overrides(path, tmp_path, **extra)])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    t = lance.dataset(out["table_uri"]).to_table(columns=["group_id", "rewards", "advantage"])
+    comps = [{c["name"]: c["value"] for c in row} for row in t["rewards"].to_pylist()]
+    weights = {"videoalign.vq": 1.0, "videoalign.mq": 0.5}
+    parts = {k: np.array([c[k] for c in comps]) for k in weights}
+    algo = build_algorithm(AlgorithmConfig(name="flow_grpo"))
+    want = aggregated_advantages(algo.advantages, parts, weights, t["group_id"].to_numpy()).advantages
+    assert np.array_equal(t["advantage"].to_numpy(), want)
+    total = algo.advantages(np.array([c["videoalign"] for c in comps]), t["group_id"].to_numpy()).advantages
+    assert not np.allclose(t["advantage"].to_numpy(), total)  # not the summed reward's advantage
+
+
+def test_advantage_weights_name_stored_scores(tiny_wan, tiny_reward, tmp_path):
+    from typer.testing import CliRunner
+
+    from pixrl.cli import app
+    from tests.conftest import tiny_overrides
+
+    path, o = tiny_wan
+    base = ["train", "-n", "1", "reward=videoalign", f"reward.options.videoalign.path={tiny_reward[0]}",
+            f"reward.options.videoalign.base={tiny_reward[1]}",
+            *tiny_overrides(path, tmp_path / "wd", **{k: v for k, v in o.items() if k != "model.path"})]
+    res = CliRunner().invoke(app, [*base, "reward.aggregate=advantage", "reward.advantage_weights={videoalign.vqq: 1.0}"])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and "'videoalign.vqq' is not a score these rewards store" in said
+    assert "videoalign.mq" in said
+    res = CliRunner().invoke(app, [*base, "reward.advantage_weights={videoalign.vq: 1.0}"])
+    assert res.exit_code == 2 and "set reward.aggregate=advantage" in " ".join(res.output.split())
+    assert not (tmp_path / "wd").exists()

@@ -101,6 +101,10 @@ class RewardConfig(_Section):
     aggregate: Literal["reward", "advantage"] = Field(
         "reward", description="several rewards: advantages of the weighted total ('reward'), or each reward's "
                               "group advantage weighted and summed ('advantage', MixGRPO's advantage_aggr)")
+    advantage_weights: dict[str, float] | None = Field(
+        None, description="reward.aggregate=advantage: the stored scores normalised apart and their weights — any "
+        "reward's own or one of the components it stores (videoalign.vq, videoalign.mq: DanceGRPO's vq_coef and "
+        "mq_coef; editreward.following, editreward.quality); None: reward.weights")
     options: dict[str, dict] = Field(default_factory=dict, description="per-reward constructor options")
     overlap: bool = Field(False, description="decode and score each generated micro-batch in a background thread "
                                              "while the next one generates (local engine); decode and score then "
@@ -110,7 +114,21 @@ class RewardConfig(_Section):
     def _nonempty(self) -> RewardConfig:
         if not self.weights:
             raise ValueError("reward.weights is empty; name at least one reward, e.g. reward.weights={shapes: 1.0}")
+        if self.advantage_weights is not None and self.aggregate != "advantage":
+            raise ValueError("reward.advantage_weights weighs advantages normalised apart; set reward.aggregate=advantage "
+                             "(or unset reward.advantage_weights)")
+        if self.advantage_weights == {}:
+            raise ValueError("reward.advantage_weights is empty; name at least one stored score, or unset it")
         return self
+
+    def advantage_parts(self) -> dict[str, float] | None:
+        """The scores reward.aggregate=advantage normalises apart, with their weights; None: the
+        total's advantage (aggregate=reward, or one reward without advantage_weights)."""
+        if self.aggregate != "advantage":
+            return None
+        if self.advantage_weights is not None:
+            return dict(self.advantage_weights)
+        return dict(self.weights) if len(self.weights) > 1 else None
 
 
 class DatasetConfig(_Section):

@@ -41,6 +41,8 @@ class Reward(ABC):
     ready: bool = False
     takes: str = "image"  # "image": frame-wise on clips (mean over frames); "clip": whole clips only
     groupwise: bool = False  # scores samples against their group's others: score(..., groups=keys)
+    #: the parts it also stores as `<name>.<part>` that reward.advantage_weights may weigh apart
+    components: tuple[str, ...] = ()
     #: modules the scorer imports when it is set up, and the pip extra that installs them
     requires: tuple[str, ...] = ()
     extra: str = ""

@@ -75,6 +75,15 @@ class RewardSet:
         for r in self.rewards.values():
             r.check_prompts(prompts, metadata)
 
+    def check_advantage_parts(self, parts: dict[str, float] | None) -> None:
+        """Refuse, before a run starts, reward.advantage_weights naming a score no reward stores:
+        each reward's own, or a component it declares (`Reward.components`)."""
+        stored = {n for n in self.rewards} | {f"{n}.{c}" for n, r in self.rewards.items() for c in r.components}
+        unknown = sorted(set(parts or {}) - stored)
+        if unknown:
+            raise ValueError(f"reward.advantage_weights: {unknown[0]!r} is not a score these rewards store; they store "
+                             f"{', '.join(sorted(stored))}")
+
     def check_media(self, video: bool) -> None:
         """Refuse, before a run starts, a clip-only reward on a family that makes images."""
         clip_only = [n for n, r in self.rewards.items() if r.takes == "clip"]

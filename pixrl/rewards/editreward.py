@@ -43,6 +43,7 @@ POOLING = ("mean", "min", "sum")
 @register_reward("editreward")
 class EditReward(Reward):
     value_range = (-np.inf, np.inf)  # μ of regression heads
+    components = tuple(RUBRICS)  # following, quality: each head's μ
 
     def __init__(self, path: str = "", base: str = "", batch_size: int = 4, dtype: str = "bfloat16",
                  pooling: str = "mean", pixels: int = PIXELS):

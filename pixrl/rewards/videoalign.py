@@ -41,6 +41,7 @@ def _dimensions(dims) -> tuple[str, ...]:
 @register_reward("videoalign")
 class VideoAlign(Reward):
     value_range = (-np.inf, np.inf)
+    components = tuple(d.lower() for d in DIMENSIONS)  # vq, mq, ta: each head, normalised
     takes = "clip"
 
     def __init__(self, path: str = "", base: str = "", dimensions=DIMENSIONS, normalize: bool = True,

@@ -273,10 +273,10 @@ class OnlineStages(DecodeScoreStages):
         r, group_ids = self.cfg.reward, t["group_id"].to_numpy()
         parts = len(self._draws(iteration, 0)[1])  # each part normalised on its own
         estimate = per_part(self.algorithm.advantages, self._rounds(group_ids)) if parts > 1 else self.algorithm.advantages
-        if r.aggregate == "advantage" and len(r.weights) > 1:
+        if (parts_w := r.advantage_parts()) is not None:
             comps = [{c["name"]: c["value"] for c in row} for row in t["rewards"].to_pylist()]
-            components = {name: np.array([c[name] for c in comps], np.float64) for name in r.weights}
-            adv = aggregated_advantages(estimate, components, r.weights, group_ids)
+            components = {name: np.array([c[name] for c in comps], np.float64) for name in parts_w}
+            adv = aggregated_advantages(estimate, components, parts_w, group_ids)
         elif self.algorithm.reward_history:
             adv = self.algorithm.advantages(rewards, t["group_id"].to_numpy(), prompts=t["prompt"].to_pylist(),
                                             history=reward_history(self.table, ref.version, self.tracker, self.spec.run_id,
