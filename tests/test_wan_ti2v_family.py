@@ -144,6 +144,12 @@ def test_two_rl_iterations_through_the_unchanged_flow(tiny_ti2v, tmp_path, prefe
     assert decode_media(t["image"][0].as_py()).shape == (5, 32, 32, 3)
     rep = CliRunner().invoke(app, ["replay", "ti2v", "--iteration", "1", "--workdir", str(tmp_path)])
     assert rep.exit_code == 0 and json.loads(rep.stdout.strip().splitlines()[-1])["equal"] is True, rep.output
+    res = CliRunner().invoke(app, ["generate", "--run", "ti2v", "--workdir", str(tmp_path), "--prompt", PROMPTS[0],
+                                   "--image", str(folder / "frame_0.png"), "--out", str(tmp_path / "gen"),
+                                   "--steps", "2"])
+    assert res.exit_code == 0, res.output
+    (clip,) = sorted((tmp_path / "gen").glob("*.png"))  # the trained policy animates a frame
+    assert decode_media(clip.read_bytes()).shape == (5, 32, 32, 3)
 
 
 def test_the_presets():
