@@ -53,6 +53,8 @@ images/s and peak memory.
 - `--family cogvideox`: CogVideoX-5B — the real transformer (42 blocks, rotary) and VAE, 25
   frames, CFG 6 on the DDIM grid of its zero-terminal-SNR table; T5-XXL at its real width with 2
   layers; LoRA r32.
+- `--family cogvideox_i2v`: CogVideoX1.5-5B-I2V — its transformer (2-frame patches, 32 input
+  channels, `ofs`) animating 8 random first frames, 25 frames, CFG 6.
 - `--family pixart_sigma`: PixArt-Σ XL-2 512 — the real DiT (28 blocks, learned variance) and SDXL
   VAE, T5-XXL at its real width with 2 layers, CFG 4.5 on its DDIM grid; LoRA r32.
 - `--family sd15`: Stable Diffusion 1.5 — the real UNet (860M), SD VAE and CLIP-L; DDPO's recipe
@@ -145,6 +147,9 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
     "cogvideox": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=226",
                                "model.frames=9" if tiny else "model.frames=25", "sampling.guidance_scale=6.0",
                                *([] if tiny else ["algorithm=flow_grpo_wan"])],
+    "cogvideox_i2v": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=226",
+                                   "model.frames=9" if tiny else "model.frames=25", "sampling.guidance_scale=6.0",
+                                   *([] if tiny else ["algorithm=flow_grpo_wan"])],
     "sd15": lambda tiny: ["algorithm=ddpo", "sampling.sde_type=ddim", "sampling.noise_level=1.0",
                           "sampling.window_size=null", "sampling.window_range=null", "sampling.timestep_fraction=1.0",
                           "sampling.guidance_scale=5.0", "algorithm.min_count=4"],

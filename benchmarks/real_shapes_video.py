@@ -189,3 +189,21 @@ def wan22_ti2v_5b_pipeline(layers: int | None, device: str, workdir: Path):
     sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
     return WanPipeline(tokenizer=base.tokenizer, text_encoder=base.text_encoder, vae=vae, transformer=transformer,
                        scheduler=sched, expand_timesteps=True)
+
+
+def cogvideox15_i2v_pipeline(layers: int | None, device: str, workdir: Path):
+    """A random CogVideoXImageToVideoPipeline with CogVideoX1.5-5B-I2V's shapes: the transformer (42
+    blocks of 48×64 heads, 2×2×2 patches of 16 + 16 channels, rotary positions, the `ofs`
+    embedding), the video VAE with 1.5's inverted latent scaling, T5-XXL at its real width with 2 of
+    its 24 layers, the DPM-Solver table. `--layers N`: N blocks."""
+    import torch
+    from diffusers import AutoencoderKLCogVideoX, CogVideoXImageToVideoPipeline, CogVideoXTransformer3DModel
+
+    parts = cogvideox_pipeline(1, "meta", workdir).components
+    with torch.device(device):
+        parts["transformer"] = CogVideoXTransformer3DModel(
+            num_attention_heads=48, num_layers=layers or 42, in_channels=32, out_channels=16, patch_size_t=2,
+            ofs_embed_dim=512, sample_height=96, sample_width=170, sample_frames=81,
+            use_rotary_positional_embeddings=True).to(torch.bfloat16)
+    parts["vae"] = AutoencoderKLCogVideoX(scaling_factor=0.7, invert_scale_latents=True)
+    return CogVideoXImageToVideoPipeline(**parts)

@@ -89,6 +89,10 @@ class CogVideoXFamily(SD15Family):
     @encodes_text
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> CogVideoXConditioning:
+        return self.encode_text(prompts)
+
+    def encode_text(self, prompts: list[str]) -> CogVideoXConditioning:
+        """The pipeline's `encode_prompt` (T5 padded to max length); towers resident."""
         embeds, _ = self.pipe.encode_prompt(list(prompts), do_classifier_free_guidance=False,
                                             max_sequence_length=self.max_sequence_length, device=self.device)
         return CogVideoXConditioning(embeds)
