@@ -23,7 +23,7 @@ from .base import ModelLoadError
 from .cogvideox import CogVideoXConditioning, CogVideoXFamily
 from .pipelines import encodes_text
 from .registry import register_family
-from .source_images import SourceImageError, decode_rgb, write_prompt_images
+from .source_images import SourceImageError, decode_rgb, require_sources, write_prompt_images
 
 __all__ = ["CogVideoXI2VConditioning", "CogVideoXI2VFamily"]
 
@@ -75,9 +75,7 @@ class CogVideoXI2VFamily(CogVideoXFamily):
         text = self.encode_text(prompts)
         if images is None:
             return CogVideoXI2VConditioning(text.prompt_embeds)
-        if len(images) != len(prompts) or any(im is None for im in images):
-            raise SourceImageError(f"the {self.name} family animates a first frame: every prompt needs a source image "
-                                   "(a dataset whose rows carry an `image`, docs/editing.md)")
+        require_sources(self, prompts, images)
         return CogVideoXI2VConditioning(text.prompt_embeds, torch.cat([self.first_frame(im) for im in images]))
 
     def first_frame(self, image: bytes) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 from .flux import FluxConditioning, FluxFamily
 from .pipelines import encodes_text
 from .registry import register_family
-from .source_images import SourceImageError, decode_rgb, write_prompt_images
+from .source_images import decode_rgb, require_sources, write_prompt_images
 
 __all__ = ["FluxKontextConditioning", "FluxKontextFamily"]
 
@@ -55,9 +55,7 @@ class FluxKontextFamily(FluxFamily):
     @encodes_text
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], images: list[bytes] | None = None) -> FluxKontextConditioning:
-        if images is None or any(im is None for im in images):
-            raise SourceImageError(f"the {self.name} family edits images: every prompt needs a source image (a "
-                                   f"dataset whose rows carry an `image`, docs/editing.md)")
+        require_sources(self, prompts, images)
         text = self.encode_text(prompts)
         latents = torch.cat([self._image_latents(im) for im in images])
         _, c, h, w = latents.shape

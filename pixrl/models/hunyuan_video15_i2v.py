@@ -25,7 +25,7 @@ import torch
 from .hunyuan_video15 import HunyuanVideo15Conditioning, HunyuanVideo15Family
 from .pipelines import encodes_text
 from .registry import register_family
-from .source_images import SourceImageError, decode_rgb, write_prompt_images
+from .source_images import SourceImageError, decode_rgb, require_sources, write_prompt_images
 
 __all__ = ["HunyuanVideo15I2VConditioning", "HunyuanVideo15I2VFamily"]
 
@@ -72,9 +72,7 @@ class HunyuanVideo15I2VFamily(HunyuanVideo15Family):
         text = self.encode_text(prompts)
         if images is None:
             return HunyuanVideo15I2VConditioning(text.prompt_embeds, text.mask, text.glyph_embeds, text.glyph_mask)
-        if len(images) != len(prompts) or any(im is None for im in images):
-            raise SourceImageError(f"the {self.name} family animates a first frame: every prompt needs a source image "
-                                   "(a dataset whose rows carry an `image`, docs/editing.md)")
+        require_sources(self, prompts, images)
         frames = [self._first_frame(im) for im in images]
         return HunyuanVideo15I2VConditioning(text.prompt_embeds, text.mask, text.glyph_embeds, text.glyph_mask,
                                              torch.cat([lat for lat, _ in frames]), torch.cat([e for _, e in frames]))

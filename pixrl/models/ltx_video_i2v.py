@@ -26,7 +26,7 @@ from .held_frame import held_input, held_timesteps, held_velocity
 from .ltx_video import LTXVideoConditioning, LTXVideoFamily
 from .pipelines import encodes_text
 from .registry import register_family
-from .source_images import SourceImageError, decode_rgb, write_prompt_images
+from .source_images import decode_rgb, require_sources, write_prompt_images
 
 __all__ = ["LTXVideoI2VConditioning", "LTXVideoI2VFamily"]
 
@@ -63,9 +63,7 @@ class LTXVideoI2VFamily(LTXVideoFamily):
         text = self.encode_text(prompts)
         if images is None:
             return LTXVideoI2VConditioning(text.prompt_embeds, text.mask)
-        if len(images) != len(prompts) or any(im is None for im in images):
-            raise SourceImageError(f"the {self.name} family animates a first frame: every prompt needs a source image "
-                                   "(a dataset whose rows carry an `image`, docs/editing.md)")
+        require_sources(self, prompts, images)
         condition = torch.cat([self.first_frame(im) for im in images])
         return LTXVideoI2VConditioning(text.prompt_embeds, text.mask, condition)
 

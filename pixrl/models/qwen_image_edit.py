@@ -30,7 +30,7 @@ import torch
 from .pipelines import encodes_text
 from .qwen_image import QwenImageConditioning, QwenImageFamily
 from .registry import register_family
-from .source_images import SourceImageError, decode_rgb
+from .source_images import decode_rgb, require_sources
 
 __all__ = ["QwenImageEditConditioning", "QwenImageEditFamily"]
 
@@ -95,9 +95,7 @@ class QwenImageEditFamily(QwenImageFamily):
     @encodes_text
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], images: list[bytes] | None = None) -> QwenImageEditConditioning:
-        if images is None or len(images) != len(prompts) or any(im is None for im in images):
-            raise SourceImageError(f"the {self.name} family edits images: every prompt needs a source image (a "
-                                   f"dataset whose rows carry an `image`, docs/editing.md)")
+        require_sources(self, prompts, images)
         read = [self.source(im, self.vl_area) for im in images]
         encoded = read if self.vae_area == self.vl_area else [self.source(im, self.vae_area) for im in images]
         embeds, mask = self._encode_with_images(prompts, read)

@@ -27,7 +27,7 @@ from .base import ModelLoadError
 from .hunyuan_video import HunyuanVideoConditioning, HunyuanVideoFamily, tiny_parts
 from .pipelines import encodes_text
 from .registry import register_family
-from .source_images import SourceImageError, decode_rgb, write_prompt_images
+from .source_images import SourceImageError, decode_rgb, require_sources, write_prompt_images
 from .wan_i2v import FIRST_FRAME_PROMPTS
 
 __all__ = ["SkyReelsI2VConditioning", "SkyReelsI2VFamily"]
@@ -86,9 +86,7 @@ class SkyReelsI2VFamily(HunyuanVideoFamily):
         text = self.encode_text(prompts)
         if images is None:
             return SkyReelsI2VConditioning(text.prompt_embeds, text.mask, text.pooled)
-        if len(images) != len(prompts) or any(im is None for im in images):
-            raise SourceImageError(f"the {self.name} family animates a first frame: every prompt needs a source image "
-                                   "(a dataset whose rows carry an `image`, docs/editing.md)")
+        require_sources(self, prompts, images)
         condition = torch.cat([self._first_frame(im) for im in images])
         return SkyReelsI2VConditioning(text.prompt_embeds, text.mask, text.pooled, condition)
 

@@ -24,6 +24,14 @@ class SourceImageError(ExpectedError, ValueError):
     """A source image that cannot be read, or one given to a family that takes none."""
 
 
+def require_sources(family, prompts: list[str], images: list[bytes | None] | None) -> None:
+    """An editing or image-to-video family's prompts each with a source image, else a
+    SourceImageError saying what the family does with them and where images come from."""
+    if images is None or len(images) != len(prompts) or any(im is None for im in images):
+        raise SourceImageError(f"the {family.name} family {family.image_use}: every prompt needs a source image (a "
+                               "dataset whose rows carry an `image`, docs/editing.md)")
+
+
 def digest(image: bytes) -> str:
     return hashlib.sha256(image).hexdigest()[:32]
 

@@ -31,7 +31,7 @@ import torch
 from .base import ModelLoadError
 from .pipelines import encodes_text
 from .registry import register_family
-from .source_images import SourceImageError, decode_rgb, write_prompt_images
+from .source_images import SourceImageError, decode_rgb, require_sources, write_prompt_images
 from .wan import WanConditioning, WanFamily, tiny_wan_parts, tiny_wan_transformer
 
 __all__ = ["WanI2VConditioning", "WanI2VFamily"]
@@ -101,9 +101,7 @@ class WanI2VFamily(WanFamily):
         text = self.encode_text(prompts)
         if images is None:
             return WanI2VConditioning(text.prompt_embeds)
-        if len(images) != len(prompts) or any(im is None for im in images):
-            raise SourceImageError(f"the {self.name} family animates a first frame: every prompt needs a source image "
-                                   "(a dataset whose rows carry an `image`, docs/editing.md)")
+        require_sources(self, prompts, images)
         frames = [self._first_frame(im) for im in images]
         condition = torch.cat([c for c, _ in frames])
         embeds = torch.cat([e for _, e in frames]) if self.reads_clip else None

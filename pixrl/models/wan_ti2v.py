@@ -28,7 +28,7 @@ from .base import ModelLoadError
 from .held_frame import held_input, held_timesteps, held_velocity
 from .pipelines import encodes_text
 from .registry import register_family
-from .source_images import SourceImageError, decode_rgb, write_prompt_images
+from .source_images import decode_rgb, require_sources, write_prompt_images
 from .wan import WanConditioning, WanFamily
 
 __all__ = ["WanTI2VConditioning", "WanTI2VFamily"]
@@ -76,9 +76,7 @@ class WanTI2VFamily(WanFamily):
         text = self.encode_text(prompts)
         if images is None:
             return WanTI2VConditioning(text.prompt_embeds)
-        if len(images) != len(prompts) or any(im is None for im in images):
-            raise SourceImageError(f"the {self.name} family animates a first frame: every prompt needs a source image "
-                                   "(a dataset whose rows carry an `image`, docs/editing.md)")
+        require_sources(self, prompts, images)
         return WanTI2VConditioning(text.prompt_embeds, torch.cat([self._first_frame(im) for im in images]))
 
     def _first_frame(self, image: bytes) -> torch.Tensor:

@@ -32,63 +32,38 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import Reward, ScoringError, register_reward
+from .base import ScoringError, register_reward
 from .editreward_prompts import FOLLOWING, QUALITY
-from .hpsv3 import ASK, PIXELS, REWARD_TOKEN
+from .hpsv3 import ASK, HPSv3, PIXELS, REWARD_TOKEN
 
 RUBRICS = {"following": FOLLOWING, "quality": QUALITY}  # head_0, head_1, in the inferencer's order
 POOLING = ("mean", "min", "sum")
 
 
 @register_reward("editreward")
-class EditReward(Reward):
+class EditReward(HPSv3):
+    """HPSv3's reader (tokenizer with `<|Reward|>`, fixed-area images, setup) with EditReward's
+    checkpoint, two images a row and two heads; `self.head` holds the heads by name."""
+
     value_range = (-np.inf, np.inf)  # μ of regression heads
     components = tuple(RUBRICS)  # following, quality: each head's μ
+    checkout = "Qwen2.5-VL"
+    tuned_from = "Qwen/Qwen2.5-VL-7B-Instruct"
 
     def __init__(self, path: str = "", base: str = "", batch_size: int = 4, dtype: str = "bfloat16",
                  pooling: str = "mean", pixels: int = PIXELS):
-        self.path = checkpoint_file(path)
-        b = Path(base) if base else None
-        if b is None or not all((b / f).is_file() for f in ("config.json", "preprocessor_config.json")):
-            raise ValueError(f"reward editreward: {base!r} is not a Qwen2.5-VL checkout (config.json, "
-                             "preprocessor_config.json and its tokenizer); set reward.options.editreward.base to a "
-                             "local copy of the model EditReward was tuned from (Qwen/Qwen2.5-VL-7B-Instruct)")
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"reward editreward: dtype {dtype!r} is not one of float32, bfloat16, float16")
+        self.path, self.batch_size, self.pixels = checkpoint_file(path), batch_size, pixels
+        self.base, self.dtype = self.checked_base(base), self.checked_dtype(dtype)
         if pooling not in POOLING:
             raise ValueError(f"reward editreward: pooling {pooling!r} is not one of {', '.join(POOLING)} (the "
                              "checkpoint config's pooling_strategy; the released ones use mean)")
-        self.base, self.batch_size, self.dtype, self.pooling, self.pixels = str(b), batch_size, dtype, pooling, pixels
+        self.pooling = pooling
         self.model = None
 
-    def setup(self, device: str = "cpu") -> None:
-        from transformers import AutoTokenizer
-        from transformers import Qwen2VLImageProcessorPil as ImageProcessor  # the slow one: no torchvision
-
+    def load(self, vocab: int, dtype: torch.dtype):
         from .editreward_weights import load_editreward
 
-        super().setup(device)
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(self.base, padding_side="right")
-            self.tokenizer.add_special_tokens({"additional_special_tokens": [REWARD_TOKEN]})
-            self.images = ImageProcessor.from_pretrained(self.base)
-            self.model, self.heads = load_editreward(self.path, self.base, len(self.tokenizer),
-                                                     getattr(torch, self.dtype))
-        except ScoringError:
-            raise
-        except Exception as exc:  # transformers, safetensors and shape mismatches raise many types
-            raise ScoringError(f"reward editreward: could not load {self.path!r} on the Qwen2.5-VL checkout "
-                               f"{self.base!r}: {type(exc).__name__}: {exc}") from exc
-        self.model.to(device).eval().requires_grad_(False)
-        self.heads.to(device).eval().requires_grad_(False)
-        self.reward_id = self.tokenizer.convert_tokens_to_ids(REWARD_TOKEN)
-        self.image_token = self.tokenizer.convert_ids_to_tokens(self.model.config.image_token_id)
-
-    def resized(self, image: np.ndarray):
-        """An image as the inferencer reads it: PIL bicubic to `pixels` on the 28-pixel grid."""
-        from .qwen_vl_inputs import fixed_area
-
-        return fixed_area(image, self.pixels)
+        return load_editreward(self.path, self.base, vocab, dtype)
 
     def inputs(self, sources: list[np.ndarray], edits: np.ndarray, prompts: list[str],
                rubric: str) -> dict[str, torch.Tensor]:
@@ -113,7 +88,7 @@ class EditReward(Reward):
         if not bool((at.sum(-1) == 1).all()):
             raise ScoringError(f"reward editreward: each row must hold one {REWARD_TOKEN} token (found "
                                f"{at.sum(-1).tolist()}); the instruction must not contain it")
-        return self.heads[f"head_{head}"](hidden[at].float())
+        return self.head[f"head_{head}"](hidden[at].float())
 
     def fused(self, per_head: list[torch.Tensor]) -> torch.Tensor:
         """The heads' (μ, σ) fused as the model's `pooling_strategy` fuses them."""

@@ -62,38 +62,52 @@ PIXELS = 256 * 28 * 28  # the inferencer's min_pixels = max_pixels
 class HPSv3(Reward):
     value_range = (-np.inf, np.inf)  # μ of a regression head
 
+    checkout = "Qwen2-VL"  # the base checkout's kind, and the model it was tuned from (for the errors)
+    tuned_from = "Qwen/Qwen2-VL-7B-Instruct"
+
     def __init__(self, path: str = "", base: str = "", batch_size: int = 4, dtype: str = "bfloat16",
                  pixels: int = PIXELS):
         if not path or not Path(path).is_file():
             raise ValueError(f"reward hpsv3: {path!r} is not a file; set reward.options.hpsv3.path to the released "
                              f"HPSv3.safetensors (MizzenAI/HPSv3)")
+        self.path, self.batch_size, self.pixels = path, batch_size, pixels
+        self.base, self.dtype = self.checked_base(base), self.checked_dtype(dtype)
+        self.model = None
+
+    def checked_base(self, base: str) -> str:
         b = Path(base) if base else None
         if b is None or not all((b / f).is_file() for f in ("config.json", "preprocessor_config.json")):
-            raise ValueError(f"reward hpsv3: {base!r} is not a Qwen2-VL checkout (config.json, preprocessor_config.json "
-                             f"and its tokenizer); set reward.options.hpsv3.base to a local copy of "
-                             f"Qwen/Qwen2-VL-7B-Instruct, the model HPSv3 was tuned from")
+            raise ValueError(f"reward {self.name}: {base!r} is not a {self.checkout} checkout (config.json, "
+                             f"preprocessor_config.json and its tokenizer); set reward.options.{self.name}.base to a "
+                             f"local copy of {self.tuned_from}, the model it was tuned from")
+        return str(b)
+
+    def checked_dtype(self, dtype: str) -> str:
         if dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"reward hpsv3: dtype {dtype!r} is not one of float32, bfloat16, float16")
-        self.path, self.base, self.batch_size, self.dtype, self.pixels = path, str(b), batch_size, dtype, pixels
-        self.model = None
+            raise ValueError(f"reward {self.name}: dtype {dtype!r} is not one of float32, bfloat16, float16")
+        return dtype
+
+    def load(self, vocab: int, dtype: torch.dtype):
+        """(the model, its head module) from the checkpoint; `vocab`: the tokenizer's size with `<|Reward|>`."""
+        from .hpsv3_weights import load_hpsv3
+
+        return load_hpsv3(self.path, self.base, vocab, dtype)
 
     def setup(self, device: str = "cpu") -> None:
         from transformers import AutoTokenizer
         from transformers import Qwen2VLImageProcessorPil as ImageProcessor  # the slow one: no torchvision
-
-        from .hpsv3_weights import load_hpsv3
 
         super().setup(device)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.base, padding_side="right")
             self.tokenizer.add_special_tokens({"additional_special_tokens": [REWARD_TOKEN]})
             self.images = ImageProcessor.from_pretrained(self.base)
-            self.model, self.head = load_hpsv3(self.path, self.base, len(self.tokenizer), getattr(torch, self.dtype))
+            self.model, self.head = self.load(len(self.tokenizer), getattr(torch, self.dtype))
         except ScoringError:
             raise
         except Exception as exc:  # transformers, safetensors and shape mismatches raise many types
-            raise ScoringError(f"reward hpsv3: could not load {self.path!r} on the Qwen2-VL checkout {self.base!r}: "
-                               f"{type(exc).__name__}: {exc}") from exc
+            raise ScoringError(f"reward {self.name}: could not load {self.path!r} on the {self.checkout} checkout "
+                               f"{self.base!r}: {type(exc).__name__}: {exc}") from exc
         self.model.to(device).eval().requires_grad_(False)
         self.head.to(device).eval().requires_grad_(False)
         self.reward_id = self.tokenizer.convert_tokens_to_ids(REWARD_TOKEN)
