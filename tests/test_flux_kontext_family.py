@@ -117,7 +117,7 @@ def test_preflight_matches_family_and_dataset(tiny_flux_kontext, tiny_flux, tmp_
                                    "dataset.heldout_path=null", "dataset.categories=null"])
     said = " ".join(res.output.split())
     assert res.exit_code == 2 and "generates from text alone" in said
-    assert "(flux1_kontext, flux2, flux2_klein," in said and "wan_ti2v" in said  # every family that takes images
+    assert "flux1_kontext, flux2, flux2_klein," in said and "wan_ti2v" in said  # every family that takes images
     assert not (tmp_path / "wd").exists()
 
 
