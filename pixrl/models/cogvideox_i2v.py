@@ -23,7 +23,7 @@ from .base import ModelLoadError
 from .cogvideox import CogVideoXConditioning, CogVideoXFamily
 from .pipelines import encodes_text
 from .registry import register_family
-from .source_images import SourceImageError, decode_rgb, require_sources, write_prompt_images
+from .source_images import SourceImageError, require_sources, source_pixels, write_prompt_images
 
 __all__ = ["CogVideoXI2VConditioning", "CogVideoXI2VFamily"]
 
@@ -80,9 +80,8 @@ class CogVideoXI2VFamily(CogVideoXFamily):
 
     def first_frame(self, image: bytes) -> torch.Tensor:
         """[1, F', C, H', W'] as the pipeline's `prepare_latents` builds it, from the posterior's mode."""
-        side, proc, vae = self.resolution, self.pipe.video_processor, self.vae
-        picture = proc.resize(decode_rgb(image), side, side, resize_mode="crop")
-        pixels = proc.preprocess(picture, height=side, width=side).to(self.device, vae.dtype)
+        vae = self.vae
+        _, pixels = source_pixels(self, image, vae.dtype)
         z = vae.encode(pixels.unsqueeze(2)).latent_dist.mode().float().permute(0, 2, 1, 3, 4)
         sf = vae.config.scaling_factor
         z = z / sf if vae.config.invert_scale_latents else z * sf

@@ -26,7 +26,7 @@ from .held_frame import held_input, held_timesteps, held_velocity
 from .ltx_video import LTXVideoConditioning, LTXVideoFamily
 from .pipelines import encodes_text
 from .registry import register_family
-from .source_images import decode_rgb, require_sources, write_prompt_images
+from .source_images import require_sources, source_pixels, write_prompt_images
 
 __all__ = ["LTXVideoI2VConditioning", "LTXVideoI2VFamily"]
 
@@ -70,9 +70,8 @@ class LTXVideoI2VFamily(LTXVideoFamily):
     def first_frame(self, image: bytes) -> torch.Tensor:
         """[1, C, 1, H', W']: the source resized as the pipeline's video processor does, encoded
         as a one-frame clip (posterior mode), normalised as the pipeline's `prepare_latents`."""
-        side, proc, vae = self.resolution, self.pipe.video_processor, self.vae
-        picture = proc.resize(decode_rgb(image), side, side, resize_mode="crop")
-        pixels = proc.preprocess(picture, height=side, width=side).to(self.device, vae.dtype)
+        vae = self.vae
+        _, pixels = source_pixels(self, image, vae.dtype)
         z = vae.encode(pixels.unsqueeze(2)).latent_dist.mode().float()
         return self.pipe._normalize_latents(z, vae.latents_mean, vae.latents_std)
 

@@ -27,7 +27,7 @@ from .base import ModelLoadError
 from .hunyuan_video import HunyuanVideoConditioning, HunyuanVideoFamily, tiny_parts
 from .pipelines import encodes_text
 from .registry import register_family
-from .source_images import SourceImageError, decode_rgb, require_sources, write_prompt_images
+from .source_images import SourceImageError, require_sources, source_pixels, write_prompt_images
 from .wan_i2v import FIRST_FRAME_PROMPTS
 
 __all__ = ["SkyReelsI2VConditioning", "SkyReelsI2VFamily"]
@@ -93,9 +93,7 @@ class SkyReelsI2VFamily(HunyuanVideoFamily):
     def _first_frame(self, image: bytes) -> torch.Tensor:
         """[1, C, F', H', W']: the pipeline's `image_latents` of one source image (posterior mode,
         × the VAE's scaling factor, then F' − 1 zero frames)."""
-        side, proc = self.resolution, self.pipe.video_processor
-        picture = proc.resize(decode_rgb(image), side, side, resize_mode="crop")
-        pixels = proc.preprocess(picture, height=side, width=side).to(self.device, self.vae.dtype)
+        _, pixels = source_pixels(self, image, self.vae.dtype)
         latents = self.vae.encode(pixels.unsqueeze(2)).latent_dist.mode().float() * self.vae.config.scaling_factor
         c, frames, h, w = self.latent_shape()
         return torch.cat([latents, latents.new_zeros(1, c, frames - 1, h, w)], dim=2)

@@ -32,6 +32,15 @@ def require_sources(family, prompts: list[str], images: list[bytes | None] | Non
                                "dataset whose rows carry an `image`, docs/editing.md)")
 
 
+def source_pixels(family, image: bytes, dtype):
+    """(the picture, its pixels [1, 3, R, R] in [-1, 1]) of a source image as an image-to-video
+    pipeline reads it at the family's square `model.resolution` R: its video processor's resize
+    (aspect kept, centre-cropped), then its preprocess, on the family's device in `dtype`."""
+    side, proc = family.resolution, family.pipe.video_processor
+    picture = proc.resize(decode_rgb(image), side, side, resize_mode="crop")
+    return picture, proc.preprocess(picture, height=side, width=side).to(family.device, dtype)
+
+
 def digest(image: bytes) -> str:
     return hashlib.sha256(image).hexdigest()[:32]
 

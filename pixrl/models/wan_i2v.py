@@ -31,7 +31,7 @@ import torch
 from .base import ModelLoadError
 from .pipelines import encodes_text
 from .registry import register_family
-from .source_images import SourceImageError, decode_rgb, require_sources, write_prompt_images
+from .source_images import SourceImageError, require_sources, source_pixels, write_prompt_images
 from .wan import WanConditioning, WanFamily, tiny_wan_parts, tiny_wan_transformer
 
 __all__ = ["WanI2VConditioning", "WanI2VFamily"]
@@ -111,9 +111,8 @@ class WanI2VFamily(WanFamily):
         """([1, T + C, F', H', W'] mask and latents, [1, N, D] CLIP states or None) of one source
         image, from WanImageToVideoPipeline's own `prepare_latents` (given zero noise, which it
         returns untouched) and `encode_image`."""
-        side, proc = self.resolution, self.pipe.video_processor
-        picture = proc.resize(decode_rgb(image), side, side, resize_mode="crop")
-        pixels = proc.preprocess(picture, height=side, width=side).to(self.device, torch.float32)
+        side = self.resolution
+        picture, pixels = source_pixels(self, image, torch.float32)
         noise = torch.zeros(1, *self.latent_shape(), device=self.device)
         _, condition = self.pipe.prepare_latents(pixels, 1, noise.shape[1], side, side, self.frames, torch.float32,
                                                  self.device, None, noise)

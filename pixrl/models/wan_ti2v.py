@@ -28,7 +28,7 @@ from .base import ModelLoadError
 from .held_frame import held_input, held_timesteps, held_velocity
 from .pipelines import encodes_text
 from .registry import register_family
-from .source_images import decode_rgb, require_sources, write_prompt_images
+from .source_images import require_sources, source_pixels, write_prompt_images
 from .wan import WanConditioning, WanFamily
 
 __all__ = ["WanTI2VConditioning", "WanTI2VFamily"]
@@ -82,9 +82,8 @@ class WanTI2VFamily(WanFamily):
     def _first_frame(self, image: bytes) -> torch.Tensor:
         """[1, C, 1, H', W'] of one source image, from WanImageToVideoPipeline's `prepare_latents`
         (given zero noise, which it returns untouched) on this checkpoint's VAE."""
-        side, proc = self.resolution, self.pipe.video_processor
-        picture = proc.resize(decode_rgb(image), side, side, resize_mode="crop")
-        pixels = proc.preprocess(picture, height=side, width=side).to(self.device, torch.float32)
+        side = self.resolution
+        _, pixels = source_pixels(self, image, torch.float32)
         noise = torch.zeros(1, *self.latent_shape(), device=self.device)
         _, condition, _ = self._prepare(self.pipe, pixels, 1, noise.shape[1], side, side, self.frames, torch.float32,
                                         self.device, None, noise)
