@@ -20,7 +20,7 @@ from pixrl.cli import app
 from pixrl.models.base import ModelLoadError
 from pixrl.models.cogvideox_i2v import CogVideoXI2VFamily
 from pixrl.models.registry import family_of_directory, get_family
-from pixrl.models.source_images import SourceImageError
+from pixrl.models.source_images import SourceImageError, source_pixels
 
 PROMPTS = ["the red circle drifts to the right", "the camera zooms in"]
 
@@ -50,9 +50,11 @@ def posterior_mode(monkeypatch):
 
 
 def _pipeline(family, frames, cfg, seeds, negative=None):
-    out = [family.pipe(image=Image.open(io.BytesIO(frames[i])).convert("RGB"), prompt=[PROMPTS[i]],
+    """The pipeline given each source as pixrl crops it to the clip's aspect (it would stretch it)."""
+    out = [family.pipe(image=source_pixels(family, frames[i], torch.float32)[0], prompt=[PROMPTS[i]],
                        negative_prompt=negative, guidance_scale=cfg, num_inference_steps=5, generator=gens([s]),
-                       output_type="latent", height=32, width=32, num_frames=9, max_sequence_length=64).frames
+                       output_type="latent", height=family.height, width=family.width, num_frames=9,
+                       max_sequence_length=64).frames
            for i, s in enumerate(seeds)]
     return torch.cat(out)
 
@@ -97,14 +99,26 @@ def test_refusals_name_the_fix(family, tmp_path):
         family.encode_prompts(PROMPTS, [None, None])
     with pytest.raises(SourceImageError, match="encoded without source images"):
         family.velocity(torch.zeros((1, *family.latent_shape())), torch.tensor([999.0]), family.encode_prompts(PROMPTS[:1]))
+
+
+def test_a_learned_positions_checkpoint_runs_at_its_own_size(family, frames, posterior_mode, tmp_path):
+    """CogVideoX-5B-I2V-shaped (learned positions for one 32×48 size, no ofs): refused at another
+    size naming its own, and at its own (its default) the ODE equals the pipeline's."""
     from diffusers import CogVideoXImageToVideoPipeline, CogVideoXTransformer3DModel
 
     learned = CogVideoXTransformer3DModel.from_config({**family.transformer.config, "patch_size_t": None,
                                                        "ofs_embed_dim": None, "use_rotary_positional_embeddings": True,
                                                        "use_learned_positional_embeddings": True, "sample_width": 12})
     CogVideoXImageToVideoPipeline(**{**family.pipe.components, "transformer": learned}).save_pretrained(str(tmp_path / "5b"))
-    with pytest.raises(ModelLoadError, match="learned positional embeddings for 32×48 clips only"):
+    with pytest.raises(ModelLoadError, match="model.resolution=32: .*learned positional embeddings for 32×48 clips "
+                                             "only; set model.height=32 model.width=48"):
         CogVideoXI2VFamily.load(tmp_path / "5b", max_sequence_length=64, resolution=32, frames=9)
+    native = CogVideoXI2VFamily.load(tmp_path / "5b", max_sequence_length=64, frames=9)
+    assert (native.height, native.width) == (32, 48) and native.latent_shape() == (3, 4, 8, 12)
+    ref = _pipeline(native, frames, 6.0, [3, 4])
+    traj = sample(native, native.encode_prompts(PROMPTS, frames), native.encode_negative("").expand(2), gens([3, 4]),
+                  SamplerRecipe(5, 0.0, guidance_scale=6.0, train_steps=()))
+    assert traj.final.shape == ref.shape and (traj.final - ref).abs().max().item() <= 1e-5
 
 
 def test_two_rl_iterations_through_the_unchanged_flow(tiny_cvx_i2v, tmp_path, prefect_harness):

@@ -33,7 +33,7 @@ def family(tiny_flux2):
 @pytest.fixture(scope="module")
 def sources(family):
     rng = np.random.default_rng(3)
-    return [png_bytes(rng.integers(0, 256, (family.resolution, family.resolution, 3))) for _ in PROMPTS]
+    return [png_bytes(rng.integers(0, 256, (family.height, family.width, 3))) for _ in PROMPTS]
 
 
 @pytest.mark.parametrize("guidance", [1.0, 4.0])
@@ -43,7 +43,7 @@ def test_an_edit_equals_flux2_pipeline_with_one_reference_image(family, sources,
     for i, (prompt, src, seed) in enumerate(zip(PROMPTS, sources, [5, 6])):  # the pipeline: one reference per call
         ref = family.pipe(prompt=[prompt], image=[Image.open(io.BytesIO(src)).convert("RGB")], num_inference_steps=6,
                           guidance_scale=guidance, generator=gens([seed]), output_type="latent",
-                          height=family.resolution, width=family.resolution,
+                          height=family.height, width=family.width,
                           max_sequence_length=family.max_sequence_length).images
         assert (family.pipe._pack_latents(traj.final[i:i + 1]) - ref).abs().max().item() <= 1e-5
     text = sample(family, family.encode_prompts(PROMPTS), None, gens([5, 6]), recipe)

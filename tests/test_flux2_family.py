@@ -29,7 +29,7 @@ def family(tiny_flux2):
 
 def _pipeline(family, guidance: float, seeds, output_type: str):
     return family.pipe(prompt=PROMPTS, num_inference_steps=6, guidance_scale=guidance, generator=gens(seeds),
-                       output_type=output_type, height=family.resolution, width=family.resolution,
+                       output_type=output_type, height=family.height, width=family.width,
                        max_sequence_length=family.max_sequence_length).images
 
 

@@ -36,8 +36,8 @@ def family(tiny_flux2_klein):
 def _pipeline_latents(family, guidance: float, seeds, prompts=PROMPTS, image=None):
     """The pipeline's final latents ("latent" output: de-normalised and unpatchified)."""
     return family.pipe(prompt=prompts, image=image, num_inference_steps=6, guidance_scale=guidance,
-                       generator=gens(seeds), output_type="latent", height=family.resolution,
-                       width=family.resolution, max_sequence_length=family.max_sequence_length).images
+                       generator=gens(seeds), output_type="latent", height=family.height,
+                       width=family.width, max_sequence_length=family.max_sequence_length).images
 
 
 def _as_pipeline_latents(family, final: torch.Tensor) -> torch.Tensor:

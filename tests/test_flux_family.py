@@ -32,8 +32,8 @@ def family(tiny_flux):
 
 def _pipeline(family, guidance: float, seeds, output_type: str):
     return family.pipe(prompt=PROMPTS, num_inference_steps=6, guidance_scale=guidance, output_type=output_type,
-                       generator=[torch.Generator().manual_seed(s) for s in seeds], height=family.resolution,
-                       width=family.resolution, max_sequence_length=family.max_sequence_length).images
+                       generator=[torch.Generator().manual_seed(s) for s in seeds], height=family.height,
+                       width=family.width, max_sequence_length=family.max_sequence_length).images
 
 
 def test_registered_with_its_semantics_and_guidance():

@@ -54,7 +54,7 @@ def test_a_flux1_checkpoint_is_refused_naming_the_pipeline(tiny_flux):
 
 @pytest.mark.parametrize("guidance", [1.0, 2.5])
 def test_ode_sampling_equals_flux_kontext_pipeline(family, sources, guidance):
-    side = family.resolution
+    side = family.height
     ref = family.pipe(prompt=PROMPTS, image=[Image.open(io.BytesIO(b)).convert("RGB") for b in sources],
                       height=side, width=side, max_area=side * side, _auto_resize=False, num_inference_steps=6,
                       guidance_scale=guidance, output_type="latent", generator=gens([3, 4]),

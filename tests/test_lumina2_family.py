@@ -31,7 +31,7 @@ def family(tiny_lumina2):
 
 def _pipeline(family, guidance, seeds, output_type="latent", normalise=True, truncation=1.0):
     return family.pipe(prompt=PROMPTS, num_inference_steps=6, guidance_scale=guidance, generator=gens(seeds),
-                       output_type=output_type, height=family.resolution, width=family.resolution,
+                       output_type=output_type, height=family.height, width=family.width,
                        max_sequence_length=family.max_sequence_length, cfg_normalization=normalise,
                        cfg_trunc_ratio=truncation).images
 

@@ -38,7 +38,7 @@ def _pipeline(family, cond, negative: str | None, cfg: float, seeds, output_type
     if negative is not None:
         kw.update(negative_prompt=negative)
     return family.pipe(num_inference_steps=6, true_cfg_scale=cfg, generator=_gens(seeds), output_type=output_type,
-                       height=family.resolution, width=family.resolution,
+                       height=family.height, width=family.width,
                        max_sequence_length=family.max_sequence_length, **kw).images
 
 

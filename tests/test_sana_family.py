@@ -33,7 +33,7 @@ def _pipeline(family, cond, negative: str | None, cfg: float, seeds, output_type
     if negative is not None:
         kw.update(negative_prompt=negative)
     return family.pipe(num_inference_steps=6, guidance_scale=cfg, generator=gens(seeds), output_type=output_type,
-                       height=family.resolution, width=family.resolution, use_resolution_binning=False,
+                       height=family.height, width=family.width, use_resolution_binning=False,
                        max_sequence_length=family.max_sequence_length, **kw).images
 
 

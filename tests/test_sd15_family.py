@@ -50,7 +50,7 @@ def _pipeline_latents(family, steps, cfg, seeds, negative=None):
     pipe, ddim = _ddim_pipeline(family)
     shipped, pipe.scheduler = pipe.scheduler, ddim
     try:
-        return pipe(PROMPTS, negative_prompt=None if negative is None else [negative] * len(PROMPTS), height=family.resolution, width=family.resolution,
+        return pipe(PROMPTS, negative_prompt=None if negative is None else [negative] * len(PROMPTS), height=family.height, width=family.width,
                     num_inference_steps=steps, guidance_scale=cfg, eta=0.0, generator=gens(seeds),
                     output_type="latent").images
     finally:

@@ -53,12 +53,12 @@ def test_ode_sampling_equals_the_pipeline_with_ddim(family, cfg, negative):
     neg = family.encode_negative(negative or "").expand(2) if cfg > 1 else None
     traj = sample(family, cond, neg, gens([3, 4]), SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
     assert (traj.final - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
-    family.resolution = 32  # the time ids carry the image size: another size conditions differently
+    family.height = 32  # the time ids carry the image size: another size conditions differently
     try:
         x = torch.randn((1, 4, 8, 8), generator=torch.Generator().manual_seed(0))
         other = family.velocity(x, torch.tensor([501.0]), cond.select([0]))
     finally:
-        family.resolution = 16
+        family.height = 16
     assert not torch.allclose(other, family.velocity(x, torch.tensor([501.0]), cond.select([0])))
 
 

@@ -35,7 +35,7 @@ def family(tiny_wan):
 def _pipeline(family, cond, negative: str | None, cfg: float, seeds, output_type: str):
     """The pipeline given our prompt encodings, encoding its negative prompt itself."""
     return family.pipe(prompt_embeds=cond.prompt_embeds, negative_prompt=negative, guidance_scale=cfg, num_inference_steps=6, generator=gens(seeds), output_type=output_type,
-                       height=family.resolution, width=family.resolution, num_frames=family.frames,
+                       height=family.height, width=family.width, num_frames=family.frames,
                        max_sequence_length=family.max_sequence_length).frames
 
 

@@ -16,7 +16,10 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     device: str = "cpu"
     max_sequence_length: int = Field(0, ge=0, description="T5 tokens (256 for SD3.5; 0 when there is no T5)")
-    resolution: int | None = Field(None, ge=8, description="image side in pixels; None: the checkpoint's default")
+    resolution: int | None = Field(None, ge=8, description="image side in pixels (a square); None: the checkpoint's default")
+    height: int | None = Field(None, ge=8, description="image height in pixels, for non-square images and clips (Wan "
+                               "480×832, CogVideoX 480×720); None: model.resolution")
+    width: int | None = Field(None, ge=8, description="image width in pixels; None: model.resolution")
     frames: int | None = Field(None, ge=1, description="video families: frames per clip; None: the family's default")
     gradient_checkpointing: bool = Field(
         False, description="recompute each block's activations in the update's backward instead of keeping them "
@@ -41,6 +44,14 @@ class ModelConfig(_Section):
                                           "decodes at (0.03 recommended for 0.9.1); None: the pipeline's 0")
     decode_noise_scale: float | None = Field(None, ge=0, le=1, description="LTX-Video 0.9.1+: the share of fresh "
                                              "noise mixed into the latents before decoding; None: decode_timestep")
+
+    def size(self) -> int | tuple[int | None, int | None] | None:
+        """What a family loads with (`Family.load(resolution=...)`): model.resolution's square
+        side, or (height, width) where either is set — an unset one is model.resolution, or the
+        checkpoint's default when that is unset too."""
+        if self.height is None and self.width is None:
+            return self.resolution
+        return (self.height or self.resolution, self.width or self.resolution)
 
     def family_options(self) -> dict:
         """The settings only some families read, as `Family.load` keywords: those that are set."""

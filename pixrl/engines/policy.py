@@ -52,7 +52,7 @@ class TrainablePolicy:
         fam_cls = get_family(cfg.model.family)
         self.family = fam_cls.load(resolve_model_path(cfg.model.path), dtype=cfg.model.dtype,
                                    device=cfg.model.device, max_sequence_length=cfg.model.max_sequence_length,
-                                   resolution=cfg.model.resolution,
+                                   resolution=cfg.model.size(),
                                    **({"frames": cfg.model.frames} if cfg.model.frames else {}),
                                    **({"trainable_device": trainable_device} if trainable_device else {}),
                                    **({} if text_towers else {"text_towers": False}),

@@ -73,8 +73,9 @@ class CogVideoXFamily(SD15Family):
                             text_towers)
 
     @staticmethod
-    def default_resolution(pipe) -> int:
-        return pipe.transformer.config.sample_height * pipe.vae_scale_factor_spatial  # 480 (1.5: 768)
+    def default_resolution(pipe) -> tuple[int, int]:
+        c, f = pipe.transformer.config, pipe.vae_scale_factor_spatial
+        return c.sample_height * f, c.sample_width * f  # 480×720 (1.5: 768×1360)
 
     @staticmethod
     def resolution_multiple(pipe) -> int:
@@ -108,8 +109,8 @@ class CogVideoXFamily(SD15Family):
 
     def latent_shape(self) -> tuple[int, int, int, int]:
         """[F', C, H', W']: the pipeline's frame-major layout."""
-        side = self.resolution // self.pipe.vae_scale_factor_spatial
-        return self._latent_frames()[0], self.transformer.config.in_channels, side, side
+        h, w = self.height // self.pipe.vae_scale_factor_spatial, self.width // self.pipe.vae_scale_factor_spatial
+        return self._latent_frames()[0], self.transformer.config.in_channels, h, w
 
     # --- the transformer's v ------------------------------------------------------------------
     def _rotary_table(self, device: torch.device):
@@ -117,7 +118,7 @@ class CogVideoXFamily(SD15Family):
         if device not in self._rotary:
             table = None
             if self.transformer.config.use_rotary_positional_embeddings:
-                table = self.pipe._prepare_rotary_positional_embeddings(self.resolution, self.resolution,
+                table = self.pipe._prepare_rotary_positional_embeddings(self.height, self.width,
                                                                         self._latent_frames()[0], device)
             self._rotary[device] = table
         return self._rotary[device]

@@ -1,5 +1,5 @@
 """CogVideoX image-to-video (CogVideoXImageToVideoPipeline: CogVideoX1.5-5B-I2V, and CogVideoX-5B-I2V
-at its native size only): each prompt's source image as the clip's first frame. The variance-
+at its native 480×720 only): each prompt's source image as the clip's first frame. The variance-
 preserving dynamics, text, CFG and decode are the `cogvideox` family's; what image-to-video adds,
 as the pipeline builds it: the source encoded as a one-frame clip, scaled by the VAE's factor (its
 inverse where the checkpoint says `invert_scale_latents`), followed by zero latents for the other
@@ -9,7 +9,7 @@ in channels (16 + 16); the 1.5 transformer's `ofs` embedding at 2.0, as the pipe
 Deviation: the pipeline samples the source's VAE posterior with each sample's generator; pixrl
 takes its mode, so a prompt's condition is one tensor whatever the seed. Given that condition the
 ODE equals the pipeline's. CogVideoX-5B-I2V's learned positional embeddings hold one size
-(480×720), which a square clip is not: that checkpoint is refused by name.
+(480×720, its default here): any other size is refused, naming it.
 """
 
 from __future__ import annotations
@@ -55,18 +55,19 @@ class CogVideoXI2VFamily(CogVideoXFamily):
         c = self.transformer.config
         if c.use_learned_positional_embeddings:
             native = (c.sample_height * self.pipe.vae_scale_factor_spatial, c.sample_width * self.pipe.vae_scale_factor_spatial)
-            if native[0] != native[1]:
-                raise ModelLoadError(f"{self.path!r} (CogVideoX-5B-I2V) has learned positional embeddings for "
-                                     f"{native[0]}×{native[1]} clips only, and pixrl trains square clips; use "
-                                     "CogVideoX1.5-5B-I2V (rotary positions)")
+            if (self.height, self.width) != native:
+                raise ModelLoadError(f"{self.size_setting()}: {self.path!r} (CogVideoX-5B-I2V) has learned positional "
+                                     f"embeddings for {native[0]}×{native[1]} clips only; set model.height={native[0]} "
+                                     f"model.width={native[1]} (or unset the size), or use CogVideoX1.5-5B-I2V "
+                                     "(rotary positions) for other sizes")
         if c.in_channels != 2 * self.vae.config.latent_channels:
             raise ModelLoadError(f"{self.path!r}: its transformer reads {c.in_channels} channels; image-to-video reads "
                                  f"{2 * self.vae.config.latent_channels} (latents + first-frame latents) — is it a "
                                  "text-to-video checkpoint? (model.family=cogvideox)")
 
     def latent_shape(self) -> tuple[int, int, int, int]:
-        frames, _, side, _ = super().latent_shape()
-        return frames, self.vae.config.latent_channels, side, side
+        frames, _, h, w = super().latent_shape()
+        return frames, self.vae.config.latent_channels, h, w
 
     # --- conditioning -------------------------------------------------------------------------
     @encodes_text

@@ -91,7 +91,7 @@ class Flux2Family(PipelineFamily):
 
     def describe(self) -> dict:
         _, h, w = self.latent_shape()
-        return {"resolution": [self.resolution, self.resolution], "guidance": self.guidance,
+        return {"resolution": [self.height, self.width], "guidance": self.guidance,
                 "shift": "flux2 empirical μ", "image_seq_len": h * w}
 
     # --- conditioning -------------------------------------------------------------------------
@@ -115,14 +115,14 @@ class Flux2Family(PipelineFamily):
         `prepare_image_latents` makes them for a single `image` at the family's resolution."""
         from .source_images import decode_rgb
 
-        side = self.resolution
-        pixels = self.pipe.image_processor.preprocess(decode_rgb(image), height=side, width=side, resize_mode="crop")
+        pixels = self.pipe.image_processor.preprocess(decode_rgb(image), height=self.height, width=self.width,
+                                                      resize_mode="crop")
         return self.pipe.prepare_image_latents([pixels], 1, None, self.device, self.vae.dtype)
 
     # --- dynamics -----------------------------------------------------------------------------
     def latent_shape(self) -> tuple[int, int, int]:
-        side = self.resolution // (self.pipe.vae_scale_factor * 2)
-        return self.transformer.config.in_channels, side, side
+        f = self.pipe.vae_scale_factor * 2
+        return self.transformer.config.in_channels, self.height // f, self.width // f
 
     def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(σ [T+1] ending at 0, timesteps [T]) as Flux2Pipeline sets them: linspace(1, 1/T) with

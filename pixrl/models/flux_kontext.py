@@ -65,10 +65,9 @@ class FluxKontextFamily(FluxFamily):
         return FluxKontextConditioning(text.prompt_embeds, text.pooled, text.text_ids, packed, ids)
 
     def _image_latents(self, image: bytes) -> torch.Tensor:
-        """[1, C, h, w]: the source image at the family's resolution (centre-cropped to a square),
+        """[1, C, h, w]: the source image at the family's size (aspect kept, centre-cropped),
         VAE-encoded at its mode, shifted and scaled (FluxKontextPipeline's `_encode_vae_image`)."""
-        side = self.resolution
-        pixels = self.pipe.image_processor.preprocess(decode_rgb(image), side, side, resize_mode="crop")
+        pixels = self.pipe.image_processor.preprocess(decode_rgb(image), self.height, self.width, resize_mode="crop")
         return self.pipe._encode_vae_image(pixels.to(self.device, self.vae.dtype), generator=None)
 
     def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: FluxKontextConditioning,

@@ -68,15 +68,15 @@ class HunyuanVideoFamily(PipelineFamily):
         self.set_clip_frames()
 
     @staticmethod
-    def default_resolution(pipe) -> int:
-        return 720  # the pipeline's height
+    def default_resolution(pipe) -> tuple[int, int]:
+        return 720, 1280  # the pipeline's default clip
 
     @staticmethod
     def resolution_multiple(pipe) -> int:
         return pipe.vae_scale_factor_spatial * pipe.transformer.config.patch_size
 
     def describe(self) -> dict:
-        return {"resolution": [self.resolution, self.resolution], "frames": self.frames,
+        return {"resolution": [self.height, self.width], "frames": self.frames,
                 "shift": self.scheduler.config.get("shift"), "guidance": self.guidance}
 
     # --- conditioning -------------------------------------------------------------------------
@@ -93,9 +93,9 @@ class HunyuanVideoFamily(PipelineFamily):
 
     # --- dynamics -----------------------------------------------------------------------------
     def latent_shape(self) -> tuple[int, int, int, int]:
-        side = self.resolution // self.pipe.vae_scale_factor_spatial
+        h, w = self.height // self.pipe.vae_scale_factor_spatial, self.width // self.pipe.vae_scale_factor_spatial
         frames = (self.frames - 1) // self.pipe.vae_scale_factor_temporal + 1
-        return self.transformer.config.out_channels, frames, side, side
+        return self.transformer.config.out_channels, frames, h, w
 
     def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(σ [T+1] ending at 0, timesteps [T]) as the pipeline sets them: linspace(1, 0, T+1)[:-1],

@@ -84,15 +84,17 @@ class HunyuanVideo15Family(PipelineFamily):
         self.set_clip_frames()
 
     @staticmethod
-    def default_resolution(pipe) -> int:
-        return 480  # the 480p checkpoints' short side
+    def default_resolution(pipe) -> tuple[int, int]:
+        """The pipeline's default: its 16:9 aspect at the transformer's target size (480p: 480×848)."""
+        wide, tall = pipe.default_aspect_ratio
+        return pipe.video_processor.calculate_default_height_width(tall, wide, pipe.target_size)
 
     @staticmethod
     def resolution_multiple(pipe) -> int:
         return pipe.vae_scale_factor_spatial * pipe.transformer.config.patch_size
 
     def describe(self) -> dict:
-        return {"resolution": [self.resolution, self.resolution], "frames": self.frames,
+        return {"resolution": [self.height, self.width], "frames": self.frames,
                 "shift": self.scheduler.config.get("shift"), "guidance": self.guidance,
                 "guidance_rescale": self.guidance_rescale}
 
@@ -110,9 +112,9 @@ class HunyuanVideo15Family(PipelineFamily):
 
     # --- dynamics -----------------------------------------------------------------------------
     def latent_shape(self) -> tuple[int, int, int, int]:
-        side = self.resolution // self.pipe.vae_scale_factor_spatial
+        h, w = self.height // self.pipe.vae_scale_factor_spatial, self.width // self.pipe.vae_scale_factor_spatial
         frames = (self.frames - 1) // self.pipe.vae_scale_factor_temporal + 1
-        return self.vae.config.latent_channels, frames, side, side
+        return self.vae.config.latent_channels, frames, h, w
 
     def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(σ [T+1] ending at 0, timesteps [T]) as the pipeline sets them: linspace(1, 0, T+1)[:-1],

@@ -80,9 +80,9 @@ class HunyuanVideo15I2VFamily(HunyuanVideo15Family):
     def _first_frame(self, image: bytes) -> tuple[torch.Tensor, torch.Tensor]:
         """([1, C, 1, H', W'] scaled latents, [1, N, D] SigLIP states) of one source image, with the
         pipeline's own `_get_image_latents` and `_get_image_embeds`."""
-        side, pipe = self.resolution, self.pipe
-        picture = pipe.video_processor.resize(decode_rgb(image), height=side, width=side, resize_mode="crop")
-        latents = pipe._get_image_latents(pipe.vae, pipe.video_processor, picture, side, side, self.device)
+        h, w, pipe = self.height, self.width, self.pipe
+        picture = pipe.video_processor.resize(decode_rgb(image), height=h, width=w, resize_mode="crop")
+        latents = pipe._get_image_latents(pipe.vae, pipe.video_processor, picture, h, w, self.device)
         embeds = pipe._get_image_embeds(pipe.image_encoder, pipe.feature_extractor, picture, self.device)
         return latents, embeds
 

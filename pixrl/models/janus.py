@@ -88,6 +88,7 @@ class JanusProFamily:
         cfg = model.config
         self.grid = cfg.vq_config.num_patches
         self.resolution = self.grid * 2 ** (len(cfg.vq_config.channel_multiplier) - 1)
+        self.height = self.width = self.resolution
         self.context = cfg.text_config.max_position_embeddings
         self.max_sequence_length = max_sequence_length or self.context - self.image_token_count()
         self.boi_id = tokenizer.convert_tokens_to_ids(tokenizer.boi_token)
@@ -97,7 +98,7 @@ class JanusProFamily:
     # --- loading ------------------------------------------------------------------------------
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", max_sequence_length: int = 0,
-             resolution: int | None = None, frames: int | None = None,
+             resolution: int | tuple[int | None, int | None] | None = None, frames: int | None = None,
              trainable_device: str | None = None) -> "JanusProFamily":
         """`trainable_device` keeps the model (all of it is the trainable module) off `device`:
         "cpu", or "meta" (built from its config, no weights read: a sharded trainer rank)."""
@@ -126,9 +127,12 @@ class JanusProFamily:
         model.to(trainable_device or device).eval()
         model.requires_grad_(False)
         fam = cls(model, tokenizer, str(p), torch_dtype(dtype), max_sequence_length)
-        if resolution is not None and resolution != fam.resolution:
-            raise ModelLoadError(f"model.resolution={resolution}: this Janus-Pro checkpoint generates {fam.resolution}px "
-                                 f"images ({fam.grid}×{fam.grid} VQ tokens); unset model.resolution")
+        asked = resolution if isinstance(resolution, tuple) else (resolution, resolution)
+        if any(side is not None and side != fam.resolution for side in asked):
+            setting = (f"model.resolution={resolution}" if not isinstance(resolution, tuple)
+                       else f"model.height={asked[0]}, model.width={asked[1]}")
+            raise ModelLoadError(f"{setting}: this Janus-Pro checkpoint generates {fam.resolution}px square "
+                                 f"images ({fam.grid}×{fam.grid} VQ tokens); unset model.resolution/height/width")
         if fam.max_sequence_length + fam.image_token_count() > fam.context:
             raise ModelLoadError(f"model.max_sequence_length={max_sequence_length} plus {fam.image_token_count()} image "
                                  f"tokens exceeds the model's context of {fam.context} positions; set at most "

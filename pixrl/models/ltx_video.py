@@ -84,15 +84,15 @@ class LTXVideoFamily(PackedLatentsFamily):
         self.set_clip_frames(pipe.vae_temporal_compression_ratio)
 
     @staticmethod
-    def default_resolution(pipe) -> int:
-        return 512  # the pipeline's default height (its default clip is 512×704)
+    def default_resolution(pipe) -> tuple[int, int]:
+        return 512, 704  # the pipeline's default clip
 
     @staticmethod
     def resolution_multiple(pipe) -> int:
         return pipe.vae_spatial_compression_ratio * pipe.transformer_spatial_patch_size
 
     def describe(self) -> dict:
-        return {"resolution": [self.resolution, self.resolution], "frames": self.frames, "mu": self._mu(),
+        return {"resolution": [self.height, self.width], "frames": self.frames, "mu": self._mu(),
                 "shift_terminal": self.scheduler.config.get("shift_terminal"), "guidance": self.guidance,
                 "frame_rate": self.frame_rate, "decode_timestep": self.decode_timestep,
                 "decode_noise_scale": self.decode_noise_scale}
@@ -111,9 +111,9 @@ class LTXVideoFamily(PackedLatentsFamily):
 
     # --- dynamics -----------------------------------------------------------------------------
     def latent_shape(self) -> tuple[int, int, int, int]:
-        side = self.resolution // self.pipe.vae_spatial_compression_ratio
+        h, w = self.height // self.pipe.vae_spatial_compression_ratio, self.width // self.pipe.vae_spatial_compression_ratio
         frames = (self.frames - 1) // self.pipe.vae_temporal_compression_ratio + 1
-        return self.transformer.config.in_channels, frames, side, side
+        return self.transformer.config.in_channels, frames, h, w
 
     def _mu(self) -> float:
         """The dynamic shift's μ of the clip's latent token count, as the pipeline computes it."""

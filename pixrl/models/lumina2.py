@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .pipelines import PipelineFamily, dynamic_shift_mu, encodes_text
+from .pipelines import PipelineFamily, dynamic_shift_mu, encodes_text, packed_grid
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -86,8 +86,8 @@ class Lumina2Family(PipelineFamily):
 
     # --- dynamics -----------------------------------------------------------------------------
     def latent_shape(self) -> tuple[int, int, int]:
-        side = 2 * (self.resolution // (self.pipe.vae_scale_factor * 2))
-        return self.transformer.config.in_channels, side, side
+        h, w = packed_grid(self.height, self.width, self.pipe.vae_scale_factor)
+        return self.transformer.config.in_channels, h, w
 
     def _mu(self) -> float:
         """The pipeline's μ: calculate_shift of `latents.shape[1]`, which is the channel count."""

@@ -64,15 +64,15 @@ class MochiFamily(PipelineFamily):
         self.set_clip_frames(pipe.vae_temporal_scale_factor)
 
     @staticmethod
-    def default_resolution(pipe) -> int:
-        return 480  # the pipeline's default height (its default clip is 480×848)
+    def default_resolution(pipe) -> tuple[int, int]:
+        return pipe.default_height, pipe.default_width  # 480×848
 
     @staticmethod
     def resolution_multiple(pipe) -> int:
         return pipe.vae_spatial_scale_factor * pipe.transformer.config.patch_size
 
     def describe(self) -> dict:
-        return {"resolution": [self.resolution, self.resolution], "frames": self.frames, "guidance": self.guidance,
+        return {"resolution": [self.height, self.width], "frames": self.frames, "guidance": self.guidance,
                 "schedule": f"linear-quadratic (threshold {THRESHOLD_NOISE})", "time": "inverted" if self.inverted
                 else "σ", "force_zeros_for_empty_prompt": bool(self.pipe.config.get("force_zeros_for_empty_prompt"))}
 
@@ -99,9 +99,9 @@ class MochiFamily(PipelineFamily):
 
     # --- dynamics -----------------------------------------------------------------------------
     def latent_shape(self) -> tuple[int, int, int, int]:
-        side = self.resolution // self.pipe.vae_spatial_scale_factor
+        h, w = self.height // self.pipe.vae_spatial_scale_factor, self.width // self.pipe.vae_spatial_scale_factor
         frames = (self.frames - 1) // self.pipe.vae_temporal_scale_factor + 1
-        return self.transformer.config.in_channels, frames, side, side
+        return self.transformer.config.in_channels, frames, h, w
 
     def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(σ [T+1] ending at 0, timesteps [T] in the transformer's units) from the pipeline's

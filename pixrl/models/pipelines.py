@@ -36,23 +36,29 @@ class PipelineFamily:
     #: the pipeline component that denoises (held as `self.transformer` whatever its kind): a
     #: transformer, or SD1.x/2.x's "unet"
     denoiser: str = "transformer"
+    #: why the family refuses non-square sizes (model.height ≠ model.width); empty: it takes them
+    square_only: str = ""
     #: swapped components (`swap_components`) are handed to the pipeline's constructor, which reads
     #: them (a ProcessorMixin by type), instead of being set on the built pipeline
     swap_at_construction: bool = False
 
     def __init__(self, pipe, path: str, dtype: torch.dtype, max_sequence_length: int = 0,
-                 resolution: int | None = None, frames: int | None = None):
+                 resolution: int | tuple[int | None, int | None] | None = None, frames: int | None = None):
+        """`resolution`: a square side, or (height, width) — an unset one the checkpoint's default."""
         self.pipe, self.path, self.dtype = pipe, path, dtype
         self.max_sequence_length, self.frames = max_sequence_length, frames
         self.transformer, self.vae, self.scheduler = getattr(pipe, self.denoiser), pipe.vae, pipe.scheduler
-        self.resolution = resolution or self.default_resolution(pipe)
+        h, w = resolution if isinstance(resolution, tuple) else (resolution, resolution)
+        default = self.default_resolution(pipe) if h is None or w is None else None
+        dh, dw = default if isinstance(default, tuple) else (default, default)
+        self.height, self.width = h or dh, w or dw  # the image (clip frame) size in pixels
         self._encode_device: torch.device | None = None  # set while the text towers rest in host memory
         self.without_text = False  # loaded with text_towers=False: prompt sets are encoded elsewhere
 
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", max_sequence_length: int = 512,
-             resolution: int | None = None, frames: int | None = None, trainable_device: str | None = None,
-             text_towers: bool = True, **options):
+             resolution: int | tuple[int | None, int | None] | None = None, frames: int | None = None,
+             trainable_device: str | None = None, text_towers: bool = True, **options):
         """`text_towers=False`: the text encoders are not read (tokenizers are); `encode_prompts`
         then refuses — for a process given its prompt conditioning (engines/prompt_cache.py)."""
         unknown = sorted(set(options) - set(cls.options))
@@ -75,10 +81,10 @@ class PipelineFamily:
 
     @classmethod
     def from_directory(cls, path: str | Path, dtype: str, device: str, max_sequence_length: int,
-                       resolution: int | None, frames: int | None = None, trainable_device: str | None = None,
+                       resolution: int | tuple | None, frames: int | None = None, trainable_device: str | None = None,
                        text_towers: bool = True, **options):
         """Load `path` with the family's diffusers pipeline class: every component except the
-        trained transformer frozen, progress bars off; the resolution checked against the checkpoint.
+        trained transformer frozen, progress bars off; the size checked against the checkpoint.
         `trainable_device` keeps the trained transformer off `device`: "cpu", or "meta" (built from its
         config, no weights read: a sharded trainer rank that receives them from rank 0)."""
         import diffusers
@@ -113,11 +119,24 @@ class PipelineFamily:
                 module.requires_grad_(False)
         fam = cls(pipe, str(p), torch_dtype(dtype), max_sequence_length, resolution, frames, **options)
         fam.without_text = not text_towers
-        step = cls.resolution_multiple(pipe)
-        if fam.resolution % step:
-            raise ModelLoadError(f"model.resolution={fam.resolution}: this {cls.name} checkpoint needs a multiple of "
-                                 f"{step} (the VAE's downsampling times the transformer's patch size)")
+        fam.check_size()
         return fam
+
+    def check_size(self) -> None:
+        """Both sides on the checkpoint's grid; a family that makes square images only refuses others."""
+        step = self.resolution_multiple(self.pipe)
+        if self.height % step or self.width % step:
+            raise ModelLoadError(f"{self.size_setting()}: this {self.name} checkpoint needs multiples of {step} "
+                                 "(the VAE's downsampling times the transformer's patch size)")
+        if self.square_only and self.height != self.width:
+            raise ModelLoadError(f"{self.size_setting()}: the {self.name} family makes square images "
+                                 f"({self.square_only}); set model.resolution only")
+
+    def size_setting(self) -> str:
+        """The size as the config sets it, for messages: model.resolution=R, or model.height/width."""
+        if self.height == self.width:
+            return f"model.resolution={self.height}"
+        return f"model.height={self.height}, model.width={self.width}"
 
     def set_shift(self, shift: float) -> None:
         """`model.shift`: the checkpoint's flow-matching grid under another fixed shift (DanceGRPO
@@ -186,8 +205,9 @@ class PipelineFamily:
         return {}
 
     @staticmethod
-    def default_resolution(pipe) -> int:
-        """The pipeline's default image side (its `default_sample_size` latents)."""
+    def default_resolution(pipe) -> int | tuple[int, int]:
+        """The pipeline's default size: a square side (here: its `default_sample_size` latents), or
+        (height, width) where the pipeline's default is not square."""
         return pipe.default_sample_size * pipe.vae_scale_factor
 
     @staticmethod
@@ -208,7 +228,7 @@ class PipelineFamily:
 
     def describe(self) -> dict:
         """Settings recorded with the rollouts: image side, scheduler shift (and the dynamic μ), guidance."""
-        out = {"resolution": [self.resolution, self.resolution], "shift": self.scheduler.config.get("shift"),
+        out = {"resolution": [self.height, self.width], "shift": self.scheduler.config.get("shift"),
                "guidance": self.guidance}
         if self.scheduler.config.get("use_dynamic_shifting", False) and hasattr(self, "_mu"):
             out["mu"] = self._mu()
@@ -257,8 +277,8 @@ class PackedLatentsFamily(PipelineFamily):
     the pipelines' `linspace(1, 1/T, T)` sigmas with the dynamic shift of the packed sequence."""
 
     def latent_shape(self) -> tuple[int, int, int]:
-        side = 2 * (self.resolution // (self.pipe.vae_scale_factor * 2))
-        return self.transformer.config.in_channels // 4, side, side
+        h, w = packed_grid(self.height, self.width, self.pipe.vae_scale_factor)
+        return self.transformer.config.in_channels // 4, h, w
 
     def _mu(self) -> float:
         _, h, w = self.latent_shape()
@@ -275,6 +295,12 @@ class PackedLatentsFamily(PipelineFamily):
         else:
             sched.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), device=self.device, **kwargs)
         return sched.sigmas.float().clone(), sched.timesteps.float().clone()
+
+
+def packed_grid(height: int, width: int, vae_scale_factor: int) -> tuple[int, int]:
+    """The latent grid of an image the transformer reads in 2×2 patches: each side's latents
+    rounded down to even, as the packing pipelines (FLUX, Qwen-Image, Lumina-2, Z-Image) size it."""
+    return 2 * (height // (vae_scale_factor * 2)), 2 * (width // (vae_scale_factor * 2))
 
 
 def scheduler_grid(scheduler, steps: int, device, family: str, path: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .pipelines import PipelineFamily, dynamic_shift_mu, encodes_text
+from .pipelines import PipelineFamily, dynamic_shift_mu, encodes_text, packed_grid
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -125,23 +125,21 @@ class QwenImage21Family(PipelineFamily):
                                        self.pipe._pack_latents(latents, b, c, lh, lw), (lh, lw))
 
     def source(self, image: bytes):
-        """An edit's source as the pipeline reads it: RGBA, centre-cropped to a square, at the
-        target's area (`calculate_dimensions(output_resolution², 1)`, the pipeline's own resize)."""
+        """An edit's source as the pipeline reads it: RGBA, centre-cropped to the target's aspect,
+        at the target's area (`calculate_dimensions(output_resolution², aspect)`, the pipeline's own
+        resize, with output_resolution² = height·width)."""
         from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
 
-        from .source_images import decode_rgb
+        from .source_images import crop_to_aspect, decode_rgb
 
-        pil = decode_rgb(image)
-        side = min(pil.size)
-        left, top = (pil.width - side) // 2, (pil.height - side) // 2
-        w, h, _ = calculate_dimensions(self.resolution * self.resolution, 1.0)
-        square = pil.crop((left, top, left + side, top + side)).convert("RGBA")
-        return self.pipe.image_processor.resize(square, height=int(h), width=int(w))
+        pil = crop_to_aspect(decode_rgb(image), self.height, self.width).convert("RGBA")
+        w, h, _ = calculate_dimensions(self.height * self.width, pil.width / pil.height)
+        return self.pipe.image_processor.resize(pil, height=int(h), width=int(w))
 
     # --- dynamics -----------------------------------------------------------------------------
     def latent_shape(self) -> tuple[int, int, int]:
-        side = 2 * (self.resolution // (self.pipe.vae_scale_factor * 2))
-        return self.transformer.config.in_channels, side, side
+        h, w = packed_grid(self.height, self.width, self.pipe.vae_scale_factor)
+        return self.transformer.config.in_channels, h, w
 
     def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(σ [T+1] ending at 0, timesteps [T]) as the pipeline sets them."""

@@ -30,7 +30,7 @@ import torch
 from .pipelines import encodes_text
 from .qwen_image import QwenImageConditioning, QwenImageFamily
 from .registry import register_family
-from .source_images import decode_rgb, require_sources
+from .source_images import crop_to_aspect, decode_rgb, require_sources
 
 __all__ = ["QwenImageEditConditioning", "QwenImageEditFamily"]
 
@@ -84,13 +84,11 @@ class QwenImageEditFamily(QwenImageFamily):
 
     # --- conditioning -------------------------------------------------------------------------
     def source(self, image: bytes, area: int = EDIT_AREA):
-        """The source as the pipeline reads it: centre-cropped to a square, at `area` pixels (the
-        pipeline's own `image_processor.resize`)."""
-        pil = decode_rgb(image)
-        side = min(pil.size)
-        left, top = (pil.width - side) // 2, (pil.height - side) // 2
-        w, h = edit_size(side, side, area)
-        return self.pipe.image_processor.resize(pil.crop((left, top, left + side, top + side)), h, w)
+        """The source as the pipeline reads it: centre-cropped to the target's aspect (so a batch's
+        sources share one size), at `area` pixels (the pipeline's own `image_processor.resize`)."""
+        pil = crop_to_aspect(decode_rgb(image), self.height, self.width)
+        w, h = edit_size(pil.width, pil.height, area)
+        return self.pipe.image_processor.resize(pil, h, w)
 
     @encodes_text
     @torch.no_grad()

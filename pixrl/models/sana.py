@@ -68,7 +68,7 @@ class SanaFamily(PipelineFamily):
 
     def describe(self) -> dict:
         c = self.scheduler.config
-        return {"resolution": [self.resolution, self.resolution], "shift": c.get("flow_shift", c.get("shift")),
+        return {"resolution": [self.height, self.width], "shift": c.get("flow_shift", c.get("shift")),
                 "scheduler": type(self.scheduler).__name__, "guidance": self.guidance}
 
     # --- conditioning -------------------------------------------------------------------------
@@ -93,8 +93,8 @@ class SanaFamily(PipelineFamily):
 
     # --- dynamics -----------------------------------------------------------------------------
     def latent_shape(self) -> tuple[int, int, int]:
-        side = self.resolution // self.pipe.vae_scale_factor
-        return self.transformer.config.in_channels, side, side
+        h, w = self.height // self.pipe.vae_scale_factor, self.width // self.pipe.vae_scale_factor
+        return self.transformer.config.in_channels, h, w
 
     def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(σ [T+1] ending at 0, timesteps [T]) as the checkpoint's scheduler sets them for the pipeline."""

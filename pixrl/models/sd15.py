@@ -126,7 +126,7 @@ class SD15Family(PipelineFamily):
         return pipe.vae_scale_factor
 
     def describe(self) -> dict:
-        return {"resolution": [self.resolution, self.resolution], "guidance": self.guidance,
+        return {"resolution": [self.height, self.width], "guidance": self.guidance,
                 "prediction_type": self.prediction_type, "timestep_spacing": self.ddim.config.timestep_spacing,
                 "final_alpha_bar": float(self.ddim.final_alpha_cumprod)}
 
@@ -202,8 +202,8 @@ class SD15Family(PipelineFamily):
         return factor**2
 
     def latent_shape(self) -> tuple[int, int, int]:
-        side = self.resolution // self.pipe.vae_scale_factor
-        return self.transformer.config.in_channels, side, side
+        h, w = self.height // self.pipe.vae_scale_factor, self.width // self.pipe.vae_scale_factor
+        return self.transformer.config.in_channels, h, w
 
     # --- the flow velocity of the UNet's prediction -------------------------------------------
     def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: SDConditioning,

@@ -89,8 +89,8 @@ class SD3Family(PipelineFamily):
         return sched.sigmas.float().clone(), sched.timesteps.float().clone()
 
     def latent_shape(self) -> tuple[int, int, int]:
-        side = self.resolution // self.pipe.vae_scale_factor
-        return self.transformer.config.in_channels, side, side
+        h, w = self.height // self.pipe.vae_scale_factor, self.width // self.pipe.vae_scale_factor
+        return self.transformer.config.in_channels, h, w
 
     def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: SD3Conditioning,
                  guidance_scale: float = 1.0, neg: SD3Conditioning | None = None) -> torch.Tensor:

@@ -65,11 +65,12 @@ class SDXLFamily(SD15Family):
         return SDXLConditioning(embeds, pooled)
 
     def _time_ids(self, rows: int, device, dtype) -> torch.Tensor:
-        """The pipeline's time ids of the image side, made once per (side, device, dtype)."""
-        key = (self.resolution, str(device), dtype)
+        """The pipeline's time ids of the image size (original = target = (height, width), no
+        crop), made once per (size, device, dtype)."""
+        size = (self.height, self.width)
+        key = (size, str(device), dtype)
         if key not in self._ids:
-            side = (self.resolution, self.resolution)
-            self._ids[key] = self.pipe._get_add_time_ids(side, (0, 0), side, dtype=dtype,
+            self._ids[key] = self.pipe._get_add_time_ids(size, (0, 0), size, dtype=dtype,
                                                          text_encoder_projection_dim=self._projection_dim()).to(device)
         return self._ids[key].repeat(rows, 1)
 

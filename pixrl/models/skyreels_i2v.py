@@ -74,8 +74,8 @@ class SkyReelsI2VFamily(HunyuanVideoFamily):
                                  "— is it a text-to-video checkpoint? (model.family=hunyuan_video)")
 
     @staticmethod
-    def default_resolution(pipe) -> int:
-        return 544  # the pipeline's height
+    def default_resolution(pipe) -> tuple[int, int]:
+        return 544, 960  # the pipeline's default clip
 
     # --- conditioning -------------------------------------------------------------------------
     @encodes_text

@@ -33,12 +33,23 @@ def require_sources(family, prompts: list[str], images: list[bytes | None] | Non
 
 
 def source_pixels(family, image: bytes, dtype):
-    """(the picture, its pixels [1, 3, R, R] in [-1, 1]) of a source image as an image-to-video
-    pipeline reads it at the family's square `model.resolution` R: its video processor's resize
-    (aspect kept, centre-cropped), then its preprocess, on the family's device in `dtype`."""
-    side, proc = family.resolution, family.pipe.video_processor
-    picture = proc.resize(decode_rgb(image), side, side, resize_mode="crop")
-    return picture, proc.preprocess(picture, height=side, width=side).to(family.device, dtype)
+    """(the picture, its pixels [1, 3, H, W] in [-1, 1]) of a source image as an image-to-video
+    pipeline reads it at the family's size H×W: its video processor's resize (aspect kept,
+    centre-cropped), then its preprocess, on the family's device in `dtype`."""
+    h, w, proc = family.height, family.width, family.pipe.video_processor
+    picture = proc.resize(decode_rgb(image), h, w, resize_mode="crop")
+    return picture, proc.preprocess(picture, height=h, width=w).to(family.device, dtype)
+
+
+def crop_to_aspect(pil, height: int, width: int):
+    """`pil` centre-cropped to the aspect of a `height`×`width` target (the largest such box):
+    the editing families that size a source from its own aspect then read it at the target's."""
+    if pil.width * height > pil.height * width:  # wider than the target: trim the sides
+        cw, ch = round(pil.height * width / height), pil.height
+    else:
+        cw, ch = pil.width, round(pil.width * height / width)
+    left, top = (pil.width - cw) // 2, (pil.height - ch) // 2
+    return pil.crop((left, top, left + cw, top + ch))
 
 
 def digest(image: bytes) -> str:

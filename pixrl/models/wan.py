@@ -158,8 +158,8 @@ class WanFamily(PipelineFamily):
         return high if self.expert == "high" else ~high
 
     @staticmethod
-    def default_resolution(pipe) -> int:
-        return 480  # the pipeline's default height (its default clip is 480×832)
+    def default_resolution(pipe) -> tuple[int, int]:
+        return 480, 832  # the pipeline's default clip
 
     @staticmethod
     def resolution_multiple(pipe) -> int:
@@ -167,7 +167,7 @@ class WanFamily(PipelineFamily):
 
     def describe(self) -> dict:
         c = self.scheduler.config
-        out = {"resolution": [self.resolution, self.resolution], "frames": self.frames,
+        out = {"resolution": [self.height, self.width], "frames": self.frames,
                "shift": c.get("flow_shift", c.get("shift")), "scheduler": type(self.scheduler).__name__,
                "guidance": self.guidance}
         if self.expert is not None:
@@ -190,9 +190,9 @@ class WanFamily(PipelineFamily):
     def latent_shape(self) -> tuple[int, int, int, int]:
         """[C, F', H', W'] of the VAE's latents (the transformer may read more channels: image-to-video
         concatenates its condition to them)."""
-        side = self.resolution // self.pipe.vae_scale_factor_spatial
+        h, w = self.height // self.pipe.vae_scale_factor_spatial, self.width // self.pipe.vae_scale_factor_spatial
         frames = (self.frames - 1) // self.pipe.vae_scale_factor_temporal + 1
-        return self.vae.config.z_dim, frames, side, side
+        return self.vae.config.z_dim, frames, h, w
 
     def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         return scheduler_grid(self.scheduler, steps, self.device, self.name, self.path)

@@ -111,10 +111,9 @@ class WanI2VFamily(WanFamily):
         """([1, T + C, F', H', W'] mask and latents, [1, N, D] CLIP states or None) of one source
         image, from WanImageToVideoPipeline's own `prepare_latents` (given zero noise, which it
         returns untouched) and `encode_image`."""
-        side = self.resolution
         picture, pixels = source_pixels(self, image, torch.float32)
         noise = torch.zeros(1, *self.latent_shape(), device=self.device)
-        _, condition = self.pipe.prepare_latents(pixels, 1, noise.shape[1], side, side, self.frames, torch.float32,
+        _, condition = self.pipe.prepare_latents(pixels, 1, noise.shape[1], self.height, self.width, self.frames, torch.float32,
                                                  self.device, None, noise)
         embeds = self.pipe.encode_image(picture, self.device) if self.reads_clip else None
         return condition, embeds

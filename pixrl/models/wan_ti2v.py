@@ -82,11 +82,10 @@ class WanTI2VFamily(WanFamily):
     def _first_frame(self, image: bytes) -> torch.Tensor:
         """[1, C, 1, H', W'] of one source image, from WanImageToVideoPipeline's `prepare_latents`
         (given zero noise, which it returns untouched) on this checkpoint's VAE."""
-        side = self.resolution
         _, pixels = source_pixels(self, image, torch.float32)
         noise = torch.zeros(1, *self.latent_shape(), device=self.device)
-        _, condition, _ = self._prepare(self.pipe, pixels, 1, noise.shape[1], side, side, self.frames, torch.float32,
-                                        self.device, None, noise)
+        _, condition, _ = self._prepare(self.pipe, pixels, 1, noise.shape[1], self.height, self.width, self.frames,
+                                        torch.float32, self.device, None, noise)
         return condition
 
     # --- dynamics -----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .pipelines import PipelineFamily, dynamic_shift_mu, encodes_text
+from .pipelines import PipelineFamily, dynamic_shift_mu, encodes_text, packed_grid
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -79,8 +79,8 @@ class ZImageFamily(PipelineFamily):
 
     # --- dynamics -----------------------------------------------------------------------------
     def latent_shape(self) -> tuple[int, int, int]:
-        side = 2 * (self.resolution // (self.pipe.vae_scale_factor * 2))
-        return self.transformer.config.in_channels, side, side
+        h, w = packed_grid(self.height, self.width, self.pipe.vae_scale_factor)
+        return self.transformer.config.in_channels, h, w
 
     def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(σ [T+1] ending at 0, timesteps [T]) as ZImagePipeline sets them: its default sigmas and
