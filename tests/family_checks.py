@@ -98,3 +98,11 @@ def assert_held_frame_is_parameter_free(family, cond, neg, scale: float, sigma: 
             for p in family.transformer.parameters():
                 p.sub_(0.01)
     assert torch.equal(moved[:, :, :1], v[:, :, :1]) and not torch.allclose(moved[:, :, 1:], v[:, :, 1:])
+
+
+def wide(family_cls, path, height: int, width: int, **kw):
+    """The family loaded from `path` at a non-square `height`×`width`: the size every family
+    test compares with its pipeline given the same height and width."""
+    fam = family_cls.load(path, resolution=(height, width), **kw)
+    assert (fam.height, fam.width) == (height, width) and fam.describe()["resolution"] == [height, width]
+    return fam

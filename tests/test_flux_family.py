@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from conftest import tiny_overrides
+from family_checks import gens, wide
 from pixrl.algorithms.losses import ppo_clip_loss
 from pixrl.algorithms.sampling import SamplerRecipe, replay_step, sample
 from pixrl.cli import app
@@ -77,6 +78,18 @@ def test_ode_sampling_equals_flux_pipeline(family, guidance):
         plain = sample(family, family.encode_prompts(PROMPTS), None,
                        [torch.Generator().manual_seed(s) for s in seeds], SamplerRecipe(6, 0.0, train_steps=()))
         assert (plain.final - traj.final).abs().max().item() > 1e-4
+
+
+def test_non_square_ode_equals_flux_pipeline(tiny_flux):
+    """The packed sequence of a 32×48 image: its ids and its dynamic shift's μ as the pipeline's."""
+    fam = wide(FluxFamily, tiny_flux[0], 32, 48, max_sequence_length=64)
+    ref = _pipeline(fam, 3.5, [11, 12], "latent")
+    traj = sample(fam, fam.encode_prompts(PROMPTS), None, gens([11, 12]),
+                  SamplerRecipe(steps=6, noise_level=0.0, guidance_scale=3.5, train_steps=()))
+    assert traj.final.shape == (2, 4, 16, 24)
+    assert (fam.pipe._pack_latents(traj.final, 2, *fam.latent_shape()) - ref).abs().max().item() <= 1e-5
+    with pytest.raises(ModelLoadError, match="model.height=32, model.width=30: .*each side a multiple of 4"):
+        FluxFamily.load(tiny_flux[0], max_sequence_length=64, resolution=(32, 30))
 
 
 def test_decode_equals_the_pipeline_images(family):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import two_iterations
-from family_checks import assert_replay_is_on_policy, gens
+from family_checks import assert_replay_is_on_policy, gens, wide
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.models.base import ModelLoadError
 from pixrl.models.pixart_sigma import PixArtSigmaFamily
@@ -40,7 +40,8 @@ def _pipeline(family, cfg: float, seeds, output_type: str = "latent", steps: int
     pipe.scheduler = DDIMScheduler.from_config(shipped.config, timestep_spacing="trailing", clip_sample=False)
     try:
         return pipe(prompt=PROMPTS, negative_prompt=[negative] * len(PROMPTS), num_inference_steps=steps, generator=gens(seeds), guidance_scale=cfg, eta=0.0,
-                    output_type=output_type, height=32, width=32, max_sequence_length=64, clean_caption=False,
+                    output_type=output_type, height=family.height, width=family.width, max_sequence_length=64,
+                    clean_caption=False,
                     use_resolution_binning=False).images
     finally:
         pipe.scheduler = shipped
@@ -84,6 +85,15 @@ def test_ode_sampling_equals_the_pipeline_with_ddim(family, cfg, negative):
     traj = sample(family, family.encode_prompts(PROMPTS), neg, gens([3, 4]),
                   SamplerRecipe(10, 0.0, guidance_scale=cfg, train_steps=()))
     assert traj.final.shape == ref.shape == (2, 4, 16, 16)
+    assert (traj.final - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
+
+
+def test_non_square_ode_equals_the_pipeline(tiny_px):
+    fam = wide(PixArtSigmaFamily, tiny_px[0], 32, 48, max_sequence_length=64)
+    ref = _pipeline(fam, 4.5, [3, 4])
+    traj = sample(fam, fam.encode_prompts(PROMPTS), fam.encode_negative("").expand(2), gens([3, 4]),
+                  SamplerRecipe(10, 0.0, guidance_scale=4.5, train_steps=()))
+    assert traj.final.shape == ref.shape == (2, 4, 16, 24)
     assert (traj.final - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
 
 

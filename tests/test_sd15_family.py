@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import two_iterations
-from family_checks import assert_replay_is_on_policy, gens
+from family_checks import assert_replay_is_on_policy, gens, wide
 from pixrl.algorithms.flow_sde import flow_step, vp_norm
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.models.base import ModelLoadError, uses_negative_prompt
@@ -96,6 +96,15 @@ def test_ode_sampling_equals_the_pipeline_with_ddim(family, cfg, negative):
     traj = sample(family, cond, neg, gens([3, 4]), SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
     assert traj.final.shape == ref.shape == (2, 4, 8, 8)
     assert (traj.final - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
+
+
+def test_non_square_ode_equals_the_pipeline(tiny_sd15):
+    fam = wide(SD15Family, tiny_sd15[0], 24, 16)
+    ref = _pipeline_latents(fam, 6, 7.5, [3, 4])
+    traj = sample(fam, fam.encode_prompts(PROMPTS), fam.encode_negative("").expand(2), gens([3, 4]),
+                  SamplerRecipe(6, 0.0, guidance_scale=7.5, train_steps=()))
+    assert traj.final.shape == ref.shape == (2, 4, 12, 8)  # float32 rounding at the latents' scale (~20)
+    assert (traj.final - ref).abs().max().item() <= 4e-6 * ref.abs().max().item()
 
 
 @pytest.mark.parametrize("cfg", [1.0, 7.5])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pixrl.algorithms.losses import ppo_clip_loss
+from family_checks import gens
 from pixrl.algorithms.sampling import SamplerRecipe, replay_step, sample
 from pixrl.models.registry import UnknownFamilyError, get_family, registered_families
 from pixrl.models.sd3 import ModelLoadError, SD3Family
@@ -58,6 +59,22 @@ def test_ode_sampling_equals_diffusers_pipeline(family, guidance, negative):
     recipe = SamplerRecipe(steps=steps, noise_level=0.0, guidance_scale=guidance, train_steps=(),
                            negative_prompt=negative)
     traj = sample(family, cond, neg, [torch.Generator().manual_seed(s) for s in seeds], recipe)
+    assert (traj.final - ref).abs().max().item() <= 1e-5
+
+
+def test_non_square_ode_equals_the_pipeline(tiny_checkpoint, family):
+    side = family.height  # the largest the tiny checkpoint's positional table holds
+    with pytest.raises(ModelLoadError, match=f"model.height={side}, model.width={2 * side}: .*at most {side}"):
+        SD3Family.load(tiny_checkpoint, max_sequence_length=0, resolution=(side, 2 * side))
+    fam = SD3Family.load(tiny_checkpoint, max_sequence_length=0, resolution=(side // 2, side))
+    prompts, seeds = ["a red circle", "two blue squares"], [11, 12]
+    ref = fam.pipe(prompt=prompts, negative_prompt=[""] * 2, num_inference_steps=6, guidance_scale=3.0,
+                   height=fam.height, width=fam.width, generator=gens(seeds), output_type="latent",
+                   max_sequence_length=0).images
+    traj = sample(fam, fam.encode_prompts(prompts), fam.encode_negative("").expand(2), gens(seeds),
+                  SamplerRecipe(steps=6, noise_level=0.0, guidance_scale=3.0, train_steps=()))
+    f = fam.pipe.vae_scale_factor
+    assert traj.final.shape == ref.shape and ref.shape[-2:] == (side // 2 // f, side // f)
     assert (traj.final - ref).abs().max().item() <= 1e-5
 
 

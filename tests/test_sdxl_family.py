@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import two_iterations
-from family_checks import assert_replay_is_on_policy, gens
+from family_checks import assert_replay_is_on_policy, gens, wide
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.models.base import ModelLoadError
 from pixrl.models.registry import get_family
@@ -36,19 +36,34 @@ def test_encodings_are_the_pipelines_and_the_negative_is_zero(family):
     assert not empty.prompt_embeds.any()  # force_zeros_for_empty_prompt
 
 
-@pytest.mark.parametrize("cfg,negative", [(1.0, None), (5.0, None), (5.0, "blurry, low quality")])
-def test_ode_sampling_equals_the_pipeline_with_ddim(family, cfg, negative):
-    """Relative to the latents' scale (~20 for a random ε-model), as for sd15. The pipeline
-    encodes its negative prompt; without one (pixrl's empty negative prompt) it is zeros."""
+def _ddim_pipeline(family, cfg, negative):
     from diffusers import DDIMScheduler
 
     pipe = family.pipe
     shipped, pipe.scheduler = pipe.scheduler, DDIMScheduler.from_config(pipe.scheduler.config)
     try:
-        ref = pipe(PROMPTS, negative_prompt=None if negative is None else [negative] * 2, height=16, width=16, num_inference_steps=6, guidance_scale=cfg,
-                   eta=0.0, generator=gens([3, 4]), output_type="latent").images
+        return pipe(PROMPTS, negative_prompt=None if negative is None else [negative] * 2, height=family.height,
+                    width=family.width, num_inference_steps=6, guidance_scale=cfg, eta=0.0, generator=gens([3, 4]),
+                    output_type="latent").images
     finally:
         pipe.scheduler = shipped
+
+
+def test_non_square_ode_equals_the_pipeline(tiny_sdxl):
+    """The time ids carry (height, width) as the pipeline sets them."""
+    fam = wide(SDXLFamily, tiny_sdxl[0], 16, 32)
+    ref = _ddim_pipeline(fam, 5.0, None)
+    traj = sample(fam, fam.encode_prompts(PROMPTS), fam.encode_negative("").expand(2), gens([3, 4]),
+                  SamplerRecipe(6, 0.0, guidance_scale=5.0, train_steps=()))
+    assert traj.final.shape == ref.shape == (2, 4, 8, 16)
+    assert (traj.final - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("cfg,negative", [(1.0, None), (5.0, None), (5.0, "blurry, low quality")])
+def test_ode_sampling_equals_the_pipeline_with_ddim(family, cfg, negative):
+    """Relative to the latents' scale (~20 for a random ε-model), as for sd15. The pipeline
+    encodes its negative prompt; without one (pixrl's empty negative prompt) it is zeros."""
+    ref = _ddim_pipeline(family, cfg, negative)
     cond = family.encode_prompts(PROMPTS)
     neg = family.encode_negative(negative or "").expand(2) if cfg > 1 else None
     traj = sample(family, cond, neg, gens([3, 4]), SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))

@@ -126,7 +126,7 @@ class PipelineFamily:
         """Both sides on the checkpoint's grid; a family that makes square images only refuses others."""
         step = self.resolution_multiple(self.pipe)
         if self.height % step or self.width % step:
-            raise ModelLoadError(f"{self.size_setting()}: this {self.name} checkpoint needs multiples of {step} "
+            raise ModelLoadError(f"{self.size_setting()}: this {self.name} checkpoint needs each side a multiple of {step} "
                                  "(the VAE's downsampling times the transformer's patch size)")
         if self.square_only and self.height != self.width:
             raise ModelLoadError(f"{self.size_setting()}: the {self.name} family makes square images "

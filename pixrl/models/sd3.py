@@ -53,7 +53,7 @@ class SD3Family(PipelineFamily):
 
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu",
-             max_sequence_length: int = 256, resolution: int | None = None, frames: int | None = None,
+             max_sequence_length: int = 256, resolution: int | tuple | None = None, frames: int | None = None,
              trainable_device: str | None = None, text_towers: bool = True) -> "SD3Family":
         return super().load(path, dtype, device, max_sequence_length, resolution, frames, trainable_device,
                             text_towers)
@@ -61,6 +61,16 @@ class SD3Family(PipelineFamily):
     @staticmethod
     def resolution_multiple(pipe) -> int:
         return pipe.vae_scale_factor * pipe.transformer.config.patch_size
+
+    def check_size(self) -> None:
+        """Also: each side within the positional table the transformer crops from (SD3's
+        `pos_embed_max_size` patches: 192 × 16 px for SD3.5, which would fail mid-rollout)."""
+        super().check_size()
+        cells = self.transformer.config.get("pos_embed_max_size")
+        largest = cells * self.transformer.config.patch_size * self.pipe.vae_scale_factor if cells else None
+        if largest and max(self.height, self.width) > largest:
+            raise ModelLoadError(f"{self.size_setting()}: this checkpoint's positional table covers {largest}px a "
+                                 f"side ({cells} patches); set each side to at most {largest}")
 
     def describe(self) -> dict:
         return {"resolution": list(self.latent_shape()), "shift": self.scheduler.config.get("shift")}
