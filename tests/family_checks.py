@@ -67,7 +67,7 @@ def row_negatives(family, prompts, sources, text):
     return PromptCache(family).negative_rows(text, keys, sources).of(keys)
 
 
-def edit_pipeline_latents(family, cond, neg, images, cfg, seeds, side=32, steps=6):
+def edit_pipeline_latents(family, cond, neg, images, cfg, seeds, steps=6):
     """A Qwen-Image-Edit pipeline's packed final latents, one source image a call, given our
     encodings (its own encoding would skip the image marks)."""
     out = []
@@ -77,7 +77,8 @@ def edit_pipeline_latents(family, cond, neg, images, cfg, seeds, side=32, steps=
         if neg is not None:
             kw.update(negative_prompt_embeds=neg.prompt_embeds[i:i + 1],
                       negative_prompt_embeds_mask=None if neg.mask is None else neg.mask[i:i + 1])
-        out.append(family.pipe(image=im, height=side, width=side, num_inference_steps=steps, true_cfg_scale=cfg,
+        out.append(family.pipe(image=im, height=family.height, width=family.width, num_inference_steps=steps,
+                               true_cfg_scale=cfg,
                                generator=gens([s]), output_type="latent", **kw).images)
     return torch.cat(out)
 

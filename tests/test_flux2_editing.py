@@ -51,6 +51,21 @@ def test_an_edit_equals_flux2_pipeline_with_one_reference_image(family, sources,
     assert family.encode_prompts(PROMPTS, [None, None]).image_latents is None  # text-to-image, unchanged
 
 
+def test_a_non_square_edit_equals_flux2_pipeline(tiny_flux2):
+    """A 64×96 target and reference (the pipeline keeps a reference of the target's size)."""
+    fam = Flux2Family.load(tiny_flux2[0], max_sequence_length=tiny_flux2[1]["model.max_sequence_length"],
+                           resolution=(64, 96))
+    rng = np.random.default_rng(4)
+    src = png_bytes(rng.integers(0, 256, (64, 96, 3)))
+    traj = sample(fam, fam.encode_prompts(PROMPTS[:1], [src]), None, gens([5]),
+                  SamplerRecipe(steps=6, noise_level=0.0, guidance_scale=4.0, train_steps=()))
+    ref = fam.pipe(prompt=PROMPTS[:1], image=[Image.open(io.BytesIO(src)).convert("RGB")], num_inference_steps=6,
+                   guidance_scale=4.0, generator=gens([5]), output_type="latent", height=64, width=96,
+                   max_sequence_length=fam.max_sequence_length).images
+    assert traj.final.shape == (1, 16, 16, 24)
+    assert (fam.pipe._pack_latents(traj.final) - ref).abs().max().item() <= 1e-5
+
+
 def test_edits_replay_exactly_and_a_mixed_batch_is_refused(family, sources):
     recipe = SamplerRecipe(steps=4, noise_level=0.9, sde_type="sde", guidance_scale=4.0, train_steps=(0, 1, 2))
     assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS, sources), None, recipe)

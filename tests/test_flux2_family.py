@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from family_checks import assert_replay_is_on_policy, gens
+from family_checks import assert_replay_is_on_policy, gens, wide
 from conftest import two_iterations
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.models.base import ModelLoadError, uses_negative_prompt
@@ -76,6 +76,15 @@ def test_ode_sampling_equals_flux2_pipeline(family, guidance):
     if guidance > 1:  # the embedded guidance reaches the model
         plain = sample(family, family.encode_prompts(PROMPTS), None, gens(seeds), SamplerRecipe(6, 0.0, train_steps=()))
         assert (plain.final - traj.final).abs().max().item() > 1e-4
+
+
+def test_non_square_ode_equals_flux2_pipeline(tiny_flux2):
+    fam = wide(Flux2Family, tiny_flux2[0], 32, 64, max_sequence_length=tiny_flux2[1]["model.max_sequence_length"])
+    ref = _pipeline(fam, 4.0, [11, 12], "latent")
+    traj = sample(fam, fam.encode_prompts(PROMPTS), None, gens([11, 12]),
+                  SamplerRecipe(6, 0.0, guidance_scale=4.0, train_steps=()))
+    assert traj.final.shape == (2, 16, 8, 16)
+    assert (fam.pipe._pack_latents(traj.final) - ref).abs().max().item() <= 1e-5
 
 
 def test_decode_equals_the_pipeline_images(family):

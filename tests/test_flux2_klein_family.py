@@ -81,6 +81,14 @@ def test_ode_sampling_equals_flux2_klein_pipeline(family, guidance):
         assert (plain.final - traj.final).abs().max().item() > 1e-4
 
 
+def test_non_square_ode_equals_flux2_klein_pipeline(tiny_flux2_klein):
+    fam = _load(*tiny_flux2_klein, resolution=(64, 32))
+    traj = _ode(fam, fam.encode_prompts(PROMPTS), fam.encode_negative("").expand(2), [11, 12], 4.0)
+    ref = _pipeline_latents(fam, 4.0, [11, 12])
+    assert traj.final.shape[-2:] == (16, 8)
+    assert (_as_pipeline_latents(fam, traj.final) - ref).abs().max().item() <= 1e-5
+
+
 def test_a_step_distilled_checkpoint_samples_without_guidance_as_the_pipeline_does(tmp_path):
     overrides = Flux2KleinFamily.write_tiny(tmp_path / "distilled", distilled=True)
     fam = _load(tmp_path / "distilled", overrides)

@@ -17,7 +17,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from conftest import tiny_overrides, two_iterations
-from family_checks import assert_replay_is_on_policy, gens
+from family_checks import assert_replay_is_on_policy, gens, wide
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.cli import app
 from pixrl.datasets.prompts import PromptSetError, load_prompt_set
@@ -65,6 +65,21 @@ def test_ode_sampling_equals_flux_kontext_pipeline(family, sources, guidance):
     assert packed.shape == ref.shape and (packed - ref).abs().max().item() <= 1e-5
     other = sample(family, family.encode_prompts(PROMPTS, sources[::-1]), None, gens([3, 4]), recipe)
     assert (other.final - traj.final).abs().max().item() > 1e-4  # the source image reaches the velocity
+
+
+def test_non_square_ode_equals_the_pipeline(tiny_flux_kontext, sources):
+    """A 32×48 target; each source read at it (aspect kept, centre-cropped) — what the pipeline
+    is given, so that its own resize keeps it."""
+    fam = wide(FluxKontextFamily, tiny_flux_kontext[0], 32, 48, max_sequence_length=64)
+    images = [fam.pipe.image_processor.resize(Image.open(io.BytesIO(b)).convert("RGB"), 32, 48, resize_mode="crop")
+              for b in sources]
+    ref = fam.pipe(prompt=PROMPTS, image=images, height=32, width=48, max_area=32 * 48, _auto_resize=False,
+                   num_inference_steps=6, guidance_scale=2.5, output_type="latent", generator=gens([3, 4]),
+                   max_sequence_length=64).images
+    traj = sample(fam, fam.encode_prompts(PROMPTS, sources), None, gens([3, 4]),
+                  SamplerRecipe(steps=6, noise_level=0.0, guidance_scale=2.5, train_steps=()))
+    packed = fam.pipe._pack_latents(traj.final, 2, *fam.latent_shape())
+    assert packed.shape == ref.shape and (packed - ref).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("sde_type,window", [("sde", None), ("cps", None), ("sde", (1, 2))])

@@ -15,7 +15,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from conftest import two_iterations
-from family_checks import WithImageMarks, assert_replay_is_on_policy, edit_pipeline_latents, gens, row_negatives
+from family_checks import WithImageMarks, assert_replay_is_on_policy, edit_pipeline_latents, gens, row_negatives, wide
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.cli import app
 from pixrl.engines.prompt_cache import PromptCache
@@ -83,6 +83,17 @@ def test_ode_sampling_equals_the_pipeline_with_the_negative_read_with_each_image
     assert (family.pipe._pack_latents(traj.final, 2, *family.latent_shape()) - ref).abs().max().item() <= 1e-5
     other = sample(family, family.encode_prompts(PROMPTS, sources[::-1]), neg, gens([3, 4]), recipe)
     assert (other.final - traj.final).abs().max().item() > 1e-4  # the source reaches the velocity
+
+
+def test_a_non_square_edit_equals_the_pipeline(tiny_qie, sources):
+    """A 32×48 target: each source centre-cropped to its aspect, then read at the pipeline's areas."""
+    fam = wide(QwenImageEditFamily, tiny_qie[0], 32, 48, max_sequence_length=64)
+    read = fam.source(sources[0])
+    assert abs(read.width / read.height - 1.5) < 0.1  # the target's aspect (sized to 32-px steps)
+    cond = fam.encode_prompts(PROMPTS, sources)  # (CFG with each row's negative: the square tests)
+    traj = sample(fam, cond, None, gens([3, 4]), SamplerRecipe(6, 0.0, train_steps=()))
+    ref = edit_pipeline_latents(fam, cond, None, [fam.source(im) for im in sources], 1.0, [3, 4])
+    assert (fam.pipe._pack_latents(traj.final, 2, *fam.latent_shape()) - ref).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("sde_type,window", [("sde", None), ("cps", None), ("sde", (1, 2))])

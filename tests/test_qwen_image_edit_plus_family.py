@@ -15,13 +15,13 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from conftest import two_iterations
-from family_checks import WithImageMarks, assert_replay_is_on_policy, edit_pipeline_latents, gens, row_negatives
+from family_checks import WithImageMarks, assert_replay_is_on_policy, edit_pipeline_latents, gens, row_negatives, wide
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.cli import app
 from pixrl.models.base import ModelLoadError
 from pixrl.models.qwen_image_edit_plus import QwenImageEditPlusFamily
 from pixrl.models.registry import family_of_directory, get_family
-from pixrl.models.source_images import decode_rgb
+from pixrl.models.source_images import crop_to_aspect, decode_rgb
 
 PROMPTS = ["make the sky red", "add a blue square"]
 
@@ -93,6 +93,16 @@ def test_ode_sampling_equals_the_pipeline(family, family_2509, sources, variant,
     assert (fam.pipe._pack_latents(traj.final, 2, *fam.latent_shape()) - ref).abs().max().item() <= 1e-5
     other = sample(fam, fam.encode_prompts(PROMPTS, sources[::-1]), neg, gens([3, 4]), recipe)
     assert (other.final - traj.final).abs().max().item() > 1e-4  # the source reaches the velocity
+
+
+def test_a_non_square_edit_equals_the_pipeline(tiny_2511, sources):
+    """A 48×32 target: the pipeline given each source cropped to that aspect sizes both reads."""
+    fam = wide(QwenImageEditPlusFamily, tiny_2511[0], 48, 32, max_sequence_length=64)
+    cond = fam.encode_prompts(PROMPTS, sources)  # (CFG with each row's negative: the square tests)
+    traj = sample(fam, cond, None, gens([3, 4]), SamplerRecipe(6, 0.0, train_steps=()))
+    ref = edit_pipeline_latents(fam, cond, None, [crop_to_aspect(decode_rgb(im), 48, 32) for im in sources], 1.0,
+                                [3, 4])
+    assert (fam.pipe._pack_latents(traj.final, 2, *fam.latent_shape()) - ref).abs().max().item() <= 1e-5
 
 
 def test_2511s_source_tokens_are_modulated_at_timestep_zero(family, family_2509, sources):

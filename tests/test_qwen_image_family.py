@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import tiny_overrides
-from family_checks import assert_replay_is_on_policy
+from family_checks import assert_replay_is_on_policy, wide
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.cli import app
 from pixrl.models.base import ModelLoadError, uses_negative_prompt
@@ -70,6 +70,17 @@ def test_ode_sampling_equals_qwen_image_pipeline(family, cfg, negative):
     if cfg > 1:
         plain = sample(family, cond, None, _gens(seeds), SamplerRecipe(6, 0.0, train_steps=()))
         assert (plain.final - traj.final).abs().max().item() > 1e-4
+
+
+def test_non_square_ode_equals_qwen_image_pipeline(tiny_qwen_image):
+    """img_shapes and the dynamic shift's μ of a 48×32 image, as the pipeline's."""
+    fam = wide(QwenImageFamily, tiny_qwen_image[0], 48, 32,
+               max_sequence_length=tiny_qwen_image[1]["model.max_sequence_length"])
+    cond, neg = fam.encode_prompts(PROMPTS), fam.encode_negative("").expand(2)
+    ref = _pipeline(fam, cond, "", 4.0, [11, 12], "latent")
+    traj = sample(fam, cond, neg, _gens([11, 12]), SamplerRecipe(6, 0.0, guidance_scale=4.0, train_steps=()))
+    assert traj.final.shape == (2, 4, 24, 16)
+    assert (fam.pipe._pack_latents(traj.final, 2, *fam.latent_shape()) - ref).abs().max().item() <= 1e-5
 
 
 def test_decode_equals_the_pipeline_images(family):
