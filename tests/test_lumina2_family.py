@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import two_iterations
-from family_checks import assert_replay_is_on_policy, gens
+from family_checks import assert_replay_is_on_policy, gens, wide
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.models.base import ModelLoadError, uses_negative_prompt
 from pixrl.models.lumina2 import Lumina2Family
@@ -77,6 +77,14 @@ def test_ode_sampling_equals_lumina2_pipeline(tiny_lumina2, guidance, normalise)
     assert (traj.final - ref).abs().max().item() <= 1e-5
     if guidance > 1:
         assert (_ode(fam, 1.0, [11, 12]).final - traj.final).abs().max().item() > 1e-4
+
+
+def test_non_square_ode_equals_lumina2_pipeline(tiny_lumina2):
+    fam = wide(Lumina2Family, tiny_lumina2[0], 64, 32, max_sequence_length=tiny_lumina2[1]["model.max_sequence_length"])
+    traj = _ode(fam, 4.0, [11, 12])
+    ref = _pipeline(fam, 4.0, [11, 12])
+    assert traj.final.shape == ref.shape and ref.shape[-2] == 2 * ref.shape[-1]
+    assert (traj.final - ref).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("truncation", [0.25, 0.5])

@@ -17,7 +17,7 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import two_iterations
-from family_checks import assert_replay_is_on_policy, gens, row_negatives
+from family_checks import assert_replay_is_on_policy, gens, row_negatives, wide
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.cli import app
 from pixrl.models.base import ModelLoadError
@@ -65,7 +65,8 @@ def _pipeline(family, cfg, negative, seeds, steps=6, cache=False):
     """The pipeline one prompt a call: batched, it would place a shorter prompt's target tokens
     after its padding (the family runs each row as alone, whatever its batch)."""
     return torch.cat([family.pipe(prompt=[p], negative_prompt=None if negative is None else [negative],
-                                  true_cfg_scale=cfg, height=64, width=64, num_inference_steps=steps,
+                                  true_cfg_scale=cfg, height=family.height, width=family.width,
+                                  num_inference_steps=steps,
                                   generator=gens([s]), output_type="latent", use_kv_cache=cache).images
                       for p, s in zip(PROMPTS, seeds)])
 
@@ -102,6 +103,14 @@ def test_the_checkpoints_sample_sigmas_set_the_grid_when_the_step_count_matches(
     finally:
         family.pipe.register_to_config(sample_sigmas=None)
     assert not torch.allclose(given, plain) and torch.equal(other, family.schedule(5)[0])
+
+
+def test_non_square_ode_equals_the_pipeline(tiny_q21):
+    fam = wide(QwenImage21Family, tiny_q21[0], 64, 32, max_sequence_length=64)
+    traj = sample(fam, fam.encode_prompts(PROMPTS), None, gens([3, 4]), SamplerRecipe(6, 0.0, train_steps=()))
+    ref = _pipeline(fam, 1.0, None, [3, 4])
+    assert traj.final.shape[-2:] == (2 * traj.final.shape[-1], traj.final.shape[-1])
+    assert (_packed(traj.final) - ref).abs().max().item() <= 1e-5
 
 
 def test_decode_is_the_pipelines_with_alpha_over_white(family):

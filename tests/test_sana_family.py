@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from family_checks import assert_replay_is_on_policy, euler, gens
+from family_checks import assert_replay_is_on_policy, euler, gens, wide
 from conftest import two_iterations
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.models.base import ModelLoadError, uses_negative_prompt
@@ -86,6 +86,16 @@ def test_ode_sampling_equals_sana_pipeline(family, cfg, negative):
         with euler(family):
             plain = sample(family, cond, None, gens(seeds), SamplerRecipe(6, 0.0, train_steps=()))
         assert (plain.final - traj.final).abs().max().item() > 1e-4
+
+
+def test_non_square_ode_equals_sana_pipeline(tiny_sana):
+    fam = wide(SanaFamily, tiny_sana[0], 32, 64, max_sequence_length=tiny_sana[1]["model.max_sequence_length"])
+    cond, neg = fam.encode_prompts(PROMPTS), fam.encode_negative("").expand(2)
+    with euler(fam):
+        ref = _pipeline(fam, cond, "", 4.5, [11, 12], "latent")
+        traj = sample(fam, cond, neg, gens([11, 12]), SamplerRecipe(6, 0.0, guidance_scale=4.5, train_steps=()))
+    assert traj.final.shape == ref.shape == (2, 4, 16, 32)
+    assert (traj.final - ref).abs().max().item() <= 1e-5
 
 
 def test_decode_equals_the_pipeline_images(family):

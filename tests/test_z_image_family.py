@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import two_iterations
-from family_checks import assert_replay_is_on_policy, gens
+from family_checks import assert_replay_is_on_policy, gens, wide
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.models.registry import family_of_directory, get_family
 from pixrl.models.z_image import ZImageFamily
@@ -33,7 +33,8 @@ def family(tiny_z):
 def _pipeline(family, cfg: float, seeds, output_type: str, negative: str | None = None, truncation: float = 1.0):
     return family.pipe(prompt=list(PROMPTS), negative_prompt=None if negative is None else [negative] * len(PROMPTS),
                        guidance_scale=cfg - 1.0, num_inference_steps=6, generator=gens(seeds), cfg_truncation=truncation,
-                       output_type=output_type, height=32, width=32, max_sequence_length=64).images
+                       output_type=output_type, height=family.height, width=family.width,
+                       max_sequence_length=64).images
 
 
 def test_registered_and_found_from_its_layout(tiny_z, family):
@@ -84,6 +85,15 @@ def test_ode_sampling_equals_z_image_pipeline(family, cfg, negative):
     traj = sample(family, family.encode_prompts(PROMPTS), neg, gens([3, 4]),
                   SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
     assert traj.final.shape == ref.shape == (2, 4, 16, 16)
+    assert (traj.final - ref).abs().max().item() <= 1e-5
+
+
+def test_non_square_ode_equals_z_image_pipeline(tiny_z):
+    fam = wide(ZImageFamily, tiny_z[0], 32, 64, max_sequence_length=64)
+    ref = _pipeline(fam, 4.0, [3, 4], "latent")
+    traj = sample(fam, fam.encode_prompts(PROMPTS), fam.encode_negative("").expand(2), gens([3, 4]),
+                  SamplerRecipe(6, 0.0, guidance_scale=4.0, train_steps=()))
+    assert traj.final.shape == ref.shape == (2, 4, 16, 32)
     assert (traj.final - ref).abs().max().item() <= 1e-5
 
 
