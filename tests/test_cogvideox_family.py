@@ -13,7 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import tiny_overrides, two_iterations
-from family_checks import assert_replay_is_on_policy, gens
+from family_checks import assert_replay_is_on_policy, gens, wide
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.artifacts.media import decode_media
 from pixrl.cli import app
@@ -43,7 +43,8 @@ def family(tiny_cvx):
 def _pipeline(family, cfg: float, seeds, output_type: str, negative: str | None = None, frames: int = 9):
     """The pipeline one prompt a call (its VAE decodes a clip at a time in pixrl too)."""
     out = [family.pipe(prompt=[p], negative_prompt=negative, num_inference_steps=5, guidance_scale=cfg,
-                       generator=gens([s]), output_type=output_type, height=32, width=32, num_frames=frames,
+                       generator=gens([s]), output_type=output_type, height=family.height, width=family.width,
+                       num_frames=frames,
                        max_sequence_length=64).frames for p, s in zip(PROMPTS, seeds)]
     return torch.cat(out) if output_type == "latent" else np.concatenate(out)
 
@@ -91,6 +92,15 @@ def test_ode_sampling_equals_the_pipeline(family, cfg, negative):
     ref = _pipeline(family, cfg, [3, 4], "latent", negative)
     final = _ode(family, cfg, [3, 4], negative)
     assert final.shape == ref.shape == (2, 3, 4, 8, 8)
+    assert (final - ref).abs().max().item() <= 1e-5
+
+
+def test_non_square_ode_equals_the_pipeline(tiny_cvx):
+    """The rotary table of a 32×48 clip, as the pipeline builds it."""
+    fam = wide(CogVideoXFamily, tiny_cvx[0], 32, 48, max_sequence_length=64, frames=9)
+    ref = _pipeline(fam, 6.0, [3, 4], "latent")
+    final = _ode(fam, 6.0, [3, 4], None)
+    assert final.shape == ref.shape == (2, 3, 4, 8, 12)
     assert (final - ref).abs().max().item() <= 1e-5
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import two_iterations
-from family_checks import assert_replay_is_on_policy, gens
+from family_checks import assert_replay_is_on_policy, gens, wide
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.artifacts.media import decode_media
 from pixrl.models.base import ModelLoadError
@@ -37,7 +37,7 @@ def _pipeline(family, cfg: float, seeds, output_type: str, negative: str | None 
     saved, family.pipe.guider = family.pipe.guider, ClassifierFreeGuidance(guidance_scale=cfg)
     try:
         out = [family.pipe(prompt=[p], negative_prompt=negative, num_inference_steps=6, generator=gens([s]), output_type=output_type,
-                           height=64, width=64, num_frames=5).frames for p, s in zip(PROMPTS, seeds)]
+                           height=family.height, width=family.width, num_frames=5).frames for p, s in zip(PROMPTS, seeds)]
     finally:
         family.pipe.guider = saved
     return torch.cat(out) if output_type == "latent" else np.concatenate(out)
@@ -86,6 +86,15 @@ def test_ode_sampling_equals_the_pipeline(family, cfg, negative):
     traj = sample(family, family.encode_prompts(PROMPTS), neg, gens([3, 4]),
                   SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
     assert traj.final.shape == ref.shape == (2, 4, 2, 4, 4)
+    assert (traj.final - ref).abs().max().item() <= 1e-5
+
+
+def test_non_square_ode_equals_the_pipeline(tiny_hv):
+    fam = wide(HunyuanVideo15Family, tiny_hv[0], 64, 96, max_sequence_length=64, frames=5)
+    ref = _pipeline(fam, 6.0, [3, 4], "latent")
+    traj = sample(fam, fam.encode_prompts(PROMPTS), fam.encode_negative("").expand(2), gens([3, 4]),
+                  SamplerRecipe(6, 0.0, guidance_scale=6.0, train_steps=()))
+    assert traj.final.shape == ref.shape == (2, 4, 2, 4, 6)
     assert (traj.final - ref).abs().max().item() <= 1e-5
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import two_iterations
-from family_checks import assert_replay_is_on_policy, gens
+from family_checks import assert_replay_is_on_policy, gens, wide
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.artifacts.media import decode_media
 from pixrl.models.base import ModelLoadError
@@ -33,8 +33,8 @@ def family(tiny_hv):
 
 def _pipeline(family, guidance: float, seeds, output_type: str):
     """The pipeline at embedded guidance `guidance`, one prompt a call (its VAE decodes one clip at a time)."""
-    out = [family.pipe(prompt=[p], num_inference_steps=6, generator=gens([s]), output_type=output_type, height=32,
-                       width=32, num_frames=5, guidance_scale=guidance, max_sequence_length=64).frames
+    out = [family.pipe(prompt=[p], num_inference_steps=6, generator=gens([s]), output_type=output_type,
+                       height=family.height, width=family.width, num_frames=5, guidance_scale=guidance, max_sequence_length=64).frames
            for p, s in zip(PROMPTS, seeds)]
     return torch.cat(out) if output_type == "latent" else np.concatenate(out)
 
@@ -88,6 +88,15 @@ def test_ode_sampling_equals_the_pipeline(family, guidance):
         other = sample(family, family.encode_prompts(PROMPTS), None, gens([3, 4]),
                        SamplerRecipe(6, 0.0, guidance_scale=1.0, train_steps=()))
         assert (other.final - traj.final).abs().max() > 1e-4
+
+
+def test_non_square_ode_equals_the_pipeline(tiny_hv):
+    fam = wide(HunyuanVideoFamily, tiny_hv[0], 48, 32, max_sequence_length=64, frames=5)
+    ref = _pipeline(fam, 6.0, [3, 4], "latent")
+    traj = sample(fam, fam.encode_prompts(PROMPTS), None, gens([3, 4]),
+                  SamplerRecipe(6, 0.0, guidance_scale=6.0, train_steps=()))
+    assert traj.final.shape == ref.shape == (2, 4, 2, 6, 4)
+    assert (traj.final - ref).abs().max().item() <= 1e-5
 
 
 def test_decoded_clips_equal_the_pipeline_frames(family):

@@ -13,7 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import two_iterations
-from family_checks import assert_replay_is_on_policy, gens
+from family_checks import assert_replay_is_on_policy, gens, wide
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.artifacts.media import decode_media
 from pixrl.cli import app
@@ -44,9 +44,11 @@ def _pipeline(family, cfg: float, seeds, output_type: str, negative: str | None 
     for p, s in zip(PROMPTS, seeds):
         torch.manual_seed(global_seed)
         res = family.pipe(prompt=[p], negative_prompt=negative, num_inference_steps=6, guidance_scale=cfg,
-                          generator=gens([s]), output_type=output_type, height=64, width=64, num_frames=9,
+                          generator=gens([s]), output_type=output_type, height=family.height,
+                          width=family.width, num_frames=9,
                           max_sequence_length=32, frame_rate=frame_rate, **DECODE).frames
-        out.append(family.pipe._unpack_latents(res, 3, 4, 4) if output_type == "latent" else res)
+        _, f, h, w = family.latent_shape()
+        out.append(family.pipe._unpack_latents(res, f, h, w) if output_type == "latent" else res)
     return torch.cat(out) if output_type == "latent" else np.concatenate(out)
 
 
@@ -92,6 +94,16 @@ def test_ode_sampling_equals_the_pipeline(tiny_ltx, family, cfg, negative, rate)
     traj = sample(fam, fam.encode_prompts(PROMPTS), neg, gens([3, 4]),
                   SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
     assert traj.final.shape == ref.shape == (2, 8, 3, 4, 4)
+    assert (traj.final - ref).abs().max().item() <= 1e-5
+
+
+def test_non_square_ode_equals_the_pipeline(tiny_ltx):
+    """The packed tokens and the dynamic shift of a 64×96 clip, as the pipeline's."""
+    fam = wide(LTXVideoFamily, tiny_ltx[0], 64, 96, max_sequence_length=32, frames=9, **DECODE)
+    ref = _pipeline(fam, 3.0, [3, 4], "latent")
+    traj = sample(fam, fam.encode_prompts(PROMPTS), fam.encode_negative("").expand(2), gens([3, 4]),
+                  SamplerRecipe(6, 0.0, guidance_scale=3.0, train_steps=()))
+    assert traj.final.shape == ref.shape == (2, 8, 3, 4, 6)
     assert (traj.final - ref).abs().max().item() <= 1e-5
 
 

@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import two_iterations
-from family_checks import assert_replay_is_on_policy, gens
+from family_checks import assert_replay_is_on_policy, gens, wide
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.artifacts.media import decode_media
 from pixrl.cli import app
@@ -37,7 +37,7 @@ def family(tiny_mochi):
 def _pipeline(family, cfg: float, seeds, output_type: str, negative: str | None = None):
     """The pipeline one prompt a call (its VAE decodes a clip at a time in pixrl too)."""
     out = [family.pipe(prompt=[p], negative_prompt=negative, num_inference_steps=6, guidance_scale=cfg,
-                       generator=gens([s]), output_type=output_type, height=32, width=32, num_frames=7,
+                       generator=gens([s]), output_type=output_type, height=family.height, width=family.width, num_frames=7,
                        max_sequence_length=32).frames for p, s in zip(PROMPTS, seeds)]
     return torch.cat(out) if output_type == "latent" else np.concatenate(out)
 
@@ -87,6 +87,15 @@ def test_ode_sampling_equals_the_pipeline(family, cfg, negative):
     traj = sample(family, family.encode_prompts(PROMPTS), neg, gens([3, 4]),
                   SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
     assert traj.final.shape == ref.shape == (2, 12, 2, 4, 4)
+    assert (traj.final - ref).abs().max().item() <= 1e-5
+
+
+def test_non_square_ode_equals_the_pipeline(tiny_mochi):
+    fam = wide(MochiFamily, tiny_mochi[0], 32, 48, max_sequence_length=32, frames=7)
+    ref = _pipeline(fam, 4.5, [3, 4], "latent")
+    traj = sample(fam, fam.encode_prompts(PROMPTS), fam.encode_negative("").expand(2), gens([3, 4]),
+                  SamplerRecipe(6, 0.0, guidance_scale=4.5, train_steps=()))
+    assert traj.final.shape == ref.shape == (2, 12, 2, 4, 6)
     assert (traj.final - ref).abs().max().item() <= 1e-5
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from family_checks import assert_replay_is_on_policy, euler, gens
+from family_checks import assert_replay_is_on_policy, euler, gens, wide
 from conftest import tiny_overrides, two_iterations
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.artifacts.media import decode_media
@@ -74,6 +74,16 @@ def test_ode_sampling_equals_wan_pipeline(family, cfg, negative):
         ref = _pipeline(family, cond, negative, cfg, seeds, "latent")
         traj = sample(family, cond, neg, gens(seeds), SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
     assert traj.final.shape == ref.shape == (2, 4, 3, 8, 8)
+    assert (traj.final - ref).abs().max().item() <= 1e-5
+
+
+def test_non_square_ode_equals_wan_pipeline(tiny_wan):
+    fam = wide(WanFamily, tiny_wan[0], 32, 48, max_sequence_length=64, frames=5)
+    cond, neg = fam.encode_prompts(PROMPTS), fam.encode_negative("").expand(2)
+    with euler(fam):
+        ref = _pipeline(fam, cond, "", 5.0, [11, 12], "latent")
+        traj = sample(fam, cond, neg, gens([11, 12]), SamplerRecipe(6, 0.0, guidance_scale=5.0, train_steps=()))
+    assert traj.final.shape == ref.shape == (2, 4, 3, 8, 12)
     assert (traj.final - ref).abs().max().item() <= 1e-5
 
 
