@@ -49,6 +49,13 @@ def test_missing_checkpoint_path(tmp_path):
     assert not (tmp_path / "wd").exists()
 
 
+def test_a_non_square_size_for_a_square_only_family_is_refused_in_preflight(tmp_path, tiny_janus):
+    res = _run(["train", f"--workdir={tmp_path / 'wd'}", "model.family=janus_pro", f"model.path={tiny_janus[0]}",
+                "algorithm=token_grpo", "model.height=16", "model.width=32"])
+    assert res.exit_code == 2 and "the janus_pro family makes square images" in " ".join(res.output.split())
+    assert not (tmp_path / "wd").exists()
+
+
 def test_empty_prompt_set(tmp_path, tiny_checkpoint):
     empty = tmp_path / "prompts.txt"
     empty.write_text("\n")

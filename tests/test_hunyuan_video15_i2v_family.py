@@ -12,11 +12,11 @@ import torch
 from PIL import Image
 
 from conftest import two_iterations
-from family_checks import assert_replay_is_on_policy, gens
+from family_checks import assert_replay_is_on_policy, gens, wide
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.models.hunyuan_video15_i2v import HunyuanVideo15I2VFamily
 from pixrl.models.registry import family_of_directory
-from pixrl.models.source_images import SourceImageError
+from pixrl.models.source_images import SourceImageError, source_pixels
 
 PROMPTS = ["the red circle drifts to the right", "the camera zooms in"]
 
@@ -52,6 +52,21 @@ def test_first_frame_condition_and_siglip_states_are_the_pipelines(tiny_hvi, fam
                                                                          "cpu")
         assert torch.equal(hidden[i:i + 1, 4:8], want_cond) and torch.equal(hidden[i:i + 1, 8:], want_mask)
         assert torch.equal(image[i:i + 1], family.pipe.encode_image(_pil(im), 1, "cpu", torch.float32))
+
+
+def test_non_square_ode_equals_the_image_to_video_pipeline(tiny_hvi, frames):
+    """The pipeline sizes the clip from its image (the target-size bucket nearest its aspect):
+    given each source cropped to 48×80, a bucket, it makes the 48×80 clip pixrl makes."""
+    from diffusers import ClassifierFreeGuidance
+
+    fam = wide(HunyuanVideo15I2VFamily, tiny_hvi[0], 48, 80, max_sequence_length=64, frames=5)
+    fam.pipe.guider = ClassifierFreeGuidance(guidance_scale=1.0)
+    ref = torch.cat([fam.pipe(image=source_pixels(fam, frames[i], torch.float32)[0], prompt=[PROMPTS[i]],
+                              num_inference_steps=6, generator=gens([3 + i]), output_type="latent", num_frames=5).frames
+                     for i in range(2)])
+    traj = sample(fam, fam.encode_prompts(PROMPTS, frames), None, gens([3, 4]), SamplerRecipe(6, 0.0, train_steps=()))
+    assert traj.final.shape == ref.shape and traj.final.shape[-2:] == (3, 5)
+    assert (traj.final - ref).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("cfg,negative", [(1.0, None), (6.0, None), (6.0, "blurry, static")])

@@ -124,6 +124,8 @@ def test_a_checkpoint_without_the_generation_head_is_refused(tiny_janus, tmp_pat
         JanusProFamily.load(src, frames=5)
     with pytest.raises(ModelLoadError, match="generates 16px"):
         JanusProFamily.load(src, resolution=64)
+    with pytest.raises(ModelLoadError, match="model.height=16, model.width=32: .* 16px square"):
+        JanusProFamily.load(src, resolution=(16, 32))
 
 
 def test_a_prompt_longer_than_the_context_is_refused(family, tiny_janus):

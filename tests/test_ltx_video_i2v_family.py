@@ -15,13 +15,13 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from conftest import two_iterations
-from family_checks import assert_held_frame_is_parameter_free, assert_replay_is_on_policy, gens
+from family_checks import assert_held_frame_is_parameter_free, assert_replay_is_on_policy, gens, wide
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.artifacts.media import decode_media
 from pixrl.cli import app
 from pixrl.models.ltx_video_i2v import LTXVideoI2VFamily
 from pixrl.models.registry import family_of_directory, get_family
-from pixrl.models.source_images import SourceImageError
+from pixrl.models.source_images import SourceImageError, source_pixels
 
 PROMPTS = ["the red circle drifts to the right", "the camera zooms in"]
 
@@ -55,10 +55,10 @@ def _pipeline(family, cond, negative, frames, cfg, seeds):
     for i, s in enumerate(seeds):
         start = torch.randn((1, *family.latent_shape()), generator=gens([s])[0])
         start[:, :, :1] = cond.condition[i:i + 1]
-        res = pipe(image=Image.open(io.BytesIO(frames[i])).convert("RGB"), prompt=[PROMPTS[i]], negative_prompt=negative,
+        res = pipe(image=source_pixels(family, frames[i], torch.float32)[0], prompt=[PROMPTS[i]], negative_prompt=negative,
                    guidance_scale=cfg, num_inference_steps=6, latents=pipe._pack_latents(start), output_type="latent",
-                   height=64, width=64, num_frames=9, max_sequence_length=32).frames
-        out.append(pipe._unpack_latents(res, 3, 4, 4))
+                   height=family.height, width=family.width, num_frames=9, max_sequence_length=32).frames
+        out.append(pipe._unpack_latents(res, *family.latent_shape()[1:]))
     return torch.cat(out)
 
 
@@ -88,6 +88,16 @@ def test_ode_sampling_equals_the_image_to_video_pipeline(family, frames, cfg, ne
     assert traj.final.shape == ref.shape == (2, 8, 3, 4, 4)
     assert (traj.final - ref).abs().max().item() <= 1e-5
     assert (other.final[:, :, 1:] - traj.final[:, :, 1:]).abs().max().item() > 1e-4  # the frame reaches the clip
+
+
+def test_non_square_ode_equals_the_image_to_video_pipeline(tiny_ltx_i2v, frames):
+    fam = wide(LTXVideoI2VFamily, tiny_ltx_i2v[0], 64, 96, max_sequence_length=32, frames=9, decode_timestep=0.03,
+               decode_noise_scale=0.025)
+    cond, neg = fam.encode_prompts(PROMPTS, frames), fam.encode_negative("").expand(2)
+    ref = _pipeline(fam, cond, None, frames, 3.0, [3, 4])
+    traj = sample(fam, cond, neg, gens([3, 4]), SamplerRecipe(6, 0.0, guidance_scale=3.0, train_steps=()))
+    assert traj.final.shape == ref.shape == (2, 8, 3, 4, 6)
+    assert (traj.final - ref).abs().max().item() <= 1e-5
 
 
 def test_the_condition_frames_transition_carries_no_parameter(family, frames):

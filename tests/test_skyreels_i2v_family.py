@@ -13,14 +13,14 @@ import torch
 from PIL import Image
 
 from conftest import two_iterations
-from family_checks import assert_replay_is_on_policy, gens
+from family_checks import assert_replay_is_on_policy, gens, wide
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.artifacts.media import decode_media
 from pixrl.engines.prompt_cache import PromptCache
 from pixrl.models.base import ModelLoadError
 from pixrl.models.registry import family_of_directory, get_family
 from pixrl.models.skyreels_i2v import SkyReelsI2VFamily
-from pixrl.models.source_images import SourceImageError, condition_keys
+from pixrl.models.source_images import SourceImageError, condition_keys, source_pixels
 
 PROMPTS = ["the red circle drifts to the right", "the camera zooms in"]
 PIPELINE_MODULE = "diffusers.pipelines.hunyuan_video.pipeline_hunyuan_skyreels_image2video"
@@ -55,9 +55,9 @@ def posterior_mode(monkeypatch):
 def _pipeline(family, frames, cfg, seeds, negative: str = ""):
     """The pipeline at true-CFG scale `cfg` on its negative prompt, one prompt and frame a call."""
     neg = {"negative_prompt": negative} if cfg > 1 else {}
-    out = [family.pipe(image=Image.open(io.BytesIO(frames[i])).convert("RGB"), prompt=[p], true_cfg_scale=cfg,
+    out = [family.pipe(image=source_pixels(family, frames[i], torch.float32)[0], prompt=[p], true_cfg_scale=cfg,
                        guidance_scale=1.0, num_inference_steps=6, generator=gens([s]), output_type="latent",
-                       height=32, width=32, num_frames=5, max_sequence_length=64, **neg).frames
+                       height=family.height, width=family.width, num_frames=5, max_sequence_length=64, **neg).frames
            for i, (p, s) in enumerate(zip(PROMPTS, seeds))]
     return torch.cat(out)
 
@@ -82,13 +82,22 @@ def test_first_frame_latents_are_the_pipelines(family, frames, posterior_mode):
 @pytest.mark.parametrize("cfg,negative", [(1.0, ""), (6.0, ""), (6.0, "Aerial view, overexposed, low quality")])
 def test_ode_sampling_equals_the_pipeline(family, frames, cfg, negative, posterior_mode):
     """The last case: the start of SkyReels-V1's model-card negative prompt."""
+    _ode_equals_the_pipeline(family, frames, cfg, negative)
+
+
+def test_non_square_ode_equals_the_pipeline(tiny_sr, frames, posterior_mode):
+    _ode_equals_the_pipeline(wide(SkyReelsI2VFamily, tiny_sr[0], 32, 48, max_sequence_length=64, frames=5), frames,
+                             6.0, "")
+
+
+def _ode_equals_the_pipeline(family, frames, cfg, negative):
     cond = family.encode_prompts(PROMPTS, frames)
     neg = family.encode_negative(negative).expand(2) if cfg > 1 else None
     ref = _pipeline(family, frames, cfg, [3, 4], negative)
     recipe = SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=())
     traj = sample(family, cond, neg, gens([3, 4]), recipe)
     other = sample(family, family.encode_prompts(PROMPTS, frames[::-1]), neg, gens([3, 4]), recipe)
-    assert traj.final.shape == ref.shape == (2, 4, 2, 4, 4)
+    assert traj.final.shape == ref.shape == (2, *family.latent_shape())
     assert (traj.final - ref).abs().max().item() <= 1e-5
     assert (other.final - traj.final).abs().max().item() > 1e-4  # the first frame reaches the velocity
 

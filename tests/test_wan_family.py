@@ -151,9 +151,13 @@ def test_two_rl_iterations_store_clips_through_the_unchanged_flow(tiny_wan, tmp_
     assert grid.ndim == 4 and grid.shape[0] == 5  # the sample grid animates the clips
 
 
-def test_two_rl_iterations_full_fine_tune(tiny_wan, tmp_path, prefect_harness):
-    out, t = two_iterations(tiny_wan, tmp_path, "wan-full", "full", "sampling.guidance_scale=5.0")
-    assert decode_media(t["image"][3].as_py()).shape == (5, 32, 32, 3)
+def test_two_rl_iterations_full_fine_tune_of_non_square_clips(tiny_wan, tmp_path, prefect_harness):
+    """model.width beside model.resolution: 32×48 clips stored, recorded and replayed exactly."""
+    out, t = two_iterations(tiny_wan, tmp_path, "wan-full", "full", "sampling.guidance_scale=5.0", "model.width=48")
+    assert decode_media(t["image"][3].as_py()).shape == (5, 32, 48, 3)
+    assert t["final_latent"].type.shape == [4, 3, 8, 12]
+    rep = CliRunner().invoke(app, ["replay", "wan-full", "--iteration", "1", "--workdir", str(tmp_path)])
+    assert rep.exit_code == 0 and json.loads(rep.stdout.strip().splitlines()[-1])["equal"] is True, rep.output
 
 
 @pytest.fixture(scope="module")

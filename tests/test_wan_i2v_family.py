@@ -16,14 +16,14 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from conftest import two_iterations
-from family_checks import assert_replay_is_on_policy, euler, gens
+from family_checks import assert_replay_is_on_policy, euler, gens, wide
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.artifacts.media import decode_media
 from pixrl.cli import app
 from pixrl.engines.prompt_cache import PromptCache
 from pixrl.models.base import ModelLoadError
 from pixrl.models.registry import family_of_directory, get_family
-from pixrl.models.source_images import SourceImageError, condition_keys
+from pixrl.models.source_images import SourceImageError, condition_keys, source_pixels
 from pixrl.models.wan_i2v import WanI2VFamily
 
 PROMPTS = ["the red circle drifts to the right", "the camera zooms in"]
@@ -48,10 +48,10 @@ def frames(tiny_i2v):
 def _pipeline(family, cond, negative, frames, cfg, seeds, **kw):
     """WanImageToVideoPipeline, one prompt at a time (it takes one image per call), encoding its
     negative prompt itself."""
-    out = [family.pipe(image=Image.open(io.BytesIO(frames[i])).convert("RGB"), prompt_embeds=cond.prompt_embeds[i:i + 1],
+    out = [family.pipe(image=source_pixels(family, frames[i], torch.float32)[0], prompt_embeds=cond.prompt_embeds[i:i + 1],
                        negative_prompt=negative, guidance_scale=cfg,
-                       num_inference_steps=6, generator=gens([s]), output_type="latent", height=32, width=32,
-                       num_frames=5, max_sequence_length=64, **kw).frames for i, s in enumerate(seeds)]
+                       num_inference_steps=6, generator=gens([s]), output_type="latent",
+                       height=family.height, width=family.width, num_frames=5, max_sequence_length=64, **kw).frames for i, s in enumerate(seeds)]
     return torch.cat(out)
 
 
@@ -74,6 +74,17 @@ def test_first_frame_condition_and_clip_states_are_the_pipelines(family, frames)
         assert torch.equal(cond.image_embeds[i:i + 1], family.pipe.encode_image(picture, "cpu"))
     assert cond.condition.shape == (2, 2 + 4, 3, 8, 8) and cond.condition[:, :2, 0].eq(1).all()
     assert cond.condition[:, :2, 1:].eq(0).all()
+
+
+def test_non_square_ode_equals_the_image_to_video_pipeline(tiny_i2v, frames):
+    """A 32×48 clip, its first frame the source centre-cropped to that aspect (given so to the pipeline)."""
+    fam = wide(WanI2VFamily, tiny_i2v[0], 32, 48, max_sequence_length=64, frames=5)
+    cond, neg = fam.encode_prompts(PROMPTS, frames), fam.encode_negative("").expand(2)
+    with euler(fam):
+        ref = _pipeline(fam, cond, "", frames, 5.0, [3, 4])
+        traj = sample(fam, cond, neg, gens([3, 4]), SamplerRecipe(6, 0.0, guidance_scale=5.0, train_steps=()))
+    assert traj.final.shape == ref.shape == (2, 4, 3, 8, 12)
+    assert (traj.final - ref).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("cfg,negative", [(1.0, None), (5.0, ""), (5.0, "blurry, static")])

@@ -15,13 +15,13 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from conftest import two_iterations
-from family_checks import assert_held_frame_is_parameter_free, assert_replay_is_on_policy, euler, gens
+from family_checks import assert_held_frame_is_parameter_free, assert_replay_is_on_policy, euler, gens, wide
 from pixrl.algorithms.sampling import SamplerRecipe, replay_step, sample
 from pixrl.artifacts.media import decode_media
 from pixrl.cli import app
 from pixrl.models.base import ModelLoadError
 from pixrl.models.registry import family_of_directory, get_family
-from pixrl.models.source_images import SourceImageError
+from pixrl.models.source_images import SourceImageError, source_pixels
 from pixrl.models.wan import WanFamily
 from pixrl.models.wan_ti2v import WanTI2VFamily
 
@@ -57,9 +57,10 @@ def _i2v_pipeline(family):
 
 def _pipeline(family, cond, negative, frames, cfg, seeds, output_type="latent"):
     pipe = _i2v_pipeline(family)
-    out = [pipe(image=Image.open(io.BytesIO(frames[i])).convert("RGB"), prompt_embeds=cond.prompt_embeds[i:i + 1],
+    out = [pipe(image=source_pixels(family, frames[i], torch.float32)[0], prompt_embeds=cond.prompt_embeds[i:i + 1],
                 negative_prompt=negative, guidance_scale=cfg, num_inference_steps=6, generator=gens([s]),
-                output_type=output_type, height=32, width=32, num_frames=5, max_sequence_length=64).frames
+                output_type=output_type, height=family.height, width=family.width, num_frames=5,
+                max_sequence_length=64).frames
            for i, s in enumerate(seeds)]
     return torch.cat(out) if output_type == "latent" else np.concatenate(out)
 
@@ -79,6 +80,17 @@ def test_first_frame_latents_are_the_pipelines(family, frames):
         _, want, mask = pipe.prepare_latents(pixels, 1, 4, 32, 32, 5, torch.float32, "cpu", gens([0]))
         assert torch.equal(cond.condition[i:i + 1], want)
     assert cond.condition.shape == (2, 4, 1, 4, 4) and mask[:, :, 0].eq(0).all() and mask[:, :, 1:].eq(1).all()
+
+
+def test_non_square_ode_equals_the_image_to_video_pipeline(tiny_ti2v, frames):
+    fam = wide(WanTI2VFamily, tiny_ti2v[0], 48, 32, max_sequence_length=64, frames=5)
+    cond, neg = fam.encode_prompts(PROMPTS, frames), fam.encode_negative("").expand(2)
+    with euler(fam):
+        ref = _pipeline(fam, cond, "", frames, 5.0, [3, 4])
+        traj = sample(fam, cond, neg, gens([3, 4]), SamplerRecipe(6, 0.0, guidance_scale=5.0, train_steps=()))
+    assert traj.final.shape == ref.shape == (2, 4, 3, 6, 4)
+    assert (traj.final - ref).abs().max().item() <= 1e-5
+    assert torch.allclose(traj.final[:, :, :1], cond.condition, atol=1e-6)
 
 
 @pytest.mark.parametrize("cfg,negative", [(1.0, None), (5.0, ""), (5.0, "blurry, static")])

@@ -79,6 +79,7 @@ class JanusProFamily:
     semantics = PolicySemantics(regime=Regime.token_autoregressive, step=PolicyStep.token, action=Action.categorical)
     guidance = "logits"  # CFG combines conditional and unconditional logits; no negative-prompt batch
     video = False
+    square_only = "its VQ tokens fill a fixed square grid"  # model.height/width must agree (preflight)
     #: full fine-tuning trains the decoder and the generation path; the understanding encoder,
     #: its aligner and the frozen VQ-VAE stay fixed (as in T2I-R1 and ReasonGen-R1)
     frozen_prefixes = ("model.vqmodel.", "model.vision_model.", "model.aligner.")

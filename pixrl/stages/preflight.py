@@ -32,6 +32,10 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
         if cfg.model.frames and not getattr(family, "video", False):
             raise ValueError(f"model.frames={cfg.model.frames}: the {family.name} family makes images, not clips; "
                              "unset model.frames (or choose a video family such as wan)")
+        sides = {v for v in (cfg.model.height, cfg.model.width, cfg.model.resolution) if v is not None}
+        if getattr(family, "square_only", "") and (cfg.model.height or cfg.model.width) and len(sides) > 1:
+            raise ValueError(f"model.height={cfg.model.height}, model.width={cfg.model.width}: the {family.name} "
+                             f"family makes square images ({family.square_only}); set model.resolution only")
         if cfg.model.offload_text_encoders and not hasattr(family, "offload_text_towers"):
             raise ValueError(f"model.offload_text_encoders: the {family.name} family has no separate text encoder to "
                              "offload (its language model is the policy); set it to false")
