@@ -202,5 +202,5 @@ def test_the_presets():
 
     cfg = load_config("cogvideox_video", ["model.path=/x"])
     m = cfg.model
-    assert (m.family, m.resolution, m.frames, m.max_sequence_length) == ("cogvideox", 480, 49, 226)
+    assert (m.family, m.size(), m.frames, m.max_sequence_length) == ("cogvideox", (480, 720), 49, 226)
     assert cfg.sampling.guidance_scale == 6.0 and cfg.algorithm.lora.enabled

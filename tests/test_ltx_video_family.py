@@ -185,6 +185,6 @@ def test_the_presets():
 
     cfg = load_config("ltx_video_video", ["model.path=/x"])
     m = cfg.model
-    assert (m.family, m.resolution, m.frames, m.max_sequence_length) == ("ltx_video", 512, 65, 128)
+    assert (m.family, m.size(), m.frames, m.max_sequence_length) == ("ltx_video", (512, 704), 65, 128)
     assert (m.decode_timestep, m.decode_noise_scale, cfg.sampling.guidance_scale) == (0.03, 0.025, 3.0)
     assert cfg.sampling.negative_prompt.startswith("worst quality") and cfg.algorithm.lora.enabled

@@ -142,5 +142,5 @@ def test_the_presets():
     from pixrl.config.loader import load_config
 
     cfg = load_config("ltx_video_i2v_video", ["model.path=/x", "dataset.path=/x.jsonl"])
-    assert (cfg.model.family, cfg.model.resolution, cfg.model.frames) == ("ltx_video_i2v", 512, 65)
+    assert (cfg.model.family, cfg.model.size(), cfg.model.frames) == ("ltx_video_i2v", (512, 704), 65)
     assert cfg.dataset.name == "edits" and cfg.model.decode_timestep == 0.03

@@ -140,5 +140,5 @@ def test_the_presets():
 
     cfg = load_config("mochi_video", ["model.path=/x"])
     m = cfg.model
-    assert (m.family, m.resolution, m.frames, m.max_sequence_length) == ("mochi", 480, 31, 256)
+    assert (m.family, m.size(), m.frames, m.max_sequence_length) == ("mochi", (480, 848), 31, 256)
     assert cfg.sampling.guidance_scale == 4.5 and cfg.algorithm.lora.enabled

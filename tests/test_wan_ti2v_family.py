@@ -168,5 +168,5 @@ def test_the_presets():
     from pixrl.config.loader import load_config
 
     cfg = load_config("wan22_ti2v_5b_i2v_video", ["model.path=/x", "dataset.path=/x.jsonl"])
-    assert (cfg.model.family, cfg.model.resolution, cfg.model.frames) == ("wan_ti2v", 704, 49)
+    assert (cfg.model.family, cfg.model.size(), cfg.model.frames) == ("wan_ti2v", (704, 1280), 49)
     assert cfg.dataset.name == "edits" and cfg.algorithm.lora.enabled

@@ -15,7 +15,7 @@ Guidance is FLUX.2-dev's distilled guidance: the scale is a transformer input
 FLUX.2 also edits: given a prompt set whose prompts carry source images (docs/editing.md), each
 prompt's image is its reference — VAE-encoded at its mode, patchified and batch-normalised, its
 tokens read after the target's with position ids at time offset 10, as Flux2Pipeline does with one
-`image`. The reference is resized (aspect kept, centre-cropped) to the family's square resolution;
+`image`. The reference is resized (aspect kept, centre-cropped) to the family's size;
 the pipeline keeps a source's own size (up to 1 MP), so the two agree for sources of that size. A
 prompt set is all edits or all text-to-image; one reference per prompt.
 """

@@ -4,11 +4,11 @@ first coordinate 1), and its output over the target tokens is the velocity. Text
 schedule (dynamic shift of the target's sequence length), embedded guidance and decode are
 FLUX.1's (models/flux.py), as FluxKontextPipeline has them.
 
-The source image is resized to the family's square resolution (aspect kept, centre-cropped) with
+The source image is resized to the family's size (aspect kept, centre-cropped) with
 the pipeline's own image processor and encoded by the VAE at its posterior mode, as the pipeline
 does (`_encode_vae_image`, sample_mode="argmax"), so the conditioning is deterministic and replays
 bit for bit. The pipeline keeps a source's aspect at one of Kontext's preferred resolutions; for a
-square source at the family's resolution the two agree. Rollouts
+source of the family's size the two agree. Rollouts
 of a prompt with no image are refused: Kontext edits. (The pipeline's optional IP-adapter image
 encoder is not loaded.) LoRA targets: FLUX.1's, which flow_grpo's Kontext script also trains.
 """

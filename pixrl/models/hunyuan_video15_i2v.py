@@ -9,9 +9,9 @@ pipeline reads it —
   transformer's image embeddings.
 
 CFG's unconditional pass keeps both and swaps only the text, as the pipeline's guider does. The
-source is resized to the square `model.resolution` (aspect kept, centre-cropped) with the
+source is resized to the clip's size (aspect kept, centre-cropped) with the
 pipeline's own processor; the pipeline picks a size bucket from the source's aspect around the
-transformer's `target_size` — for a square source at that size the two agree. SigLIP reads the
+transformer's `target_size` — where that bucket is the clip's size, the two agree. SigLIP reads the
 same resized picture, as in the pipeline.
 """
 

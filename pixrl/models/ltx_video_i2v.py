@@ -12,7 +12,7 @@ runs it. Text, schedule, CFG and decode are the `ltx_video` family's; what image
 Deviation: the pipeline draws the condition from the VAE's posterior with each sample's
 generator; pixrl takes the posterior's mode, so a prompt's condition is one tensor whatever the
 seed (it is encoded once, with the prompt). Given the same condition, the ODE equals the
-pipeline's. Sources are resized to the square `model.resolution` (aspect kept, centre-cropped).
+pipeline's. Sources are resized to the clip's size (aspect kept, centre-cropped).
 """
 
 from __future__ import annotations

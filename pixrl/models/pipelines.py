@@ -36,8 +36,6 @@ class PipelineFamily:
     #: the pipeline component that denoises (held as `self.transformer` whatever its kind): a
     #: transformer, or SD1.x/2.x's "unet"
     denoiser: str = "transformer"
-    #: why the family refuses non-square sizes (model.height ≠ model.width); empty: it takes them
-    square_only: str = ""
     #: swapped components (`swap_components`) are handed to the pipeline's constructor, which reads
     #: them (a ProcessorMixin by type), instead of being set on the built pipeline
     swap_at_construction: bool = False
@@ -123,14 +121,11 @@ class PipelineFamily:
         return fam
 
     def check_size(self) -> None:
-        """Both sides on the checkpoint's grid; a family that makes square images only refuses others."""
+        """Both sides on the checkpoint's grid (a family adds its own limits)."""
         step = self.resolution_multiple(self.pipe)
         if self.height % step or self.width % step:
             raise ModelLoadError(f"{self.size_setting()}: this {self.name} checkpoint needs each side a multiple of {step} "
                                  "(the VAE's downsampling times the transformer's patch size)")
-        if self.square_only and self.height != self.width:
-            raise ModelLoadError(f"{self.size_setting()}: the {self.name} family makes square images "
-                                 f"({self.square_only}); set model.resolution only")
 
     def size_setting(self) -> str:
         """The size as the config sets it, for messages: model.resolution=R, or model.height/width."""

@@ -18,8 +18,8 @@ rewards read RGB.
 
 Editing: given an editing set, each prompt's source image is its condition image, as the
 pipeline takes `image` (one per prompt; a prompt set is all edits or all text-to-image). The
-source, centre-cropped to a square and read at the target's area (the pipeline's
-`output_resolution` = `model.resolution`), is seen by Qwen3-VL in the edit template (its alpha
+source, centre-cropped to the target's aspect and read at the target's area (the pipeline's
+`output_resolution`² = height × width), is seen by Qwen3-VL in the edit template (its alpha
 composited over white) and encoded by the VAE with its alpha (RGBA) into latent tokens that fill
 the encoder's image slots; the negative prompt is read with each row's source too.
 """

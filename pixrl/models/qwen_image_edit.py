@@ -2,8 +2,8 @@
 models/qwen_image.py), as QwenImageEditPipeline computes it:
 
 - the source image is resized to the pipeline's editing size — 1024·1024 pixels at the source's
-  aspect ratio, on the 32-pixel grid (`calculate_dimensions`); pixrl centre-crops a source to a
-  square first, so a batch shares one size (for a square source the two agree);
+  aspect ratio, on the 32-pixel grid (`calculate_dimensions`); pixrl centre-crops a source to the
+  target's aspect first, so a batch shares one size (for a source of that aspect the two agree);
 - the prompt is encoded by Qwen2.5-VL *with the source image*: the edit template (a system turn,
   then the image and the instruction), its first 64 tokens dropped, padding masked;
 - the source's VAE latents (posterior mode, normalised by the latent mean/std) follow the noisy

@@ -12,8 +12,8 @@ HunyuanVideo. Text towers, schedule, shift and decode are the text-to-video fami
 Deviation: the pipeline draws the frame's latents as a posterior sample from the clip's own
 generator, before the noise; here they are the posterior mode, so a prompt's condition is fixed
 by its source image (as every image-conditioned family's is) and needs no storing per rollout.
-The parity test gives the pipeline the mode too. The source is resized to the square
-`model.resolution` (aspect kept, centre-cropped).
+The parity test gives the pipeline the mode too. The source is resized to the clip's size
+(aspect kept, centre-cropped).
 """
 
 from __future__ import annotations

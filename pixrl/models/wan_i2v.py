@@ -13,9 +13,9 @@ family's (models/wan.py); what image-to-video adds is conditioning, as the pipel
 The condition is fixed by the prompt's source image (docs/editing.md: prompt sets whose rows carry
 an `image`), so the sampler's state is the pipeline's latents and every flow kernel and
 algorithm applies unchanged; the unconditional CFG pass keeps the image condition and swaps only
-the text, as the pipeline's does. The source is resized to the square `model.resolution` (aspect
+the text, as the pipeline's does. The source is resized to the clip's size (aspect
 kept, centre-cropped), and that same picture is what the VAE and the CLIP encoder read (the
-pipeline gives CLIP the image as passed; for a square source of that size the two agree).
+pipeline gives CLIP the image as passed; for a source of that size the two agree).
 
 Wan2.2-TI2V-5B's image-to-video (`expand_timesteps`: the first latent frame held clean, its tokens
 at timestep 0) is family `wan_ti2v` (models/wan_ti2v.py). Not supported: first-last-frame (FLF2V).

@@ -13,7 +13,7 @@ The sampler's state keeps the pipeline's latents; the first latent frame's veloc
 one towards the condition (models/held_frame.py), so Euler lands on it as the pipeline's overwrite
 does, and that part of every transition holds no policy parameter. The ODE's final latents equal
 the pipeline's. The unconditional CFG pass keeps the condition, as the pipeline's does. Sources
-are resized to the square `model.resolution` (aspect kept, centre-cropped). Select it with
+are resized to the clip's size (aspect kept, centre-cropped). Select it with
 model.family=wan_ti2v on a Wan2.2-TI2V-5B checkout; its text-to-video is family `wan`.
 """
 
