@@ -67,6 +67,26 @@ def check_layout(path: str | Path, pipeline_class: str, family: str) -> Path:
     return p
 
 
+def weight_names(path: Path) -> set[str]:
+    """Tensor names of a transformers checkpoint (safetensors, one file or an index)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    single = path / "model.safetensors"
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as f:
+            return set(f.keys())
+    raise ModelLoadError(f"{str(path)!r} has no model.safetensors (or index); a checkpoint in the transformers "
+                         f"layout ships its weights as safetensors")
+
+
+def size_setting(height: int, width: int) -> str:
+    """A size as the config sets it, for messages: model.resolution=R, or model.height/width."""
+    return f"model.resolution={height}" if height == width else f"model.height={height}, model.width={width}"
+
+
 def _component_config(folder: Path) -> dict:
     """A saved component's config.json ({} for tokenizers, schedulers, processors: nothing to compare)."""
     cfg_file = folder / "config.json"

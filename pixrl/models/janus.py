@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import ModelLoadError, torch_dtype
+from .base import ModelLoadError, size_setting, torch_dtype, weight_names
 from .janus_cot import CotPrompts, cot_length, cot_parts, cot_tail, user_turn
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
@@ -55,21 +55,6 @@ class DecodeState:
     cache: object
     mask: torch.Tensor  # [R, L + k]
     next_pos: torch.Tensor  # [R] position id of the next input token
-
-
-def _weight_names(path: Path) -> set[str]:
-    """Tensor names of a transformers checkpoint (safetensors, one file or an index)."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return set(json.loads(index.read_text())["weight_map"])
-    single = path / "model.safetensors"
-    if single.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(single), framework="pt") as f:
-            return set(f.keys())
-    raise ModelLoadError(f"{str(path)!r} has no model.safetensors (or index); a Janus-Pro checkpoint in the "
-                         f"transformers layout ships its weights as safetensors")
 
 
 @register_family("janus_pro")
@@ -128,12 +113,11 @@ class JanusProFamily:
         model.to(trainable_device or device).eval()
         model.requires_grad_(False)
         fam = cls(model, tokenizer, str(p), torch_dtype(dtype), max_sequence_length)
-        asked = resolution if isinstance(resolution, tuple) else (resolution, resolution)
-        if any(side is not None and side != fam.resolution for side in asked):
-            setting = (f"model.resolution={resolution}" if not isinstance(resolution, tuple)
-                       else f"model.height={asked[0]}, model.width={asked[1]}")
-            raise ModelLoadError(f"{setting}: this Janus-Pro checkpoint generates {fam.resolution}px square "
-                                 f"images ({fam.grid}×{fam.grid} VQ tokens); unset model.resolution/height/width")
+        h, w = resolution if isinstance(resolution, tuple) else (resolution, resolution)
+        if (h or fam.resolution, w or fam.resolution) != (fam.resolution, fam.resolution):
+            raise ModelLoadError(f"{size_setting(h or fam.resolution, w or fam.resolution)}: this Janus-Pro checkpoint "
+                                 f"generates {fam.resolution}px square images ({fam.grid}×{fam.grid} VQ tokens); unset "
+                                 "model.resolution/height/width")
         if fam.max_sequence_length + fam.image_token_count() > fam.context:
             raise ModelLoadError(f"model.max_sequence_length={max_sequence_length} plus {fam.image_token_count()} image "
                                  f"tokens exceeds the model's context of {fam.context} positions; set at most "
@@ -154,7 +138,7 @@ class JanusProFamily:
         if model_type != "janus":
             raise ModelLoadError(f"{str(p)!r} holds a {model_type!r} model, not a Janus ('janus'); set model.family to "
                                  f"its family, or model.path to a Janus-Pro checkout")
-        lacking = [w for w in GENERATION_WEIGHTS if w not in _weight_names(p)]
+        lacking = [w for w in GENERATION_WEIGHTS if w not in weight_names(p)]
         if lacking:
             raise ModelLoadError(f"{str(p)!r} has no image-generation head ({', '.join(lacking)} missing): it cannot "
                                  f"generate images; use a Janus-Pro checkpoint with its generation path (e.g. "

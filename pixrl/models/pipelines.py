@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import ModelLoadError, check_layout, torch_dtype
+from .base import ModelLoadError, check_layout, size_setting, torch_dtype
 
 
 class PipelineFamily:
@@ -128,10 +128,8 @@ class PipelineFamily:
                                  "(the VAE's downsampling times the transformer's patch size)")
 
     def size_setting(self) -> str:
-        """The size as the config sets it, for messages: model.resolution=R, or model.height/width."""
-        if self.height == self.width:
-            return f"model.resolution={self.height}"
-        return f"model.height={self.height}, model.width={self.width}"
+        """The family's size as the config sets it, for messages."""
+        return size_setting(self.height, self.width)
 
     def set_shift(self, shift: float) -> None:
         """`model.shift`: the checkpoint's flow-matching grid under another fixed shift (DanceGRPO
