@@ -107,3 +107,15 @@ def wide(family_cls, path, height: int, width: int, **kw):
     fam = family_cls.load(path, resolution=(height, width), **kw)
     assert (fam.height, fam.width) == (height, width) and fam.describe()["resolution"] == [height, width]
     return fam
+
+
+def assert_final_frame_is_the_condition(family, cond, neg, scale: float) -> None:
+    """A held-frame family sampled with the SDE on every step, the last included: the stored last
+    transition leaves the first frame off the condition by its noise, and the final latents hold
+    the condition there exactly (the pipelines' overwrite, `final_latents`)."""
+    steps = 4
+    traj = sample(family, cond, neg, gens([5, 6]), SamplerRecipe(steps=steps, noise_level=0.7, guidance_scale=scale,
+                                                                 train_steps=tuple(range(steps))))
+    assert (traj.next_latents[:, -1, :, :1] - cond.condition).abs().max().item() > 1e-3
+    assert torch.equal(traj.final[:, :, :1], cond.condition.to(traj.final.dtype))
+    assert torch.equal(traj.final[:, :, 1:], traj.next_latents[:, -1, :, 1:])

@@ -15,7 +15,8 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from conftest import two_iterations
-from family_checks import assert_held_frame_is_parameter_free, assert_replay_is_on_policy, gens, wide
+from family_checks import (assert_final_frame_is_the_condition, assert_held_frame_is_parameter_free,
+                           assert_replay_is_on_policy, gens, wide)
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.artifacts.media import decode_media
 from pixrl.cli import app
@@ -98,6 +99,11 @@ def test_non_square_ode_equals_the_image_to_video_pipeline(tiny_ltx_i2v, frames)
     traj = sample(fam, cond, neg, gens([3, 4]), SamplerRecipe(6, 0.0, guidance_scale=3.0, train_steps=()))
     assert traj.final.shape == ref.shape == (2, 8, 3, 4, 6)
     assert (traj.final - ref).abs().max().item() <= 1e-5
+
+
+def test_a_stochastic_last_step_ends_on_the_condition_frame(family, frames):
+    cond, neg = family.encode_prompts(PROMPTS, frames), family.encode_negative("").expand(2)
+    assert_final_frame_is_the_condition(family, cond, neg, 3.0)
 
 
 def test_the_condition_frames_transition_carries_no_parameter(family, frames):

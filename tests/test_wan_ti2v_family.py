@@ -15,7 +15,8 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from conftest import two_iterations
-from family_checks import assert_held_frame_is_parameter_free, assert_replay_is_on_policy, euler, gens, wide
+from family_checks import (assert_final_frame_is_the_condition, assert_held_frame_is_parameter_free,
+                           assert_replay_is_on_policy, euler, gens, wide)
 from pixrl.algorithms.sampling import SamplerRecipe, replay_step, sample
 from pixrl.artifacts.media import decode_media
 from pixrl.cli import app
@@ -117,6 +118,11 @@ def test_decoded_clips_equal_the_pipeline_frames(family, frames):
     clips = family.decode(traj.final)
     assert clips.shape == (2, 5, 32, 32, 3)
     assert np.abs(clips.astype(int) - (np.asarray(ref) * 255).round().astype(int)).max() <= 1
+
+
+def test_a_stochastic_last_step_ends_on_the_condition_frame(family, frames):
+    cond, neg = family.encode_prompts(PROMPTS, frames), family.encode_negative("").expand(2)
+    assert_final_frame_is_the_condition(family, cond, neg, 5.0)
 
 
 def test_the_condition_frames_transition_carries_no_parameter(family, frames):

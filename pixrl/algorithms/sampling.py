@@ -163,6 +163,9 @@ def sample(policy, cond, neg, generators: list[torch.Generator], recipe: Sampler
         x = out.prev_sample.float()
     if tail < recipe.steps:
         x = _ode_tail(policy, x, tail, prev_x0, sigmas, timesteps, cond, neg, recipe)
+    finish = getattr(policy, "final_latents", None)  # what the family's pipeline does last (a held frame put back)
+    if finish is not None:
+        x = finish(x, cond)
     if end != 1.0:
         x = x / end
     b = x.shape[0]

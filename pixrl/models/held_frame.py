@@ -3,13 +3,15 @@ the source's latents as the clip's first latent frame — given to the transform
 its output there discarded — and step only the rest. pixrl's sampler steps the whole latent; the
 first frame's velocity is then the exact flow velocity towards the known clean frame, (x − c)/σ:
 Euler lands on c at σ = 0, and that part of every transition holds no policy parameter (its
-log-prob terms are equal under any weights, and DPO's and DiffusionNFT's targets there are met)."""
+log-prob terms are equal under any weights, and DPO's and DiffusionNFT's targets there are met).
+A stochastic last step would leave that frame at c plus its noise; the pipelines overwrite it with
+c at the end, and so does the family's `final_latents` (the sampler's last act)."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["held_input", "held_timesteps", "held_velocity"]
+__all__ = ["held_final", "held_input", "held_timesteps", "held_velocity"]
 
 
 def held_input(x: torch.Tensor, condition: torch.Tensor) -> torch.Tensor:
@@ -43,3 +45,11 @@ def held_timesteps(family, x: torch.Tensor, timestep: torch.Tensor, cond, guidan
     tokens = t[:, None].expand(b, f * per_frame).clone()
     tokens[:, :per_frame] = 0  # the condition frame's tokens are clean
     return t, tokens
+
+
+def held_final(x: torch.Tensor, cond) -> torch.Tensor:
+    """The sampled latents [B, C, F', H', W'] with the first latent frame set to each row's
+    condition, as the pipelines leave it (exact after a deterministic last step, which lands there)."""
+    if cond.condition is None:
+        return x
+    return held_input(x, cond.condition)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .held_frame import held_input, held_timesteps, held_velocity
+from .held_frame import held_final, held_input, held_timesteps, held_velocity
 from .ltx_video import LTXVideoConditioning, LTXVideoFamily
 from .pipelines import encodes_text
 from .registry import register_family
@@ -76,6 +76,9 @@ class LTXVideoI2VFamily(LTXVideoFamily):
         return self.pipe._normalize_latents(z, vae.latents_mean, vae.latents_std)
 
     # --- dynamics -----------------------------------------------------------------------------
+    #: the sampler's last act: the first latent frame set to the condition, as the pipeline ends
+    final_latents = staticmethod(held_final)
+
     def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: LTXVideoI2VConditioning,
                  guidance_scale: float = 1.0, neg: LTXVideoConditioning | None = None) -> torch.Tensor:
         """v on video latents [B, C, F', H', W']: the transformer's (with the pipeline's CFG) on

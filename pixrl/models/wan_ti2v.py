@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from .base import ModelLoadError
-from .held_frame import held_input, held_timesteps, held_velocity
+from .held_frame import held_final, held_input, held_timesteps, held_velocity
 from .pipelines import encodes_text
 from .registry import register_family
 from .source_images import require_sources, source_pixels, write_prompt_images
@@ -89,6 +89,9 @@ class WanTI2VFamily(WanFamily):
         return condition
 
     # --- dynamics -----------------------------------------------------------------------------
+    #: the sampler's last act: the first latent frame set to the condition, as the pipeline ends
+    final_latents = staticmethod(held_final)
+
     def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: WanTI2VConditioning,
                  guidance_scale: float = 1.0, neg: WanConditioning | None = None) -> torch.Tensor:
         """v on video latents [B, C, F', H', W']: the transformer's (with the pipeline's CFG) on
