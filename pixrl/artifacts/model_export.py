@@ -167,8 +167,8 @@ def export_policy(policy, cfg, out: Path, merge: bool = False, link: bool = Fals
             info = _export_pipeline(policy, cfg, stage, merge, link)
         else:
             info = _export_transformers(policy, stage, merge, link)
-        settings = cfg.model.model_dump(include={"family", "dtype", "max_sequence_length", "resolution", "height", "width", "frames",
-                                                 *cfg.model.family_options()})
+        settings = cfg.model.model_dump(include={"family", "dtype", "max_sequence_length", "resolution", "height",
+                                                 "width", "frames", *cfg.model.family_options()})
         manifest = {"family": cfg.model.family, "base": str(base), "source": source or {},
                     "model": {k: v for k, v in settings.items() if v is not None}, **info}
         (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

@@ -16,7 +16,8 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     device: str = "cpu"
     max_sequence_length: int = Field(0, ge=0, description="T5 tokens (256 for SD3.5; 0 when there is no T5)")
-    resolution: int | None = Field(None, ge=8, description="image side in pixels (a square); None: the checkpoint's default")
+    resolution: int | None = Field(None, ge=8, description="image side in pixels (a square); None: the checkpoint's "
+                                   "default")
     height: int | None = Field(None, ge=8, description="image height in pixels, for non-square images and clips (Wan "
                                "480×832, CogVideoX 480×720); None: model.resolution")
     width: int | None = Field(None, ge=8, description="image width in pixels; None: model.resolution")
