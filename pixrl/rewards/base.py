@@ -90,7 +90,8 @@ def group_keys(prompts: list[str], sample_ids: list[str]) -> list[str]:
 
 def _builtin() -> None:
     from . import (aesthetic, clip_score, editreward, hpsv2, hpsv3, image_similarity, imagereward, jpeg, nsfw, ocr,  # noqa: F401
-                   pickscore, remote, shapes, temporal, vlm_judge, pairwise_judge, brisque, people, videoalign)
+                   pickscore, remote, shapes, temporal, unified_reward, vlm_judge, pairwise_judge, brisque, people,
+                   videoalign)
 
 
 REWARDS: Registry[type[Reward]] = Registry("reward", "rewards", _builtin)
