@@ -45,6 +45,13 @@ def test_eval_json_and_generate(tiny_checkpoint, tmp_path):
     items = load_prompt_set(out / "prompts.jsonl", "edits")
     assert [it.prompt for it in items] == ["two yellow squares"] * 2 + ["a blue circle above a red triangle"] * 2
     assert items[3].image == pngs[3].read_bytes()
+    r = CliRunner().invoke(app, ["generate", "--checkpoint", str(tiny_checkpoint), "--prompt", "a red circle",
+                                 "--out", str(tmp_path / "wide"), "--steps", "2", "--height", "8"])
+    assert r.exit_code == 0, r.output
+    assert np.asarray(Image.open(tmp_path / "wide" / "0000_00.png")).shape == (8, 16, 3)  # --height beside the width
+    r = CliRunner().invoke(app, ["generate", "--checkpoint", str(tiny_checkpoint), "--prompt", "a red circle",
+                                 "--out", str(tmp_path / "odd"), "--width", "9"])
+    assert r.exit_code == 2 and "model.height=16, model.width=9" in r.output and "a multiple of" in r.output
 
 
 def test_eval_rejects_bad_arguments(tmp_path):

@@ -109,14 +109,15 @@ WEIGHTS_HELP = ("a pixrl checkpoint's 'average' (algorithm.ema) or 'trained' wei
 
 
 def _policy(checkpoint: Optional[str], run: Optional[str], workdir: str, steps: Optional[int],
-            config: Optional[str] = None, weights: Optional[str] = None, negative_prompt: Optional[str] = None):
+            config: Optional[str] = None, weights: Optional[str] = None, negative_prompt: Optional[str] = None,
+            model: Optional[dict] = None):
     from ..algorithms.recipe import eval_recipe
     from ..config.loader import ConfigError
     from ..stages.inference import PolicyNotFound, load_policy
     from ..models.sd3 import ModelLoadError
 
     try:
-        policy, cfg = load_policy(checkpoint, run, workdir, config, weights)
+        policy, cfg = load_policy(checkpoint, run, workdir, config, weights, model)
     except (PolicyNotFound, ModelLoadError, ConfigError, FileNotFoundError) as exc:
         _fail(str(exc), exc=exc)
     s = cfg.sampling.model_copy(update={"eval_steps": steps} if steps else {})
@@ -212,6 +213,8 @@ def generate(
                                                                      "every prompt, or one per prompt (repeatable)"),
     negative_prompt: Optional[str] = typer.Option(None, "--negative-prompt", help="classifier-free guidance's "
                                                   "negative prompt (default: the run's sampling.negative_prompt)"),
+    height: Optional[int] = typer.Option(None, "--height", help="image height in pixels (default: the model's size)"),
+    width: Optional[int] = typer.Option(None, "--width", help="image width in pixels (default: the model's size)"),
 ) -> None:
     """Write one PNG per prompt and sample — an animated PNG per clip for a video family — with
     the prompt in a sidecar JSON, using the eval sampler. An editing family (flux1_kontext) edits
@@ -229,7 +232,9 @@ def generate(
     from ..artifacts.media import media_bytes
     from ..datasets.shapes.evaluate import generate_images
 
-    policy, recipe, _ = _policy(checkpoint, run, workdir, steps, weights=weights, negative_prompt=negative_prompt)
+    size = {k: v for k, v in (("height", height), ("width", width)) if v is not None}
+    policy, recipe, _ = _policy(checkpoint, run, workdir, steps, weights=weights, negative_prompt=negative_prompt,
+                                model=size)
     sources = _source_images(policy.family, image, len(texts))
     pairs = [(t, seed * 1000 + i * samples + k) for i, t in enumerate(texts) for k in range(samples)]
     imgs = generate_images(policy.family, [t for t, _ in pairs], [s for _, s in pairs], recipe,

@@ -23,20 +23,21 @@ class PolicyNotFound(ExpectedError, FileNotFoundError):
 WEIGHT_CHOICES = ("average", "trained")
 
 
-def load_policy(checkpoint: str | None, run: str | None, workdir: str,
-                config: str | None = None, weights: str | None = None) -> tuple[TrainablePolicy, ExperimentConfig]:
+def load_policy(checkpoint: str | None, run: str | None, workdir: str, config: str | None = None,
+                weights: str | None = None, model: dict | None = None) -> tuple[TrainablePolicy, ExperimentConfig]:
     """`config`: the experiment (preset or YAML) whose sampling settings — and, without a
     checkpoint or run, whose model — are evaluated (default: the default recipe's). `weights`
-    (a pixrl checkpoint): "average" or "trained"; None: the average where it has one."""
+    (a pixrl checkpoint): "average" or "trained"; None: the average where it has one. `model`:
+    model settings replaced (how it is loaded and sampled, e.g. another image size)."""
     if checkpoint and run:
         raise PolicyNotFound("pass either --checkpoint or --run, not both")
     if run:
         ckpt, _ = _run_checkpoint(Tracker(default_tracking_uri(Path(workdir))), run, ROLLOUT_ALIAS, workdir)
-        return _from_pixrl_checkpoint(ckpt, weights=weights)
+        return _from_pixrl_checkpoint(ckpt, model, weights=weights)
     if checkpoint:
         p = Path(checkpoint)
         if (p / WEIGHTS).is_file():
-            return _from_pixrl_checkpoint(p, weights=weights)
+            return _from_pixrl_checkpoint(p, model, weights=weights)
         exported = export_manifest(p)  # a directory `pixrl export-model` wrote
         if exported and exported.get("format") in ADAPTER_FORMATS:
             raise PolicyNotFound(f"{checkpoint!r} holds an exported {exported['format']} adapter (its base: "
@@ -44,12 +45,13 @@ def load_policy(checkpoint: str | None, run: str | None, workdir: str,
                                  "(--run NAME, or its pixrl checkpoint), or export it with --merge")
         family = family_of_directory(p)  # a base model, or an exported whole one
         if family is not None:
-            cfg = load_config(config, _directory_model(p, family, config, exported))
+            cfg = load_config(config, _directory_model(p, family, config, exported)
+                              + [f"model.{k}={v}" for k, v in (model or {}).items()])
             return TrainablePolicy(cfg), cfg
         raise PolicyNotFound(f"{checkpoint!r} is neither a pixrl checkpoint ({WEIGHTS}) nor a model directory of a "
                              f"registered family (a diffusers pipeline's model_index.json or a Janus-Pro config.json "
                              f"naming one of: {', '.join(get_family(f).pipeline_class for f in registered_families())})")
-    cfg = load_config(config, [])
+    cfg = load_config(config, [f"model.{k}={v}" for k, v in (model or {}).items()])
     return TrainablePolicy(cfg), cfg
 
 
