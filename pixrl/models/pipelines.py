@@ -213,8 +213,9 @@ class PipelineFamily:
         return self.transformer.device
 
     def identity(self) -> str:
-        """The text towers' identity: family, checkpoint path, dtype and text length."""
-        return f"{self.name}:{self.path}:{self.dtype}:{self.max_sequence_length}"
+        """The conditioning's identity: family, checkpoint path, dtype, text length and image size
+        (an editing family reads each source at the target's size)."""
+        return f"{self.name}:{self.path}:{self.dtype}:{self.max_sequence_length}:{self.height}x{self.width}"
 
     def trainable_module(self) -> torch.nn.Module:
         return self.transformer
