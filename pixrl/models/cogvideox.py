@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .base import ModelLoadError
 from .pipelines import encodes_text
 from .registry import register_family
 from .sd15 import SD15Family
@@ -80,6 +81,18 @@ class CogVideoXFamily(SD15Family):
     @staticmethod
     def resolution_multiple(pipe) -> int:
         return pipe.vae_scale_factor_spatial * pipe.transformer.config.patch_size
+
+    def check_size(self) -> None:
+        """Also: a transformer with learned positional embeddings (CogVideoX-5B-I2V) holds one size,
+        its default; the pipeline refuses any other mid-sampling, the family at load."""
+        super().check_size()
+        c = self.transformer.config
+        native = self.default_resolution(self.pipe)
+        if c.use_learned_positional_embeddings and (self.height, self.width) != native:
+            raise ModelLoadError(f"{self.size_setting()}: {self.path!r} (as CogVideoX-5B-I2V) has learned positional "
+                                 f"embeddings for {native[0]}×{native[1]} clips only; set model.height={native[0]} "
+                                 f"model.width={native[1]} (or unset the size), or use a checkpoint with rotary "
+                                 "positions (CogVideoX1.5) for other sizes")
 
     def describe(self) -> dict:
         return {**super().describe(), "frames": self.frames,

@@ -53,13 +53,6 @@ class CogVideoXI2VFamily(CogVideoXFamily):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         c = self.transformer.config
-        if c.use_learned_positional_embeddings:
-            native = (c.sample_height * self.pipe.vae_scale_factor_spatial, c.sample_width * self.pipe.vae_scale_factor_spatial)
-            if (self.height, self.width) != native:
-                raise ModelLoadError(f"{self.size_setting()}: {self.path!r} (CogVideoX-5B-I2V) has learned positional "
-                                     f"embeddings for {native[0]}×{native[1]} clips only; set model.height={native[0]} "
-                                     f"model.width={native[1]} (or unset the size), or use CogVideoX1.5-5B-I2V "
-                                     "(rotary positions) for other sizes")
         if c.in_channels != 2 * self.vae.config.latent_channels:
             raise ModelLoadError(f"{self.path!r}: its transformer reads {c.in_channels} channels; image-to-video reads "
                                  f"{2 * self.vae.config.latent_channels} (latents + first-frame latents) — is it a "
