@@ -194,7 +194,10 @@ def readme(name: str, args, s: dict) -> str:
     from pixrl.models.registry import get_family
 
     fam = get_family(args.family)
-    side = next((c.split("=", 1)[1] for c in s["command"] if c.startswith("model.resolution=")), "32")
+    last = {c.split("=", 1)[0]: c.split("=", 1)[1] for c in s["command"] if c.startswith("model.")}  # later wins
+    side = last.get("model.resolution", "32")
+    if "model.height" in last or "model.width" in last:
+        side = f"{last.get('model.height', side)}×{last.get('model.width', side)}"
     swapped = next((c.split("=", 1)[1] for c in s["command"] if c.startswith("algorithm=")), None)
     algo = f"`{swapped}` (the algorithm preset)" if swapped else "Flow-GRPO"
     held = f"prompts, each with a source image (the family {fam.image_use})" if getattr(fam, "needs_images", False) \
