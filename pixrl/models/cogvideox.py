@@ -68,7 +68,7 @@ class CogVideoXFamily(SD15Family):
 
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", max_sequence_length: int = 226,
-             resolution: int | None = None, frames: int | None = None, trainable_device: str | None = None,
+             resolution: int | tuple | None = None, frames: int | None = None, trainable_device: str | None = None,
              text_towers: bool = True) -> "CogVideoXFamily":
         return super().load(path, dtype, device, max_sequence_length, resolution, frames, trainable_device,
                             text_towers)
