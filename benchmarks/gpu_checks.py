@@ -17,7 +17,8 @@ per check: name, command, exit code, seconds, the check's own JSON result) and $
 The checks (priority order: first what has not yet passed on the H200, docs/runs/gpu_smoke;
 each family's `gpu_smoke.py` is one iteration of the real flow):
   environment   GPU, torch, the kit's requirements, pixrl's imports
-  wan           Wan2.1-1.3B, 33 frames of 512², activation checkpointing (kit --with video)
+  wan           Wan2.1-1.3B, 33 frames of 512², activation checkpointing (kit --with video); wan_480x832
+                the same at its own 480×832
   flux1 …       FLUX.1-dev (8 + 16 of 19 + 38 blocks), FLUX.1-Kontext-dev (the same), Janus-Pro-1B, FLUX.2-dev (2 + 12 of 8 + 48),
                 Wan2.2-T2V-A14B (two experts, 8 of 40 blocks each)
   sd3 …         SD3.5-Medium (24 blocks; issue 14's line), SANA-1600M, Qwen-Image (12 of 60 blocks):
@@ -66,6 +67,8 @@ CHECKS = {
     "flux1_kontext": ([SMOKE, "--family", "flux1_kontext", "--layers", "8"], 200, None),
     "janus_pro": ([SMOKE, "--family", "janus_pro"], 240, None),
     "flux2": ([SMOKE, "--family", "flux2", "--layers", "2"], 300, None),  # text tower offloaded, as its preset
+    # new since: Wan2.1-1.3B at its own 480×832 (a non-square size: 1.5× the tokens of 512²)
+    "wan_480x832": ([SMOKE, "--family", "wan", "--resolution", "480", "--width", "832"], 200, "video"),
     # Wan2.2-T2V-A14B's two experts (new since that lease): 8 of 40 blocks each, at their real width
     "wan_a14b": ([SMOKE, "--family", "wan_a14b", "--layers", "8"], 240, "video"),
     # Wan2.1-I2V-14B (image-to-video, new since): 8 of 40 blocks at the real width, CLIP ViT-H/14

@@ -241,6 +241,7 @@ def run(args) -> dict:
         f"model.device={args.device}", f"model.dtype={args.dtype}",
         "sampling.window_size=2", "sampling.window_range=[0,4]",  # a family's own window follows
         *FAMILY_OVERRIDES[family](args.tiny), f"model.resolution={'null' if resolution is None else resolution}",
+        *([f"model.width={args.width}"] if getattr(args, "width", None) and not args.tiny else []),
         f"run.workdir={work}", "run.name=gpu-smoke", "run.iterations=1", "run.eval_every=0",
         f"sampling.group_size={args.group_size}", f"sampling.prompts_per_iteration={args.prompts}",
         f"sampling.micro_batch={args.micro_batch}", f"sampling.steps={args.steps}",
@@ -255,6 +256,7 @@ def run(args) -> dict:
     c = MlflowClient(out["tracking_uri"])
     metrics = c.get_run(out["run_id"]).data.metrics
     res = {"family": family, "cot_tokens": getattr(args, "cot", 0), "device": args.device, "dtype": args.dtype, "tiny": args.tiny, "resolution": args.resolution,
+           "width": getattr(args, "width", None),
            "samples": args.group_size * args.prompts, "build_s": round(build_s, 1), "flow_wall_s": round(wall, 1),
            "stage_s": {s: round(metrics[f"time/{s}_s"], 2) for s in STAGES},
            "images_per_s": round(metrics["images_per_s"], 2), "policy_version": out["policy"]["version"]}
@@ -272,6 +274,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--resolution", type=int, default=512)
+    ap.add_argument("--width", type=int, default=None, help="a non-square size: --resolution is then the height")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=2)
