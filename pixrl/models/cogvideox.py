@@ -122,7 +122,7 @@ class CogVideoXFamily(SD15Family):
 
     def latent_shape(self) -> tuple[int, int, int, int]:
         """[F', C, H', W']: the pipeline's frame-major layout."""
-        h, w = self.height // self.pipe.vae_scale_factor_spatial, self.width // self.pipe.vae_scale_factor_spatial
+        h, w = self.latent_grid(self.pipe.vae_scale_factor_spatial)
         return self._latent_frames()[0], self.transformer.config.in_channels, h, w
 
     # --- the transformer's v ------------------------------------------------------------------

@@ -121,8 +121,7 @@ class Flux2Family(PipelineFamily):
 
     # --- dynamics -----------------------------------------------------------------------------
     def latent_shape(self) -> tuple[int, int, int]:
-        f = self.pipe.vae_scale_factor * 2
-        return self.transformer.config.in_channels, self.height // f, self.width // f
+        return self.transformer.config.in_channels, *self.latent_grid(self.pipe.vae_scale_factor * 2)
 
     def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(σ [T+1] ending at 0, timesteps [T]) as Flux2Pipeline sets them: linspace(1, 1/T) with

@@ -49,7 +49,6 @@ def held_timesteps(family, x: torch.Tensor, timestep: torch.Tensor, cond, guidan
 
 def held_final(x: torch.Tensor, cond) -> torch.Tensor:
     """The sampled latents [B, C, F', H', W'] with the first latent frame set to each row's
-    condition, as the pipelines leave it (exact after a deterministic last step, which lands there)."""
-    if cond.condition is None:
-        return x
+    condition, as the pipelines leave it (exact after a deterministic last step, which lands there;
+    the velocity has refused conditioning without one)."""
     return held_input(x, cond.condition)

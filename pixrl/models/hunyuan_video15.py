@@ -112,7 +112,7 @@ class HunyuanVideo15Family(PipelineFamily):
 
     # --- dynamics -----------------------------------------------------------------------------
     def latent_shape(self) -> tuple[int, int, int, int]:
-        h, w = self.height // self.pipe.vae_scale_factor_spatial, self.width // self.pipe.vae_scale_factor_spatial
+        h, w = self.latent_grid(self.pipe.vae_scale_factor_spatial)
         frames = (self.frames - 1) // self.pipe.vae_scale_factor_temporal + 1
         return self.vae.config.latent_channels, frames, h, w
 

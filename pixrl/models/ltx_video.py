@@ -111,7 +111,7 @@ class LTXVideoFamily(PackedLatentsFamily):
 
     # --- dynamics -----------------------------------------------------------------------------
     def latent_shape(self) -> tuple[int, int, int, int]:
-        h, w = self.height // self.pipe.vae_spatial_compression_ratio, self.width // self.pipe.vae_spatial_compression_ratio
+        h, w = self.latent_grid(self.pipe.vae_spatial_compression_ratio)
         frames = (self.frames - 1) // self.pipe.vae_temporal_compression_ratio + 1
         return self.transformer.config.in_channels, frames, h, w
 

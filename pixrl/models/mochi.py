@@ -99,7 +99,7 @@ class MochiFamily(PipelineFamily):
 
     # --- dynamics -----------------------------------------------------------------------------
     def latent_shape(self) -> tuple[int, int, int, int]:
-        h, w = self.height // self.pipe.vae_spatial_scale_factor, self.width // self.pipe.vae_spatial_scale_factor
+        h, w = self.latent_grid(self.pipe.vae_spatial_scale_factor)
         frames = (self.frames - 1) // self.pipe.vae_temporal_scale_factor + 1
         return self.transformer.config.in_channels, frames, h, w
 

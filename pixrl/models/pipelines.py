@@ -127,6 +127,10 @@ class PipelineFamily:
             raise ModelLoadError(f"{self.size_setting()}: this {self.name} checkpoint needs each side a multiple of {step} "
                                  "(the VAE's downsampling times the transformer's patch size)")
 
+    def latent_grid(self, factor: int) -> tuple[int, int]:
+        """(height, width) of the latent grid of a VAE that downsamples by `factor`."""
+        return self.height // factor, self.width // factor
+
     def size_setting(self) -> str:
         """The family's size as the config sets it, for messages."""
         return size_setting(self.height, self.width)

@@ -93,7 +93,7 @@ class SanaFamily(PipelineFamily):
 
     # --- dynamics -----------------------------------------------------------------------------
     def latent_shape(self) -> tuple[int, int, int]:
-        h, w = self.height // self.pipe.vae_scale_factor, self.width // self.pipe.vae_scale_factor
+        h, w = self.latent_grid(self.pipe.vae_scale_factor)
         return self.transformer.config.in_channels, h, w
 
     def schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:

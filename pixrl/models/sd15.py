@@ -202,7 +202,7 @@ class SD15Family(PipelineFamily):
         return factor**2
 
     def latent_shape(self) -> tuple[int, int, int]:
-        h, w = self.height // self.pipe.vae_scale_factor, self.width // self.pipe.vae_scale_factor
+        h, w = self.latent_grid(self.pipe.vae_scale_factor)
         return self.transformer.config.in_channels, h, w
 
     # --- the flow velocity of the UNet's prediction -------------------------------------------

@@ -99,7 +99,7 @@ class SD3Family(PipelineFamily):
         return sched.sigmas.float().clone(), sched.timesteps.float().clone()
 
     def latent_shape(self) -> tuple[int, int, int]:
-        h, w = self.height // self.pipe.vae_scale_factor, self.width // self.pipe.vae_scale_factor
+        h, w = self.latent_grid(self.pipe.vae_scale_factor)
         return self.transformer.config.in_channels, h, w
 
     def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: SD3Conditioning,

@@ -190,7 +190,7 @@ class WanFamily(PipelineFamily):
     def latent_shape(self) -> tuple[int, int, int, int]:
         """[C, F', H', W'] of the VAE's latents (the transformer may read more channels: image-to-video
         concatenates its condition to them)."""
-        h, w = self.height // self.pipe.vae_scale_factor_spatial, self.width // self.pipe.vae_scale_factor_spatial
+        h, w = self.latent_grid(self.pipe.vae_scale_factor_spatial)
         frames = (self.frames - 1) // self.pipe.vae_scale_factor_temporal + 1
         return self.vae.config.z_dim, frames, h, w
 

@@ -32,8 +32,8 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
         if cfg.model.frames and not getattr(family, "video", False):
             raise ValueError(f"model.frames={cfg.model.frames}: the {family.name} family makes images, not clips; "
                              "unset model.frames (or choose a video family such as wan)")
-        sides = {v for v in (cfg.model.height, cfg.model.width, cfg.model.resolution) if v is not None}
-        if getattr(family, "square_only", "") and (cfg.model.height or cfg.model.width) and len(sides) > 1:
+        size = cfg.model.size()  # (height, width) where either is set; an unset side is known only at load
+        if getattr(family, "square_only", "") and isinstance(size, tuple) and None not in size and size[0] != size[1]:
             raise ValueError(f"model.height={cfg.model.height}, model.width={cfg.model.width}: the {family.name} "
                              f"family makes square images ({family.square_only}); set model.resolution only")
         if cfg.model.offload_text_encoders and not hasattr(family, "offload_text_towers"):
