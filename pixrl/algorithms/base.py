@@ -59,6 +59,27 @@ class Algorithm(ABC):
         """Whether transition_loss wants the reference policy's step (e.g. KL with β > 0)."""
         return False
 
+    #: the KL reference is the algorithm's own (its state: `reference_weights`), not the base model
+    reference_in_state: bool = False
+
+    def reference_weights(self) -> dict[str, torch.Tensor] | None:
+        """With `reference_in_state`: the reference's trainable weights (None: the base model's)."""
+        return None
+
+    def advantage_scores(self) -> list[str]:
+        """Stored scores (rewards or their components) `advantages` reads beside the total; the
+        stage passes them as `scores={name: [N]}`."""
+        return []
+
+    def scores_read(self) -> list[str]:
+        """Every stored score the algorithm reads (preflight: the configured rewards store them)."""
+        return self.advantage_scores()
+
+    def prepare_update(self, batch) -> dict[str, float]:
+        """Called once per update, before its first step, with every row of the iteration's batch
+        (each trainer rank alike); returns metrics to log."""
+        return {}
+
     # --- the rollout the algorithm trains on ---------------------------------------------------
     def check_sampling(self, sampling: SamplingConfig, step: str) -> None:
         """Refuse sampling settings this algorithm cannot train on: a ValueError naming the fix
@@ -157,7 +178,7 @@ def _own_settings(model: type[BaseModel], name: str, values: dict) -> BaseModel:
 
 def _builtin() -> None:
     from . import (dance_grpo, ddpo, diffusion_dpo, diffusion_nft, diffusion_sft, flow_dppo, flow_grpo,  # noqa: F401
-                   grpo_guard, mix_grpo, online_dpo, online_sft, tempflow_grpo, token_dpo, token_grpo,
+                   gardo, grpo_guard, mix_grpo, online_dpo, online_sft, tempflow_grpo, token_dpo, token_grpo,
                    token_sft)  # (importing registers them)
 
 

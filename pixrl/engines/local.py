@@ -235,7 +235,7 @@ class LocalEngine:
             self._load_policy(trainable_device="cpu" if self.collective.rank == 0 else "meta")
         pol, algo = self.policy, self.algorithm
         explicit = self.cfg.dpo is not None and self.cfg.dpo.reference != "base"
-        pol.shard(reference_copy=algo.needs_reference and (not pol.lora or explicit),
+        pol.shard(reference_copy=algo.needs_reference and (not pol.lora or explicit or algo.reference_in_state),
                   sampler_copy=algo.separate_sampler)
 
     def mark(self, checkpoint_id: str) -> None:

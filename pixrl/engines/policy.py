@@ -224,14 +224,22 @@ class TrainablePolicy:
     def set_reference(self, weights: dict[str, torch.Tensor]) -> None:
         """Use a frozen copy with these trainable weights (e.g. a registered checkpoint) as the
         reference instead of the base model."""
-        if self.sharded:  # refill the copy made before sharding
-            if self._reference is None:
-                raise RuntimeError("a sharded trainer has no reference copy: it is made when the group shards "
-                                   "(LocalEngine.shard), for algorithms that need a reference")
+        if self.sharded and self._reference is None:
+            raise RuntimeError("a sharded trainer has no reference copy: it is made when the group shards "
+                               "(LocalEngine.shard), for algorithms that need a reference")
+        if self._reference is not None:  # refill the copy (made before sharding, or by an earlier call)
             self._fill(self._reference, weights, "reference checkpoint")
         else:
             self._reference = self._copy(weights, "reference checkpoint")
         self._explicit_reference = True
+
+    def use_base_reference(self) -> None:
+        """The base model as the reference again, after set_reference chose other weights."""
+        if not self._explicit_reference:
+            return
+        self._explicit_reference = False
+        if self._reference is not None and not self.lora:  # a full fine-tune's copy: refilled with the base
+            self._fill(self._reference, self._base_state, "base weights")
 
     def frozen_view(self, weights: dict[str, torch.Tensor]) -> "_FrozenView":
         """A velocity model with these trainable weights, frozen, beside the trained one (e.g.

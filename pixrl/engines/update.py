@@ -65,6 +65,12 @@ class ReplayFactory:
         negative = negative_prompt_of(fam, recipe)  # as the rollout sampled: the rows' recorded recipe
         self.negs = {} if negative is None else {s: prompts.negative_rows(negative, texts, images)
                                                    for s, texts in sets.items()}
+        if algo.needs_reference and algo.reference_in_state:  # the algorithm's own (GARDO's adaptive one)
+            weights = algo.reference_weights()
+            if weights is None:
+                pol.use_base_reference()
+            else:
+                pol.set_reference(weights)
         self.reference = pol.reference() if algo.needs_reference else None
         self.sampler = None
         if algo.separate_sampler:  # the sampling policy as of the rollout (initially the weights themselves)
@@ -108,13 +114,14 @@ def run_update(pol: TrainablePolicy, prompts: PromptCache, algo, max_grad_norm: 
     fam = pol.family
     opt = pol.ensure_optimizer(checkpoint_dir)
     algo.load_state(pol.algorithm_state)
+    prepared = algo.prepare_update(batch)
     if recipe is None and fam.semantics.step.value == "token":  # offline: the algorithm's scored policy
         recipe = getattr(algo, "token_recipe", None) or TokenRecipe()
     replay_policy = ReplayFactory(pol, prompts, algo, batch, recipe, prompt_sets)
     pol.module.train()
     named = pol.trainable_parameters()
     params = list(named.values())
-    acc: dict[str, list[float]] = {}
+    acc: dict[str, list[float]] = {key: [val] for key, val in prepared.items()}
     history: list[dict[str, float]] = []
     t0 = time.perf_counter()
     for opt_step, step_batches in enumerate(plan):

@@ -89,9 +89,9 @@ def group_keys(prompts: list[str], sample_ids: list[str]) -> list[str]:
 
 
 def _builtin() -> None:
-    from . import (aesthetic, clip_score, editreward, hpsv2, hpsv3, image_similarity, imagereward, jpeg, nsfw, ocr,  # noqa: F401
-                   pickscore, remote, shapes, temporal, unified_reward, vlm_judge, pairwise_judge, brisque, people,
-                   videoalign)
+    from . import (aesthetic, brisque, clip_score, diversity, editreward, hpsv2, hpsv3, image_similarity,  # noqa: F401
+                   imagereward, jpeg, nsfw, ocr, pairwise_judge, people, pickscore, remote, shapes, temporal,
+                   unified_reward, videoalign, vlm_judge)
 
 
 REWARDS: Registry[type[Reward]] = Registry("reward", "rewards", _builtin)

@@ -76,13 +76,18 @@ class RewardSet:
             r.check_prompts(prompts, metadata)
 
     def check_advantage_parts(self, parts: dict[str, float] | None) -> None:
-        """Refuse, before a run starts, reward.advantage_weights naming a score no reward stores:
-        each reward's own, or a component it declares (`Reward.components`)."""
+        """Refuse, before a run starts, reward.advantage_weights naming a score no reward stores."""
+        self.check_scores(parts or {}, "reward.advantage_weights")
+
+    def check_scores(self, names, setting: str) -> None:
+        """Refuse `names` (read by `setting`) where one is not a score these rewards store: each
+        reward's own, or a component it declares (`Reward.components`)."""
         stored = {n for n in self.rewards} | {f"{n}.{c}" for n, r in self.rewards.items() for c in r.components}
-        unknown = sorted(set(parts or {}) - stored)
+        unknown = sorted(set(names) - stored)
         if unknown:
-            raise ValueError(f"reward.advantage_weights: {unknown[0]!r} is not a score these rewards store; they store "
-                             f"{', '.join(sorted(stored))}")
+            raise ValueError(f"{setting}: {unknown[0]!r} is not a score these rewards store; they store "
+                             f"{', '.join(sorted(stored))} — add its reward to reward.weights (weight 0 stores it "
+                             f"without adding it to the total)")
 
     def check_media(self, video: bool) -> None:
         """Refuse, before a run starts, a clip-only reward on a family that makes images."""

@@ -277,6 +277,10 @@ class OnlineStages(DecodeScoreStages):
             comps = [{c["name"]: c["value"] for c in row} for row in t["rewards"].to_pylist()]
             components = {name: np.array([c[name] for c in comps], np.float64) for name in parts_w}
             adv = aggregated_advantages(estimate, components, parts_w, group_ids)
+        elif scores := self.algorithm.advantage_scores():
+            comps = [{c["name"]: c["value"] for c in row} for row in t["rewards"].to_pylist()]
+            adv = self.algorithm.advantages(rewards, group_ids, scores={n: np.array([c[n] for c in comps], np.float64)
+                                                                         for n in scores})
         elif self.algorithm.reward_history:
             adv = self.algorithm.advantages(rewards, t["group_id"].to_numpy(), prompts=t["prompt"].to_pylist(),
                                             history=reward_history(self.table, ref.version, self.tracker, self.spec.run_id,

@@ -73,6 +73,7 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
             check_group_scoring(cfg, [n for n, r in rewards.rewards.items() if r.groupwise])
         rewards.check_installed()
         rewards.check_advantage_parts(cfg.reward.advantage_weights)
+        rewards.check_scores(algo.scores_read(), f"algorithm {algo.name!r}")
         rewards.check_prompts([it.prompt for it in items], [{**it.meta, **({"source_image": it.image} if it.image
                                                                             else {})} for it in items])
     except (KeyError, ValueError, FileNotFoundError, ModelLoadError) as exc:
@@ -104,6 +105,10 @@ def check_online_algorithm(cfg: ExperimentConfig, algo, family) -> None:
         raise ValueError(f"algorithm {algo.name!r} pairs each group's best and worst rollout by the total reward; "
                          f"reward.aggregate={cfg.reward.aggregate} sums per-reward advantages — set "
                          f"reward.aggregate=reward")
+    if algo.advantage_scores() and cfg.reward.advantage_parts() is not None:
+        raise ValueError(f"algorithm {algo.name!r} computes its advantages from the scores it names "
+                         f"({', '.join(algo.advantage_scores())}); reward.aggregate=advantage normalises each reward "
+                         f"apart — set reward.aggregate=reward")
     if algo.reward_history and cfg.reward.advantage_parts() is not None:
         raise ValueError(f"algorithm {algo.name!r} normalises each prompt's total reward by its history; "
                          f"reward.aggregate=advantage normalises each reward apart — set reward.aggregate=reward")
