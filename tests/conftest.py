@@ -72,6 +72,25 @@ def train_args(ckpt: Path, workdir: Path, run: str, *extra: str, iterations: int
             *tiny_overrides(ckpt, workdir), *extra]
 
 
+def fault_then_resume(monkeypatch, start, wd: Path, run: str, point: str = "update@1:raise") -> None:
+    """`start()` (a `pixrl train` of run `run` in `wd`) fails at the injected fault `point`, then
+    `pixrl resume` — as a new process — finishes the run."""
+    from typer.testing import CliRunner
+
+    from pixrl.cli import app
+    from pixrl.stages import session
+    from pixrl.stages.chaos import ENV
+
+    monkeypatch.setenv(ENV, point)
+    res = start()
+    stage = point.split("@")[0]
+    assert res.exit_code == 1 and f"injected fault in {stage}" in res.output, res.output
+    monkeypatch.delenv(ENV)
+    session._CURRENT.clear()  # as a new process would
+    res = CliRunner().invoke(app, ["resume", run, "--workdir", str(wd)])
+    assert res.exit_code == 0, res.output
+
+
 def two_iterations(tiny: tuple[Path, dict], tmp_path: Path, run: str, mode: str, *args: str,
                    algorithm: str = "flow_grpo", base_weights: str = "transformer/diffusion_pytorch_model.safetensors"):
     """`pixrl train --iterations 2` on a tiny family checkpoint with LoRA (rank 4) or full fine-tuning

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_overrides
+from conftest import fault_then_resume, tiny_overrides
 from pixrl.algorithms.flow_grpo import Transition
 from pixrl.algorithms.flow_sde import StepOut
 from pixrl.algorithms.gardo import (GARDO, GateController, descending_ranks, gardo_advantages, gate,
@@ -230,13 +230,9 @@ def test_three_iterations_reset_the_reference_and_resume_bit_identical(tiny_chec
     import lance
     from mlflow.tracking import MlflowClient
     from safetensors.torch import load_file
-    from typer.testing import CliRunner
 
     from pixrl.artifacts.checkpoints import load_optimizer_state
-    from pixrl.cli import app
     from pixrl.engines.policy import ALGORITHM_STATE
-    from pixrl.stages import session
-    from pixrl.stages.chaos import ENV
 
     ref = tmp_path / "ref"
     res = _run(tiny_checkpoint, ref, "ref", tiny_dino)
@@ -258,14 +254,8 @@ def test_three_iterations_reset_the_reference_and_resume_bit_identical(tiny_chec
     assert state["last_reset"] == state["updates"] == 1
     assert all(torch.equal(state["reference"][k], w0[k]) for k in w0)  # the reference: the weights after it 0
 
-    monkeypatch.setenv(ENV, "update@2:raise")
     wd = tmp_path / "A"
-    res = _run(tiny_checkpoint, wd, "A", tiny_dino)
-    assert res.exit_code == 1 and "injected fault in update" in res.output
-    monkeypatch.delenv(ENV)
-    session._CURRENT.clear()  # as a new process would
-    res = CliRunner().invoke(app, ["resume", "A", "--workdir", str(wd)])
-    assert res.exit_code == 0, res.output
+    fault_then_resume(monkeypatch, lambda: _run(tiny_checkpoint, wd, "A", tiny_dino), wd, "A", "update@2:raise")
     final = lambda d, r: load_file(str(sorted((d / "checkpoints" / r).glob("*/it_0002"))[0] / "trainable.safetensors"))  # noqa: E731
     a, b = final(wd, "A"), final(ref, "ref")
     assert all(torch.equal(a[k], b[k]) for k in b), "resumed weights differ"

@@ -311,11 +311,8 @@ def _final(wd, run):
 def test_two_iterations_then_resume_after_a_fault_in_update(name, tiny_checkpoint, tmp_path, monkeypatch,
                                                             prefect_harness):
     from mlflow.tracking import MlflowClient
-    from typer.testing import CliRunner
 
-    from pixrl.cli import app
-    from pixrl.stages import session
-    from pixrl.stages.chaos import ENV
+    from conftest import fault_then_resume
 
     ref = tmp_path / "ref"
     res = _train(tiny_checkpoint, ref, "ref", name)
@@ -371,14 +368,8 @@ def test_two_iterations_then_resume_after_a_fault_in_update(name, tiny_checkpoin
     if name == "tempflow_grpo":
         _check_branches(t, recipes)
 
-    monkeypatch.setenv(ENV, "update@1:raise")
     wd = tmp_path / "A"
-    res = _train(tiny_checkpoint, wd, "A", name)
-    assert res.exit_code == 1 and "injected fault in update" in res.output
-    monkeypatch.delenv(ENV)
-    session._CURRENT.clear()  # as a new process would
-    res = CliRunner().invoke(app, ["resume", "A", "--workdir", str(wd)])
-    assert res.exit_code == 0, res.output
+    fault_then_resume(monkeypatch, lambda: _train(tiny_checkpoint, wd, "A", name), wd, "A")
     resumed, ck = _final(wd, "A")
     assert all(resumed[k].equal(weights[k]) for k in weights), "resumed weights differ"
     assert _rows(wd, "A").equals(t)
