@@ -72,6 +72,20 @@ def train_args(ckpt: Path, workdir: Path, run: str, *extra: str, iterations: int
             *tiny_overrides(ckpt, workdir), *extra]
 
 
+@pytest.fixture(scope="session")
+def tiny_dino(tmp_path_factory) -> Path:
+    """A tiny random DINOv2 with its image processor, saved in the transformers layout."""
+    from transformers import BitImageProcessor, Dinov2Config, Dinov2Model
+
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("dino")
+    Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                             image_size=32, patch_size=8)).save_pretrained(out)
+    BitImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                      image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225]).save_pretrained(out)
+    return out
+
+
 def fault_then_resume(monkeypatch, start, wd: Path, run: str, point: str = "update@1:raise") -> None:
     """`start()` (a `pixrl train` of run `run` in `wd`) fails at the injected fault `point`, then
     `pixrl resume` — as a new process — finishes the run."""

@@ -188,3 +188,21 @@ def test_image_similarity_of_a_clip_is_the_mean_over_its_frames_against_its_firs
     per_frame = rs.score(clips.reshape(6, 48, 40, 3), [p for p in PROMPTS[:2] for _ in range(3)],
                          [m for m in metas for _ in range(3)], list("abcdef"))["image_similarity"]
     assert np.allclose(got, per_frame.reshape(2, 3).mean(axis=1), atol=1e-6)
+
+
+def test_image_similarity_under_dino_features_is_their_cosine(tiny_dino):
+    """A DINOv2 directory as image_similarity's path (visual-rl's DINO similarity): the cosine of
+    the CLS features after the last norm, each image through the model's own processor."""
+    from transformers import AutoImageProcessor, Dinov2Model
+
+    from pixrl.models.source_images import png_bytes
+
+    rs = RewardSet({"image_similarity": 1.0}, {"image_similarity": {"path": str(tiny_dino), "batch_size": 3}})
+    imgs, sources = _images(), _images(seed=1)
+    metas = [{"category": "edit", "source_image": png_bytes(s)} for s in sources]
+    got = rs.score(imgs, PROMPTS, metas, list("abcd"))["image_similarity"]
+    model, proc = Dinov2Model.from_pretrained(str(tiny_dino)), AutoImageProcessor.from_pretrained(str(tiny_dino))
+    with torch.no_grad():
+        a, b = (model(**proc(images=list(x), return_tensors="pt")).last_hidden_state[:, 0] for x in (imgs, sources))
+    assert np.allclose(got, torch.nn.functional.cosine_similarity(a, b).numpy(), atol=1e-5)
+    assert np.allclose(rs.score(sources, PROMPTS, metas, list("abcd"))["image_similarity"], 1.0, atol=1e-5)

@@ -171,19 +171,6 @@ def test_preflight_names_a_score_no_reward_stores(tiny_checkpoint, tmp_path):
 
 
 # --- the diversity reward on a real DINOv2 ---------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_dino(tmp_path_factory):
-    from transformers import BitImageProcessor, Dinov2Config, Dinov2Model
-
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("dino")
-    Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                             image_size=32, patch_size=8)).save_pretrained(out)
-    BitImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
-                      image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225]).save_pretrained(out)
-    return out
-
-
 def test_diversity_is_each_images_distance_to_its_groups_nearest(tiny_dino):
     from transformers import AutoImageProcessor, Dinov2Model
 

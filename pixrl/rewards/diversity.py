@@ -18,12 +18,10 @@ algorithm should read it (it stays out of the total then, and is still stored).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
-import torch
 
 from .base import Reward, ScoringError, register_reward
+from .vision_features import check_vision_dir, image_features
 
 
 def nearest_distances(features: np.ndarray, groups: list[str]) -> np.ndarray:
@@ -50,50 +48,16 @@ class Diversity(Reward):
     value_range = (0.0, 2.0)
 
     def __init__(self, path: str = "", batch_size: int = 32):
-        if not path or not (Path(path) / "config.json").is_file():
-            raise ValueError(f"reward diversity: {path!r} is not a vision checkpoint in the transformers layout (no "
-                             "config.json); set reward.options.diversity.path to a local DINOv2 / DINOv3 ViT (e.g. "
-                             "facebook/dinov3-vitl16-pretrain-lvd1689m, GARDO's) or CLIP directory")
+        check_vision_dir(path, "diversity")
         self.path, self.batch_size = path, batch_size
         self.embed = None
 
     def setup(self, device: str = "cpu") -> None:
         super().setup(device)
-        self.embed = _embedder(self.path, device)
+        self.embed = image_features(self.path, device, self.name)
 
     def score(self, images, prompts, metadata, groups=None):
         groups = list(groups) if groups is not None else [f"prompt:{p}" for p in prompts]
-        feats = np.concatenate([self.embed(images[s:s + self.batch_size]) for s in range(0, len(images),
-                                                                                           self.batch_size)])
+        feats = np.concatenate([self.embed(images[s:s + self.batch_size]).cpu().numpy()
+                                for s in range(0, len(images), self.batch_size)])
         return {self.name: nearest_distances(feats, groups).astype(np.float32)}
-
-
-def _embedder(path: str, device: str):
-    """uint8 [B, H, W, 3] → image features [B, D] (numpy) under the checkpoint at `path`."""
-    from transformers import AutoConfig, AutoImageProcessor, AutoModel
-
-    try:
-        kind = AutoConfig.from_pretrained(path).model_type
-        if kind == "clip":
-            from .clip_backbone import ClipBackbone
-
-            clip = ClipBackbone(path, device, "diversity")
-            return lambda images: clip.image_embeds(images).cpu().numpy()
-        model = AutoModel.from_pretrained(path).to(device).eval().requires_grad_(False)
-        processor = AutoImageProcessor.from_pretrained(path)
-    except ScoringError:
-        raise
-    except Exception as exc:  # transformers raises many types; name the path and the cause
-        raise ScoringError(f"reward diversity: could not load a vision model from {path!r}: {exc}") from exc
-
-    @torch.no_grad()
-    def embed(images: np.ndarray) -> np.ndarray:
-        pixels = processor(images=list(images), return_tensors="pt")["pixel_values"].to(device)
-        out = model(pixel_values=pixels)
-        pooled = getattr(out, "pooler_output", None)
-        if pooled is None:
-            raise ScoringError(f"reward diversity: the model at {path!r} ({type(model).__name__}) returns no pooled "
-                               "feature; use a DINOv2 / DINOv3 ViT or a CLIP checkpoint")
-        return pooled.float().cpu().numpy()
-
-    return embed

@@ -3,7 +3,8 @@ flow_grpo's `image_similarity` reward for FLUX.1 Kontext and Qwen-Image-Edit (re
 `image_similarity_score`: ClipScorer.image_similarity, weighted beside GenEval in its
 counting_flux_kontext and counting_qwenimage_edit recipes): the cosine between the CLIP image
 embeddings of the edited image and of its source, under a CLIP model from a local directory
-(reward.options.image_similarity.path).
+(reward.options.image_similarity.path). A DINOv2 / DINOv3 directory there compares their DINO
+features instead (visual-rl's DINO similarity: subject identity more than semantics).
 
 The source image arrives in the sample's metadata (`source_image`, its encoded bytes: the
 trajectory rows' column); a sample without one is a ScoringError naming it, never a zero."""
@@ -14,7 +15,7 @@ import numpy as np
 
 from ..models.source_images import decode_rgb
 from .base import Reward, ScoringError, register_reward
-from .clip_backbone import check_clip_dir
+from .vision_features import check_vision_dir, image_features
 
 
 @register_reward("image_similarity")
@@ -22,15 +23,13 @@ class ImageSimilarity(Reward):
     value_range = (-1.0, 1.0)
 
     def __init__(self, path: str = "", batch_size: int = 32):
-        check_clip_dir(path, "image_similarity")
+        check_vision_dir(path, "image_similarity")
         self.path, self.batch_size = path, batch_size
-        self.clip = None
+        self.embed = None
 
     def setup(self, device: str = "cpu") -> None:
-        from .clip_backbone import ClipBackbone
-
         super().setup(device)
-        self.clip = ClipBackbone(self.path, device, self.name)
+        self.embed = image_features(self.path, device, self.name)
 
     def check_prompts(self, prompts: list[str], metadata: list[dict]) -> None:
         check_sources(metadata, self.name)
@@ -39,8 +38,8 @@ class ImageSimilarity(Reward):
         sources = source_arrays(metadata, self.name)
         out = []
         for s in range(0, len(images), self.batch_size):
-            edited = self.clip.image_embeds(images[s:s + self.batch_size])
-            source = self.clip.image_embeds(sources[s:s + self.batch_size])
+            edited = self.embed(images[s:s + self.batch_size])
+            source = self.embed(sources[s:s + self.batch_size])
             out.append((edited * source).sum(-1).cpu().numpy())
         return {self.name: np.concatenate(out).astype(np.float32)}
 

@@ -111,8 +111,6 @@ def decode_pickled_request(body: bytes) -> tuple[np.ndarray, list[str], list[dic
     """flow_grpo's reward-server request — a pickled dict with "images" (JPEG or PNG bytes per
     sample), "prompts" and "meta_datas" (both optional) — as (uint8 images, prompts, metadata);
     ValueError naming what is wrong."""
-    import io
-
     try:
         data = restricted_loads(body)
     except Exception as exc:  # UnpicklingError, EOFError, … on a bad body
