@@ -248,3 +248,21 @@ def test_three_iterations_reset_the_reference_and_resume_bit_identical(tiny_chec
     assert all(torch.equal(a[k], b[k]) for k in b), "resumed weights differ"
     resumed = lance.dataset(str(wd / "lance" / "A" / "trajectories.lance")).to_table().sort_by("sample_id")
     assert resumed.drop_columns(["run_id"]).equals(t.drop_columns(["run_id"]))
+
+
+def test_a_held_out_evaluation_that_leaves_a_prompt_alone_is_refused_with_a_group_reward(tiny_checkpoint,
+                                                                                         tiny_dino, tmp_path):
+    """The run's rewards score held-out prompts cycled up to run.eval_per_category: with the
+    diversity reward (a group reward) every prompt needs two samples, checked before any work."""
+    from pixrl.stages.preflight import PreflightError, preflight
+
+    for split in ("train", "heldout"):
+        (tmp_path / f"{split}.txt").write_text("a red circle\na blue square\na green triangle\n")
+    over = [*tiny_overrides(tiny_checkpoint, tmp_path), "dataset=text_prompts", f"dataset.path={tmp_path / 'train.txt'}",
+            f"dataset.heldout_path={tmp_path / 'heldout.txt'}", "run.eval_every=1", "algorithm.auxiliary=[brisque]",
+            "reward.weights={jpeg_compressibility: 1.0, brisque: 0.0, diversity: 0.0}",
+            f"reward.options.diversity.path={tiny_dino}", "algorithm.proxy=jpeg_compressibility",
+            "algorithm.diversity=diversity"]
+    with pytest.raises(PreflightError, match=r"gives 2 prompt\(s\) one sample.*run.eval_per_category"):
+        preflight(load_config("shapes_gardo", [*over, "run.eval_per_category=4"]))
+    preflight(load_config("shapes_gardo", [*over, "run.eval_per_category=6"]))

@@ -71,6 +71,7 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
         rewards.check_media(getattr(family, "video", False))
         if rewards.groupwise:
             check_group_scoring(cfg, [n for n, r in rewards.rewards.items() if r.groupwise])
+            check_group_evaluation(cfg, [n for n, r in rewards.rewards.items() if r.groupwise])
         rewards.check_installed()
         rewards.check_advantage_parts(cfg.reward.advantage_weights)
         rewards.check_scores(algo.scores_read(), f"algorithm {algo.name!r}")
@@ -138,6 +139,27 @@ def check_source_images(cfg: ExperimentConfig, family, items) -> None:
     bad = next((it.prompt for it in items if SEP in it.prompt), None)
     if bad is not None:
         raise ValueError(f"prompt {bad[:60]!r} of {where} holds the control character U+001F; remove it")
+
+
+def check_group_evaluation(cfg, names: list[str]) -> None:
+    """A held-out evaluation by the run's rewards groups its samples by prompt: with a group
+    reward, each held-out prompt needs at least two samples (seeds) of its own."""
+    from ..datasets.prompts import split_items
+    from ..datasets.registry import evaluates, has_evaluator
+    from ..datasets.reward_eval import reward_eval_pairs
+
+    if not cfg.run.eval_every or not evaluates(cfg.dataset) or has_evaluator(cfg.dataset.name):
+        return
+    pairs = reward_eval_pairs(split_items(cfg.dataset, "heldout"), cfg.run.eval_per_category)
+    counts: dict[str, int] = {}
+    for item, _ in pairs:
+        counts[item.prompt] = counts.get(item.prompt, 0) + 1
+    alone = [p for p, n in counts.items() if n < 2]
+    if alone:
+        raise ValueError(f"reward(s) {names} compare each sample with the others of its prompt, and the held-out "
+                         f"evaluation (run.eval_per_category={cfg.run.eval_per_category}) gives {len(alone)} prompt(s) "
+                         f"one sample, e.g. {alone[0][:60]!r}: raise run.eval_per_category to at least twice the "
+                         "largest category's prompt count of dataset.heldout_path, or set run.eval_every=0")
 
 
 def check_group_scoring(cfg, names: list[str]) -> None:
