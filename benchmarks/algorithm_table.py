@@ -21,6 +21,7 @@ ROWS = {
     "mix_grpo": "cmp_mix_grpo",
     "mix_grpo_flash": "cmp_mix_grpo_flash",
     "grpo_guard": "cmp_grpo_guard",
+    "gardo": "cmp_gardo",
     "flow_dppo": "cmp_flow_dppo",
     "diffusion_nft": "cmp_diffusion_nft",
     "online_dpo": "cmp_online_dpo",

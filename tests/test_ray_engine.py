@@ -224,6 +224,49 @@ def test_two_rank_update_equals_the_single_process_update(ray_cluster, tiny_chec
     np.testing.assert_allclose(got.metrics["loss"], want.metrics["loss"], rtol=1e-5, atol=1e-7)
 
 
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_gardos_gate_and_own_reference_on_two_ranks_equal_one_process(ray_cluster, tiny_checkpoint, tmp_path,
+                                                                       sharding):
+    """GARDO with LoRA: the gate is computed on every rank from the whole batch's stored scores,
+    the first update resets the reference (its later steps' KL passes the threshold), and the
+    second update — from the group's checkpoint — trains against that reference, which the
+    trainer ranks hold in a copy made when they shard. Both equal one process."""
+    from pixrl.artifacts.checkpoints import save_checkpoint
+    from pixrl.engines.policy import ALGORITHM_STATE
+    from pixrl.engines.ray_engine import RayEngine
+
+    cfg = _cfg(tiny_checkpoint, tmp_path, "ray.rollout_workers=1", f"ray.trainer_sharding={sharding}",
+               "algorithm=gardo", "algorithm.auxiliary=[aux]", "algorithm.kl_threshold=1e-12",
+               "algorithm.gate_start=0.5", "algorithm.gate_max=0.5", "algorithm.lora.rank=4", "algorithm.lora.alpha=8",
+               "algorithm.ema.enabled=false")
+    local = LocalEngine(cfg)
+    batch, plan = _update_batch(local)
+    proxy = np.linspace(0.0, 1.0, len(PROMPTS)).astype(np.float32)
+    aux = np.roll(proxy, 7)
+    batch = batch.with_columns(
+        reward=proxy, rewards=[[{"name": "jpeg_compressibility", "value": float(p)}, {"name": "aux", "value": float(a)}]
+                               for p, a in zip(proxy, aux)])
+    want = local.train(PolicySource(), batch, plan, RECIPE, seed=3)
+    engine = RayEngine(cfg)
+    try:
+        got = engine.train(PolicySource(), batch, plan, RECIPE, seed=3)
+        ckpt = tmp_path / "it_0"
+        ref = save_checkpoint(ckpt, got.weights, got.optimizer, {"iteration": 0}, {}, got.ema)
+        source = PolicySource(ckpt, ref.checkpoint_id)
+        engine.invalidate()
+        got2 = engine.train(source, batch, plan, RECIPE, seed=4)
+    finally:
+        engine.close()
+    assert want.metrics["gardo/gated"] == got.metrics["gardo/gated"] >= 1
+    assert got.metrics["gardo/reference_reset"] == 1 and got.metrics["kl"] > 0
+    state = got.optimizer[ALGORITHM_STATE]
+    _close(state["reference"], got.weights)  # the reference: the weights after the first update
+    _close(got.weights, want.weights, cfg.algorithm.lr)
+    resumed = LocalEngine(cfg).train(source, batch, plan, RECIPE, seed=4)
+    _close(got2.weights, resumed.weights, cfg.algorithm.lr)
+    np.testing.assert_allclose(got2.metrics["kl"], resumed.metrics["kl"], rtol=1e-4)
+
 def _train(tmp_path: Path, ckpt: Path, run: str, *extra: str):
     res = CliRunner().invoke(app, ["train", "--iterations", "2", "--run", run, "reward=jpeg_compressibility",
                                    *tiny_overrides(ckpt, tmp_path), *RAY_RUN, *extra])
