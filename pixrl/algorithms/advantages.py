@@ -53,6 +53,20 @@ def group_advantages(
     return GroupAdvantages(advantages=adv, zero_std_ratio=zero_std / max(1, len(groups)), keep=adv != 0)
 
 
+def stored_scores(rewards_rows: list, names, sample_ids: list[str]) -> dict[str, np.ndarray]:
+    """{name: [N] float64} from the rows' stored `rewards` (a list of {name, value} per row): a
+    reward's own score or a component it stores; a row without one is a ValueError naming it."""
+    rows = [{c["name"]: c["value"] for c in row} for row in rewards_rows]
+    out = {}
+    for name in names:
+        lacking = [i for i, r in enumerate(rows) if name not in r]
+        if lacking:
+            raise ValueError(f"the stored score {name!r} is missing from sample {sample_ids[lacking[0]]!r} (it has "
+                             f"{', '.join(sorted(rows[lacking[0]]))}); add its reward to reward.weights")
+        out[name] = np.array([r[name] for r in rows], np.float64)
+    return out
+
+
 def aggregated_advantages(estimate, components: dict[str, np.ndarray], weights: dict[str, float],
                           group_ids: np.ndarray) -> GroupAdvantages:
     """MixGRPO's `advantage_aggr` for several rewards: each weighted reward normalised in its

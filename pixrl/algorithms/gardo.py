@@ -39,7 +39,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..config.schema import SamplingConfig
-from .advantages import GroupAdvantages, checked_rewards
+from .advantages import GroupAdvantages, checked_rewards, stored_scores
 from .base import register_algorithm
 from .flow_grpo import FlowGRPO, Transition
 from .flow_sde import kl_to_reference
@@ -166,14 +166,7 @@ def stored_score(batch, name: str | None) -> np.ndarray:
     """Each row's stored score `name` (a reward, or a component `<reward>.<part>`); None: the total."""
     if name is None:
         return np.asarray(batch["reward"], np.float64)
-    rows = [{c["name"]: c["value"] for c in row} for row in batch["rewards"]]
-    lacking = [i for i, r in enumerate(rows) if name not in r]
-    if lacking:
-        have = sorted(rows[lacking[0]])
-        raise ValueError(f"algorithm 'gardo' reads the stored score {name!r}, which sample "
-                         f"{batch['sample_id'][lacking[0]]!r} lacks (it has {', '.join(have)}); add that reward "
-                         "to reward.weights")
-    return np.array([r[name] for r in rows], np.float64)
+    return stored_scores(batch["rewards"], [name], list(batch["sample_id"]))[name]
 
 
 @register_algorithm("gardo")

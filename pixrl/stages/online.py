@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ..algorithms.advantages import aggregated_advantages, part_reward_spread, per_part
+from ..algorithms.advantages import aggregated_advantages, part_reward_spread, per_part, stored_scores
 from ..algorithms.base import build_algorithm
 from ..algorithms.dynamic_sampling import batch_full, groups_with_signal, trained_mask
 from ..algorithms.recipe import replay_recipe, with_guidance
@@ -274,13 +274,11 @@ class OnlineStages(DecodeScoreStages):
         parts = len(self._draws(iteration, 0)[1])  # each part normalised on its own
         estimate = per_part(self.algorithm.advantages, self._rounds(group_ids)) if parts > 1 else self.algorithm.advantages
         if (parts_w := r.advantage_parts()) is not None:
-            comps = [{c["name"]: c["value"] for c in row} for row in t["rewards"].to_pylist()]
-            components = {name: np.array([c[name] for c in comps], np.float64) for name in parts_w}
+            components = stored_scores(t["rewards"].to_pylist(), parts_w, t["sample_id"].to_pylist())
             adv = aggregated_advantages(estimate, components, parts_w, group_ids)
-        elif scores := self.algorithm.advantage_scores():
-            comps = [{c["name"]: c["value"] for c in row} for row in t["rewards"].to_pylist()]
-            adv = self.algorithm.advantages(rewards, group_ids, scores={n: np.array([c[n] for c in comps], np.float64)
-                                                                         for n in scores})
+        elif names := self.algorithm.advantage_scores():
+            scores = stored_scores(t["rewards"].to_pylist(), names, t["sample_id"].to_pylist())
+            adv = self.algorithm.advantages(rewards, group_ids, scores=scores)
         elif self.algorithm.reward_history:
             adv = self.algorithm.advantages(rewards, t["group_id"].to_numpy(), prompts=t["prompt"].to_pylist(),
                                             history=reward_history(self.table, ref.version, self.tracker, self.spec.run_id,
