@@ -231,7 +231,8 @@ def test_gardos_gate_and_own_reference_on_two_ranks_equal_one_process(ray_cluste
     """GARDO with LoRA: the gate is computed on every rank from the whole batch's stored scores,
     the first update resets the reference (its later steps' KL passes the threshold), and the
     second update — from the group's checkpoint — trains against that reference, which the
-    trainer ranks hold in a copy made when they shard. Both equal one process."""
+    trainer ranks hold in a copy made when they shard. Both equal one process. (The first step
+    trains from the reference itself: its KL is 0; the gated rows are in the later steps.)"""
     from pixrl.artifacts.checkpoints import save_checkpoint
     from pixrl.engines.policy import ALGORITHM_STATE
     from pixrl.engines.ray_engine import RayEngine
@@ -243,9 +244,10 @@ def test_gardos_gate_and_own_reference_on_two_ranks_equal_one_process(ray_cluste
     local = LocalEngine(cfg)
     batch, plan = _update_batch(local)
     proxy = np.linspace(0.0, 1.0, len(PROMPTS)).astype(np.float32)
-    aux = np.roll(proxy, 7)
+    aux = proxy.copy()
+    aux[[13, 17]] = 2.0  # the auxiliary ranks two samples of the later steps first: those two are gated
     batch = batch.with_columns(
-        reward=proxy, rewards=[[{"name": "jpeg_compressibility", "value": float(p)}, {"name": "aux", "value": float(a)}]
+        sample_id=[f"00000-{i:03d}-00" for i in range(len(PROMPTS))], reward=proxy, rewards=[[{"name": "jpeg_compressibility", "value": float(p)}, {"name": "aux", "value": float(a)}]
                                for p, a in zip(proxy, aux)])
     want = local.train(PolicySource(), batch, plan, RECIPE, seed=3)
     engine = RayEngine(cfg)
@@ -258,7 +260,7 @@ def test_gardos_gate_and_own_reference_on_two_ranks_equal_one_process(ray_cluste
         got2 = engine.train(source, batch, plan, RECIPE, seed=4)
     finally:
         engine.close()
-    assert want.metrics["gardo/gated"] == got.metrics["gardo/gated"] >= 1
+    assert want.metrics["gardo/gated"] == got.metrics["gardo/gated"] == 2
     assert got.metrics["gardo/reference_reset"] == 1 and got.metrics["kl"] > 0
     state = got.optimizer[ALGORITHM_STATE]
     _close(state["reference"], got.weights)  # the reference: the weights after the first update
