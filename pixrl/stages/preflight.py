@@ -67,19 +67,26 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
                 check_address(cfg.ray)
             except RayUnavailable as exc:
                 raise ValueError(str(exc)) from None
-        rewards = RewardSet(cfg.reward.weights, cfg.reward.options)
-        rewards.check_media(getattr(family, "video", False))
-        if rewards.groupwise:
-            check_group_scoring(cfg, [n for n, r in rewards.rewards.items() if r.groupwise])
-            check_group_evaluation(cfg, [n for n, r in rewards.rewards.items() if r.groupwise])
-        rewards.check_installed()
-        rewards.check_advantage_parts(cfg.reward.advantage_weights)
-        rewards.check_scores(algo.scores_read(), f"algorithm {algo.name!r}")
-        rewards.check_prompts([it.prompt for it in items], [{**it.meta, **({"source_image": it.image} if it.image
-                                                                            else {})} for it in items])
+        check_rewards(cfg, family, algo, items)
     except (KeyError, ValueError, FileNotFoundError, ModelLoadError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
         raise PreflightError(msg) from None
+
+
+def check_rewards(cfg: ExperimentConfig, family, algo, items) -> None:
+    """The configured rewards: installed, able to score this family's media and these prompts,
+    storing every score the algorithm and reward.advantage_weights read, whole groups for a group
+    reward (in rollouts and in the held-out evaluation)."""
+    rewards = RewardSet(cfg.reward.weights, cfg.reward.options)
+    rewards.check_media(getattr(family, "video", False))
+    if rewards.groupwise:
+        check_group_scoring(cfg, [n for n, r in rewards.rewards.items() if r.groupwise])
+        check_group_evaluation(cfg, [n for n, r in rewards.rewards.items() if r.groupwise])
+    rewards.check_installed()
+    rewards.check_advantage_parts(cfg.reward.advantage_weights)
+    rewards.check_scores(algo.scores_read(), f"algorithm {algo.name!r}")
+    rewards.check_prompts([it.prompt for it in items], [{**it.meta, **({"source_image": it.image} if it.image
+                                                                        else {})} for it in items])
 
 
 def check_sampling_settings(s, family, algo) -> None:
