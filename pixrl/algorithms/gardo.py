@@ -162,13 +162,6 @@ class GateController:
         return self.fraction
 
 
-def stored_score(batch, name: str | None) -> np.ndarray:
-    """Each row's stored score `name` (a reward, or a component `<reward>.<part>`); None: the total."""
-    if name is None:
-        return np.asarray(batch["reward"], np.float64)
-    return stored_scores(batch["rewards"], [name], list(batch["sample_id"]))[name]
-
-
 @register_algorithm("gardo")
 class GARDO(FlowGRPO):
     Settings = GARDOSettings
@@ -214,7 +207,10 @@ class GARDO(FlowGRPO):
         c = self.settings
         if c.beta <= 0:
             return {}
-        u = uncertainty(stored_score(batch, c.proxy), [stored_score(batch, a) for a in c.auxiliary])
+        scores = stored_scores(batch["rewards"], [n for n in (c.proxy, *c.auxiliary) if n is not None],
+                               list(batch["sample_id"]))  # the rows' stored scores, read once
+        proxy = scores[c.proxy] if c.proxy is not None else np.asarray(batch["reward"], np.float64)
+        u = uncertainty(proxy, [scores[a] for a in c.auxiliary])
         fraction = self._controller.update(u)
         gated = gate(u, fraction)
         self._gated = dict(zip(batch["sample_id"], gated.tolist()))

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import Reward, ScoringError, register_reward
-from .vision_features import check_vision_dir, image_features
+from .base import ScoringError, register_reward
+from .vision_features import ImageFeatureReward
 
 
 def nearest_distances(features: np.ndarray, groups: list[str]) -> np.ndarray:
@@ -43,18 +43,9 @@ def nearest_distances(features: np.ndarray, groups: list[str]) -> np.ndarray:
 
 
 @register_reward("diversity")
-class Diversity(Reward):
+class Diversity(ImageFeatureReward):
     groupwise = True
     value_range = (0.0, 2.0)
-
-    def __init__(self, path: str = "", batch_size: int = 32):
-        check_vision_dir(path, "diversity")
-        self.path, self.batch_size = path, batch_size
-        self.embed = None
-
-    def setup(self, device: str = "cpu") -> None:
-        super().setup(device)
-        self.embed = image_features(self.path, device, self.name)
 
     def score(self, images, prompts, metadata, groups=None):
         groups = list(groups) if groups is not None else [f"prompt:{p}" for p in prompts]

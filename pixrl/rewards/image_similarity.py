@@ -14,22 +14,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..models.source_images import decode_rgb
-from .base import Reward, ScoringError, register_reward
-from .vision_features import check_vision_dir, image_features
+from .base import ScoringError, register_reward
+from .vision_features import ImageFeatureReward
 
 
 @register_reward("image_similarity")
-class ImageSimilarity(Reward):
+class ImageSimilarity(ImageFeatureReward):
     value_range = (-1.0, 1.0)
-
-    def __init__(self, path: str = "", batch_size: int = 32):
-        check_vision_dir(path, "image_similarity")
-        self.path, self.batch_size = path, batch_size
-        self.embed = None
-
-    def setup(self, device: str = "cpu") -> None:
-        super().setup(device)
-        self.embed = image_features(self.path, device, self.name)
 
     def check_prompts(self, prompts: list[str], metadata: list[dict]) -> None:
         check_sources(metadata, self.name)

@@ -11,7 +11,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import ScoringError
+from .base import Reward, ScoringError
+
+
+class ImageFeatureReward(Reward):
+    """A reward on image features from the checkpoint at `path` (`self.embed`, after setup)."""
+
+    def __init__(self, path: str = "", batch_size: int = 32):
+        check_vision_dir(path, self.name)
+        self.path, self.batch_size = path, batch_size
+        self.embed = None
+
+    def setup(self, device: str = "cpu") -> None:
+        super().setup(device)
+        self.embed = image_features(self.path, device, self.name)
 
 
 def check_vision_dir(path: str, reward: str) -> None:
