@@ -80,6 +80,13 @@ class Algorithm(ABC):
         (each trainer rank alike); returns metrics to log."""
         return {}
 
+    def proximal_columns(self, batch, policy) -> dict[str, np.ndarray]:
+        """run.staleness > 0: the micro-batch's stored columns that hold the sampling policy's
+        log-probs (and step means), recomputed under `policy` — the update's weights before its
+        first optimizer step — in the stored dtype; {} for an algorithm whose loss takes no ratio
+        to the sampling policy (it trains on older samples as they are)."""
+        return {}
+
     # --- the rollout the algorithm trains on ---------------------------------------------------
     def check_sampling(self, sampling: SamplingConfig, step: str) -> None:
         """Refuse sampling settings this algorithm cannot train on: a ValueError naming the fix

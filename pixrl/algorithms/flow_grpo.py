@@ -87,6 +87,20 @@ class FlowGRPO(Algorithm):
             x, x_next = policy.tensor(batch["latents"][:, j]), policy.tensor(batch["next_latents"][:, j])
             yield self.step_loss(Transition(j, k, x, x_next, policy.step(x, x_next, k)), batch, adv, policy)
 
+    def proximal_columns(self, batch, policy) -> dict[str, np.ndarray]:
+        """The log-probs (and means, where stored) of every trainable stored transition under
+        `policy`, computed as `losses` computes them, so the first optimizer step's ratio is 1."""
+        steps = batch["stored_steps"][0]
+        out = {name: np.array(batch[name], copy=True) for name in ("log_probs", "means") if name in batch}
+        with torch.no_grad():
+            for j in self.trainable(batch, policy.trained_steps):
+                x, x_next = policy.tensor(batch["latents"][:, j]), policy.tensor(batch["next_latents"][:, j])
+                step = policy.step(x, x_next, int(steps[j]))
+                out["log_probs"][:, j] = step.log_prob.float().cpu().numpy()
+                if "means" in out:
+                    out["means"][:, j] = step.mean.float().cpu().numpy()
+        return out
+
     def step_loss(self, tr: "Transition", batch, adv: torch.Tensor, policy):
         """PPO-clip (+KL) of one transition, against its stored rollout log-prob."""
         ref = None

@@ -192,6 +192,17 @@ class TokenGRPO(Algorithm):
         if self.text_controller is not None and text is not None:
             self.text_controller.load_state_dict(text)
 
+    def proximal_columns(self, batch, policy) -> dict[str, np.ndarray]:
+        """The stored tokens' log-probs (and the chain of thought's) under `policy`, as `losses`
+        scores them; the server's behaviour log-probs stay, so the rollout correction then weighs
+        the recomputed policy against the server that sampled."""
+        with torch.no_grad():
+            out = {"log_probs": policy.log_probs(policy.tensor(batch["tokens"]).long())[0].float().cpu().numpy()}
+            if "cot_tokens" in batch:
+                cot, mask = policy.tensor(batch["cot_tokens"]).long(), policy.tensor(batch["cot_mask"]).long()
+                out["cot_log_probs"] = policy.text_log_probs(cot, mask)[0].float().cpu().numpy()
+        return {k: v.astype(np.asarray(batch[k]).dtype) for k, v in out.items()}
+
     def losses(self, batch, policy):
         """One term per micro-batch: every token of every sequence (the chain of thought's, then
         the image's) in one teacher-forced pass each."""

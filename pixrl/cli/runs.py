@@ -146,13 +146,15 @@ def replay(
         _fail(str(exc), exc=exc)
     if not 0 <= iteration < cfg.run.iterations:
         _fail(f"--iteration {iteration} is outside the new run's 0..{cfg.run.iterations - 1}; raise --iterations")
-    fork = _fork_point(tracker, parent, iteration, from_stage, into)
+    fork = _fork_point(tracker, parent, iteration, from_stage, into, cfg.run.staleness)
     _run_training(cfg, workdir, None, fork)
 
 
-def _fork_point(tracker, parent, iteration: int, from_stage: str, into: str) -> dict:
-    """Lineage of a fork: the parent, the pinned Lance version, and the policy that iteration's
-    rollouts came from (the parent's version published by iteration−1, or its own fork policy)."""
+def _fork_point(tracker, parent, iteration: int, from_stage: str, into: str, staleness: int = 0) -> dict:
+    """Lineage of a fork: the parent, the pinned Lance version, the policy that iteration's update
+    starts from (the parent's version published by iteration−1, or its own fork policy) and, for
+    run.staleness = N, the policies the N iterations before it started from (their rollouts'
+    sampling policies)."""
     from ..artifacts.tracking import PolicyRef
     from ..artifacts.trajectories import TrajectoryStore
     from ..stages.lineage import LineageError, fork_rows
@@ -162,22 +164,15 @@ def _fork_point(tracker, parent, iteration: int, from_stage: str, into: str) -> 
     start = pfork["iteration"] if pfork else 0
     if iteration < start:
         _fail(f"run {parent.run_name!r} starts at iteration {start} (it is a fork); pick --iteration ≥ {start}")
-    if pfork and iteration == start:
-        policy = pfork["policy"]
-    elif iteration == 0:
-        policy = PolicyRef(parent.model_name, 0).to_dict()
-    else:
-        ref = tracker.find_version(parent.model_name, parent.run_id, iteration - 1)
-        if ref is None:
-            _fail(f"run {parent.run_name!r} never published iteration {iteration - 1}, so iteration {iteration} "
-                  f"has no policy to start from")
+    policy = _updated_from(tracker, parent, pfork, iteration)
+    if policy["version"] and not (pfork and iteration == start):
         from ..artifacts.tracking import PrunedCheckpoint
 
         try:
-            tracker.check_trainable(ref, f"a fork at iteration {iteration}")
+            tracker.check_trainable(PolicyRef(**policy), f"a fork at iteration {iteration}")
         except PrunedCheckpoint as exc:
             _fail(f"cannot fork at iteration {iteration}: {exc}")
-        policy = ref.to_dict()
+    earlier = {j: _updated_from(tracker, parent, pfork, j) for j in range(max(0, iteration - staleness), iteration)}
     version = TrajectoryStore(parent.table_uri).latest_version()
     try:
         fork_rows(TrajectoryStore(parent.table_uri), parent.run_id, version, iteration, from_stage)
@@ -189,7 +184,32 @@ def _fork_point(tracker, parent, iteration: int, from_stage: str, into: str) -> 
         pin_version(TrajectoryStore(parent.table_uri), version, f"fork-{into}")
     return {"parent_run_id": parent.run_id, "parent_run_name": parent.run_name, "iteration": iteration,
             "from_stage": from_stage, "parent_table_uri": parent.table_uri, "parent_table_version": version,
-            "policy": policy}
+            "policy": policy, "earlier_policies": earlier}
+
+
+def _updated_from(tracker, parent, pfork: dict | None, j: int) -> dict:
+    """The policy the parent's iteration j started its update from: its version published by
+    j − 1, the base weights at 0, or — for a parent that is itself a fork — what its fork
+    carried (run.staleness samples with these N iterations back)."""
+    from ..artifacts.tracking import PolicyRef
+
+    start = pfork["iteration"] if pfork else 0
+    if pfork and j == start:
+        return pfork["policy"]
+    if pfork and j < start:
+        got = (pfork.get("earlier_policies") or {}).get(str(j))
+        if got is None:
+            _fail(f"run {parent.run_name!r} is a fork from iteration {start} and does not record the policy its "
+                  f"parent's iteration {j} started from, which run.staleness samples with; fork at ≥ {start} + "
+                  f"run.staleness, or from its parent")
+        return got
+    if j == 0:
+        return PolicyRef(parent.model_name, 0).to_dict()
+    ref = tracker.find_version(parent.model_name, parent.run_id, j - 1)
+    if ref is None:
+        _fail(f"run {parent.run_name!r} never published iteration {j - 1}, so iteration {j} has no policy to start "
+              f"from")
+    return ref.to_dict()
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -208,6 +208,10 @@ class RunConfig(_Section):
                                                                   "workers (settings under `ray`); the stage layer "
                                                                   "is the same for every engine")
     iterations: int = Field(40, ge=1)
+    staleness: int = Field(0, ge=0, le=4, description="iteration i samples with the policy of iteration i − N "
+                           "(the weights N updates behind the update's): 0 on-policy; 1 one-step-off, the next "
+                           "rollout runs on the Ray engine's rollout workers while this update trains. Log-prob "
+                           "algorithms recompute the old log-probs under the update's weights (stages/schedule.py)")
     time_budget_minutes: float | None = Field(None, gt=0, description="stop starting iterations once this process has "
                                               "trained this long (wall clock; the run then ends normally, evaluated "
                                               "after its last iteration); None: run.iterations decides")
@@ -358,6 +362,11 @@ class ExperimentConfig(_Section):
             raise ValueError(f"reward.overlap=true overlaps scoring with rollout inside the local engine; "
                              f"run.engine={self.run.engine} scores on its own reward workers — set "
                              f"reward.overlap=false")
+        keep = self.run.retention.keep_full
+        if self.run.staleness and keep is not None and keep < self.run.staleness + 1:
+            raise ValueError(f"run.staleness={self.run.staleness} samples with the checkpoint {self.run.staleness} "
+                             f"iteration(s) behind the newest, and resume needs it whole: run.retention.keep_full={keep} "
+                             f"keeps fewer — set run.retention.keep_full >= {self.run.staleness + 1}")
         if self.algorithm.optimizer == "adafactor" and self.run.engine == "ray" and self.ray.trainer_sharding == "fsdp":
             raise ValueError("algorithm.optimizer=adafactor keeps factored moments that FSDP's sharded parameters do "
                              "not lay out; with ray.trainer_sharding=fsdp set algorithm.optimizer=adamw (its moments "

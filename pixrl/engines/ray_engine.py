@@ -81,6 +81,14 @@ def _balanced(reads: list[RowsRead], parts: int) -> list[list[RowsRead]]:
     return [g for g in groups if g]
 
 
+def _replay_key(batch: RolloutBatch, recipe, prompt_sets) -> tuple:
+    """What a replay's encodings depend on: the rows' prompts and source images, the replay
+    recipe and each row's prompt set."""
+    images = list(batch["source_image"]) if "source_image" in batch else None
+    sets = None if prompt_sets is None else tuple(np.asarray(prompt_sets).tolist())
+    return tuple(condition_keys(list(batch["prompt"]), images)), repr(recipe), sets
+
+
 class RayEngine:
     def __init__(self, cfg):
         self.cfg = cfg
@@ -95,6 +103,7 @@ class RayEngine:
         self.trainers: list | None = None
         self._described: dict | None = None
         self._decode_batch: int | None = None
+        self._warm: tuple | None = None  # (rows' key, encodings) asked ahead of a train (warm_replay)
 
     def _actor(self, cls, res, index: int, restarts: int | None = None):
         opts = actor_options(res, self.cfg.ray, restarts)
@@ -272,12 +281,22 @@ class RayEngine:
             raise
         return results[0]
 
+    def warm_replay(self, batch: RolloutBatch, recipe, prompt_sets) -> None:
+        """Ask rollout worker 0 now for the encodings a coming `train` of these rows will need
+        (run.staleness: before the next iteration's rollout occupies the worker); `train` uses
+        them only for exactly these prompts, images, recipe and prompt sets."""
+        key = _replay_key(batch, recipe, prompt_sets)
+        self._warm = (key, self._replay_encodings(batch, recipe, prompt_sets))
+
     def _replay_encodings(self, batch: RolloutBatch, recipe, prompt_sets):
         """The replay's prompt sets (and negative prompt) encoded by rollout worker 0 — a cache hit
         for the sets its rollout encoded — put once in the object store for every rank; None for a
         family whose trainer ranks encode themselves (a token family's prompts are its own ids)."""
         if not trainer_takes_encodings(self.cfg.model.family):
             return None
+        warm, self._warm = self._warm, None
+        if warm is not None and warm[0] == _replay_key(batch, recipe, prompt_sets):
+            return warm[1]
         images = list(batch["source_image"]) if "source_image" in batch else None
         sets = list(replay_prompt_sets(condition_keys(list(batch["prompt"]), images), prompt_sets).values())
         ref = self.rollout_workers[0].encodings.remote(sets, recipe, images)

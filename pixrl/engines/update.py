@@ -26,6 +26,7 @@ from .base import TrainResult
 from .collective import SingleProcess
 from .optimizers import learning_rate, set_learning_rate
 from .policy import ALGORITHM_STATE, TrainablePolicy
+from .proximal import proximal_batch
 from .prompt_cache import PromptCache
 
 log = logging.getLogger("pixrl.train")
@@ -102,7 +103,8 @@ class ReplayFactory:
 
 
 def _aggregate(key: str, vals: list[float]) -> float:
-    agg = np.min if key == "ratio_min" else np.max if key in ("ratio_max", "onpolicy_ratio_dev") else np.mean
+    agg = np.min if key in ("ratio_min", "off_policy/ratio_min") else np.max \
+        if key in ("ratio_max", "onpolicy_ratio_dev", "off_policy/ratio_max") else np.mean
     return float(agg(vals))
 
 
@@ -118,10 +120,18 @@ def run_update(pol: TrainablePolicy, prompts: PromptCache, algo, max_grad_norm: 
     if recipe is None and fam.semantics.step.value == "token":  # offline: the algorithm's scored policy
         recipe = getattr(algo, "token_recipe", None) or TokenRecipe()
     replay_policy = ReplayFactory(pol, prompts, algo, batch, recipe, prompt_sets)
-    pol.module.train()
+    acc: dict[str, list[float]] = {key: [val] for key, val in prepared.items()}
+    pol.module.train()  # the loss's mode: the recomputed log-probs are the ones its first step computes
+    if pol.cfg.run.staleness:  # older samples: the old log-probs are the update's starting weights'
+        t_prox = time.perf_counter()
+        batch, drift = proximal_batch(algo, batch, plan, replay_policy, coll, fam.device, seed)
+        if drift:
+            drift["off_policy/recompute_s"] = [time.perf_counter() - t_prox]
+        for part in coll.gather(drift):  # every rank's rows
+            for key, vals in part.items():
+                acc.setdefault(key, []).extend(vals)
     named = pol.trainable_parameters()
     params = list(named.values())
-    acc: dict[str, list[float]] = {key: [val] for key, val in prepared.items()}
     history: list[dict[str, float]] = []
     t0 = time.perf_counter()
     for opt_step, step_batches in enumerate(plan):

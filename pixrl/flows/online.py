@@ -28,6 +28,7 @@ from ..stages.completion import RunStores
 from ..stages.lineage import seed_fork_rows
 from ..stages.preflight import preflight
 from ..stages.session import online_stages, release_workers
+from ..stages.schedule import PolicySchedule
 from ..stages.runs import existing_run, fork_tags, reopen_run, start_run, tracker_for
 from ..tasks.report import report_iteration, start_progress, update_progress
 from ..tasks.retry import with_retries
@@ -51,30 +52,45 @@ def open_run(config: dict, workdir: str, resume_run_id: str | None = None, fork:
     return start_run(cfg, wd, tracker, fr_id, cfg.algorithm.name, fork_tags(fork) if fork else None)
 
 
-def rl_iteration(spec: RunSpec, iteration: int, policy: dict) -> dict:
+def rl_iteration(spec: RunSpec, iteration: int, policy: dict, schedule: PolicySchedule | None = None) -> dict:
     """One RL iteration as six tasks of the calling flow run; returns the newly published policy
     reference. Each task retries transient faults as configured in run.retries; anything else
     fails the iteration at once. With dynamic sampling (sampling.max_rounds > 1) generate →
     decode → score repeat, one round of fresh groups at a time, while the stored rewards hold
-    fewer groups with signal than the batch needs."""
+    fewer groups with signal than the batch needs. `schedule` (run.staleness): which policy
+    samples this iteration (`policy`, the update's, when None) — and, once this iteration's
+    rollout is decoded, the next iteration's rollout begins on an engine with rollout workers."""
     run = spec.cfg.run
     t = {f.name: with_retries(f, run).with_options(task_run_name=f"{f.name}[it={iteration}]")
          for f in (generate, decode, score, replay, update, publish)}
-    table = _sampling_round(spec, iteration, policy, 0, t)
+    sampling = schedule.sampling(iteration) if schedule else policy
+    ahead = (lambda: _prefetch_next(spec, iteration, schedule)) if schedule and schedule.staleness else None
+    single = spec.cfg.sampling.max_rounds == 1
+    table = _sampling_round(spec, iteration, sampling, 0, t, ahead if single else None)
     rnd = 1
     while online_stages(spec).needs_round(iteration, rnd):
-        table = _sampling_round(spec, iteration, policy, rnd, t)
+        table = _sampling_round(spec, iteration, sampling, rnd, t)
         rnd += 1
+    if ahead and not single:  # the rounds are done: the rollout workers are free for the next iteration
+        ahead()
     replayed = t["replay"](spec, iteration, table)
     ckpt = t["update"](spec, iteration, replayed, policy)
     return t["publish"](spec, iteration, ckpt)
 
 
-def _sampling_round(spec: RunSpec, iteration: int, policy: dict, rnd: int, t: dict) -> dict:
+def _prefetch_next(spec: RunSpec, iteration: int, schedule: PolicySchedule) -> None:
+    """Begin iteration + 1's rollout (its policy is known N ≥ 1 iterations ahead)."""
+    if iteration + 1 < spec.cfg.run.iterations:
+        online_stages(spec).prefetch_rollout(iteration + 1, PolicyRef(**schedule.sampling(iteration + 1)))
+
+
+def _sampling_round(spec: RunSpec, iteration: int, policy: dict, rnd: int, t: dict, after_decode=None) -> dict:
     if rnd:
         t = {k: f.with_options(task_run_name=f"{k}[it={iteration},round={rnd}]") for k, f in t.items()}
     table = t["generate"](spec, iteration, policy, rnd)
     table = t["decode"](spec, iteration, table, rnd)
+    if after_decode is not None:
+        after_decode()
     return t["score"](spec, iteration, table, rnd)
 
 
@@ -121,6 +137,7 @@ def _train(cfg: ExperimentConfig, workdir: str, resume_run_id: str | None, fork:
     if fork:
         seed_fork(spec, fork)
         policy, start = fork["policy"], fork["iteration"]
+    schedule = PolicySchedule(cfg.run.staleness, start, policy, (fork or {}).get("earlier_policies"))
     every = cfg.run.eval_every if evaluates(cfg.dataset) else 0
     progress_id = start_progress(spec)
     yield_to_compute()  # the run's API-heavy opening is over; the server's background work now yields
@@ -144,10 +161,12 @@ def _train(cfg: ExperimentConfig, workdir: str, resume_run_id: str | None, fork:
                 for stage in STAGES:
                     progress.skipped(it, stage)
                 policy = done.to_dict()
+                schedule.published(it, policy)
                 update_progress(progress_id, it + 1, cfg.run.iterations)
             else:
                 t0 = time.perf_counter()
-                policy = rl_iteration(spec, it, policy)
+                policy = rl_iteration(spec, it, policy, schedule)
+                schedule.published(it, policy)
                 report_iteration.with_options(task_run_name=f"report[it={it}]")(spec, it, progress_id,
                                                                                 cfg.run.iterations)
                 wall = time.perf_counter() - t0  # the whole iteration, Prefect and reporting included

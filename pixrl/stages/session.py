@@ -28,7 +28,9 @@ def close_all() -> None:
             stages.overlap.close()  # reward.overlap's background thread
         close = getattr(stages.engine, "close", None)
         if close is not None:
-            close()
+            close()  # first: a rollout begun ahead (run.staleness) then ends with its workers
+        if getattr(stages, "prefetch", None) is not None:
+            stages.prefetch.close()
     _CURRENT.clear()
 
 
