@@ -136,3 +136,22 @@ def test_a_fork_samples_with_the_parents_earlier_policy(one_step_off, tmp_path):
     assert child.num_rows == parent.num_rows and child.equals(parent)
     a, b = _final(wd, "forked"), _final(wd, "ref")
     assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_a_token_family_recomputes_image_and_text_log_probs(tiny_janus, tmp_path, prefect_harness):
+    """Token GRPO with a chain of thought, one step off: iteration 1 sampled with the base weights
+    trains against the weights after iteration 0 — both the image and the text tokens' old
+    log-probs recomputed, so its first ratio is exactly 1."""
+    from conftest import tiny_overrides
+
+    path, _ = tiny_janus
+    res = CliRunner().invoke(app, ["train", "--iterations", "2", "--run", "tok", "--seed", "4",
+                                   "model.family=janus_pro", "algorithm=token_grpo", "algorithm.lr=1e-2",
+                                   "reward=jpeg_compressibility", "sampling.guidance_scale=5", "sampling.cot_tokens=6",
+                                   'sampling.cot_template="Think: {prompt}"', "run.staleness=1",
+                                   *tiny_overrides(path, tmp_path)])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert _history(tmp_path, out, "onpolicy_ratio_dev") == [0.0, 0.0]
+    drift = _history(tmp_path, out, "off_policy/log_ratio_abs_mean")
+    assert drift[0] == 0.0 and drift[1] > 0
