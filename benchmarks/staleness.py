@@ -44,7 +44,7 @@ def run(staleness: int, iterations: int, overrides: list[str], workdir: Path) ->
     if out.returncode:
         sys.exit(out.stdout[-2000:] + out.stderr[-3000:])
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    client = MlflowClient(summary["tracking_uri"])
+    client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
     rid, skip = summary["run_id"], 2
     return {"staleness": staleness, "iteration_s": _median(client, rid, "time/iteration_s", skip),
             **{f"{s}_s": _median(client, rid, f"time/{s}_s", skip) for s in STAGES},
