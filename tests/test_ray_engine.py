@@ -498,3 +498,35 @@ def test_one_step_off_rollouts_run_ahead_on_the_workers_and_equal_the_local_engi
     assert sorted(m.step for m in waited) == [1, 2]  # iterations 1 and 2 were generated ahead
     local_client = MlflowClient(f"sqlite:///{tmp_path / 'local' / 'mlflow.db'}")
     assert not local_client.get_metric_history(outs["local"]["run_id"], "prefetch/wait_s")  # generated in the stage
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_an_off_policy_update_on_two_ranks_recomputes_each_ranks_rows(ray_cluster, tiny_checkpoint, tmp_path,
+                                                                      sharding):
+    """run.staleness=1: rows the base weights sampled, trained from the weights after one update.
+    Each rank recomputes the old log-probs of the micro-batches it replays (FSDP: the padding
+    replays too, in lockstep); the first step's ratio is exactly 1 on every rank and the update
+    equals one process's; the drift's extremes are gathered over the ranks."""
+    from pixrl.artifacts.checkpoints import save_checkpoint
+    from pixrl.engines.ray_engine import RayEngine
+
+    cfg = _cfg(tiny_checkpoint, tmp_path, "ray.rollout_workers=1", f"ray.trainer_sharding={sharding}",
+               "algorithm.lora.enabled=true", "algorithm.lora.rank=4", "algorithm.lora.alpha=8",
+               "algorithm.lr=1e-2", "run.staleness=1")
+    local = LocalEngine(cfg)
+    batch, plan = _update_batch(local)
+    first = local.train(PolicySource(), batch, plan, RECIPE, seed=3)
+    assert first.metrics["off_policy/log_ratio_abs_mean"] == 0.0  # sampled by the weights it starts from
+    ckpt = tmp_path / "it_0"
+    source = PolicySource(ckpt, save_checkpoint(ckpt, first.weights, first.optimizer, {"iteration": 0}, {}).checkpoint_id)
+    want = LocalEngine(cfg).train(source, batch, plan, RECIPE, seed=4)
+    engine = RayEngine(cfg)
+    try:
+        got = engine.train(source, batch, plan, RECIPE, seed=4)
+    finally:
+        engine.close()
+    assert want.metrics["off_policy/log_ratio_abs_mean"] > 0
+    assert got.metrics["onpolicy_ratio_dev"] == want.metrics["onpolicy_ratio_dev"] == 0.0
+    for key in ("off_policy/ratio_max", "off_policy/ratio_min"):
+        np.testing.assert_allclose(got.metrics[key], want.metrics[key], rtol=1e-6)
+    _close(got.weights, want.weights, cfg.algorithm.lr)
