@@ -74,7 +74,9 @@ def test_the_source_is_read_at_384_and_encoded_at_1024_as_the_pipelines_encoding
         for i, (p, im) in enumerate(zip(PROMPTS, sources)):
             want, _ = family.pipe._get_qwen_prompt_embeds(p, [family.source(im, 384 * 384)], family.device)
             n = want.shape[1]
-            assert (cond.prompt_embeds[i, :n] - want[0]).abs().max() <= 1e-6  # a padded row: 1.2e-7
+            # a padded row against the pipeline's unpadded one: float32 noise of the batch's shape,
+            # 1.2e-7 on one machine and 1.3e-6 on another (2026-12-06); the parity bound
+            assert (cond.prompt_embeds[i, :n] - want[0]).abs().max() <= 1e-5
     finally:
         family.pipe.text_encoder = plain
     edit = get_family("qwen_image_edit")  # Qwen-Image-Edit's reading of the same source differs
