@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import lance
-import numpy as np
 import pyarrow.compute as pc
 import pytest
 import torch
@@ -83,11 +82,9 @@ def test_one_step_off_samples_the_previous_policy_and_trains_against_its_own_sta
     drift = _history(wd, out, "off_policy/log_ratio_abs_mean")
     assert drift[0] == 0.0 and drift[1] > 0 and drift[2] > 0  # iteration 0 sampled with its own start
     assert _history(wd, out, "off_policy/ratio_max")[1] != 1.0
-    # the first optimizer step's ratio is exactly 1: the old log-probs are the update's start's …
+    # the first optimizer step's ratio is exactly 1: the old log-probs are the update's start's
+    # (the table keeps the sampler's: the fork test regenerates them bit for bit)
     assert _history(wd, out, "onpolicy_ratio_dev") == [0.0, 0.0, 0.0]
-    # … while the table keeps the sampling policy's (behaviour) log-probs
-    it1 = t.filter(pc.equal(t["iteration"], 1)).sort_by("sample_id")
-    assert np.isfinite(np.stack(it1["log_probs"].to_numpy(zero_copy_only=False))).all()
 
 
 def test_without_the_recompute_the_first_ratio_would_not_be_one(one_step_off, tiny_checkpoint, tmp_path, monkeypatch):

@@ -285,18 +285,23 @@ class RayEngine:
         """Ask rollout worker 0 now for the encodings a coming `train` of these rows will need
         (run.staleness: before the next iteration's rollout occupies the worker); `train` uses
         them only for exactly these prompts, images, recipe and prompt sets."""
-        key = _replay_key(batch, recipe, prompt_sets)
-        self._warm = (key, self._replay_encodings(batch, recipe, prompt_sets))
+        self._warm = None
+        if trainer_takes_encodings(self.cfg.model.family):
+            self._warm = (_replay_key(batch, recipe, prompt_sets), self._ask_encodings(batch, recipe, prompt_sets))
 
     def _replay_encodings(self, batch: RolloutBatch, recipe, prompt_sets):
         """The replay's prompt sets (and negative prompt) encoded by rollout worker 0 — a cache hit
-        for the sets its rollout encoded — put once in the object store for every rank; None for a
-        family whose trainer ranks encode themselves (a token family's prompts are its own ids)."""
+        for the sets its rollout encoded, or asked ahead (`warm_replay`) — put once in the object
+        store for every rank; None for a family whose trainer ranks encode themselves (a token
+        family's prompts are its own ids)."""
         if not trainer_takes_encodings(self.cfg.model.family):
             return None
         warm, self._warm = self._warm, None
         if warm is not None and warm[0] == _replay_key(batch, recipe, prompt_sets):
             return warm[1]
+        return self._ask_encodings(batch, recipe, prompt_sets)
+
+    def _ask_encodings(self, batch: RolloutBatch, recipe, prompt_sets):
         images = list(batch["source_image"]) if "source_image" in batch else None
         sets = list(replay_prompt_sets(condition_keys(list(batch["prompt"]), images), prompt_sets).values())
         ref = self.rollout_workers[0].encodings.remote(sets, recipe, images)

@@ -14,9 +14,8 @@ import time
 
 import numpy as np
 
-from ..algorithms.recipe import replay_recipe, with_guidance
+from ..algorithms.recipe import with_guidance
 from ..algorithms.token_sampling import behavior_gap
-from ..artifacts.batch import RolloutBatch
 from ..artifacts.rollout_rows import rows_table
 from ..artifacts.store_maintenance import maintain_store
 from ..artifacts.tracking import PolicyRef
@@ -79,7 +78,7 @@ class GenerateStage:
                 extra = behavior_gap(batch["cot_log_probs"], batch["cot_behavior_log_probs"], batch["cot_mask"])
         else:
             key, t0 = self._prefetch_key(iteration, policy), time.perf_counter()
-            fetched = self.prefetch.take(key) if rnd == 0 and self.prefetch.pending(key) else None
+            fetched = self.prefetch.take(key) if rnd == 0 else None
             if fetched is not None:  # begun during the previous iteration: what was left of it
                 extra = {"prefetch/wait_s": time.perf_counter() - t0}
             else:
@@ -142,11 +141,7 @@ class GenerateStage:
         warm = getattr(self.engine, "warm_replay", None)
         if warm is None or iteration < 0:
             return
-        latest = self.stores.latest()
-        images = ["source_image"] if "source_image" in self.table.dataset(latest.version).schema.names else []
-        batch = RolloutBatch.from_arrow(self._read(latest, iteration, ["prompt", "recipe", "group_id", *images]))
-        warm(batch, replay_recipe(batch["recipe"], self.step_kind, self.cfg.algorithm.train_cfg),
-             self._rounds(batch["group_id"]))
+        warm(*self.update_inputs(self.stores.latest(), iteration, []))
 
     def _rollout_here(self, key, call: RolloutCalls, columns: dict):
         """The rollout in this process; with reward.overlap each micro-batch is decoded and scored

@@ -192,17 +192,14 @@ class OnlineStages(GenerateStage, DecodeScoreStages):
                    record: bool) -> tuple[CheckpointRef, dict]:
         """The update of `iteration` from its stored rows into `out_dir` (the run's checkpoint, or
         a replay's scratch directory when record=False: nothing of the run's is written then)."""
-        a = self.cfg.algorithm
         schedule = ["timesteps", "sigmas"] if self.step_kind == "denoise" else []
         cot = COT_FIELDS if self.step_kind == "token" and self.cfg.sampling.cot_tokens else ()
-        cols = ["sample_id", "prompt", *sorted(self.algorithm.needs), *cot, "advantage", *schedule, "recipe", "group_id",
-                *(["source_image"] if "source_image" in self.table.dataset(ref.version).schema.names else [])]
-        batch = RolloutBatch.from_arrow(self._read(ref, iteration, list(dict.fromkeys(cols))))
+        batch, recipe, prompt_sets = self.update_inputs(ref, iteration, ["sample_id", *sorted(self.algorithm.needs), *cot,
+                                                                         "advantage", *schedule])
         row = {sid: i for i, sid in enumerate(batch["sample_id"])}
         rows = [[[row[sid] for sid in mb] for mb in step] for step in plan.steps]
-        recipe = replay_recipe(batch["recipe"], self.step_kind, a.train_cfg)
         result = self.engine.train(self.source(policy), batch, rows, recipe, seed=seed_of(self.cfg.run.seed, iteration, 2),
-                                   prompt_sets=self._rounds(batch["group_id"]))  # as the rollout encoded them
+                                   prompt_sets=prompt_sets)
         counters = {"iteration": iteration, "optimizer_steps": len(plan.steps), "policy_version_in": policy.version,
                     "policy_model_in": policy.model_name}
         try:
@@ -214,6 +211,15 @@ class OnlineStages(GenerateStage, DecodeScoreStages):
             raise
         self.engine.mark(ck.checkpoint_id)
         return ck, result.metrics
+
+    def update_inputs(self, ref: TableRef, iteration: int, columns: list[str]):
+        """(the iteration's rows with `columns` and what conditions their replay — prompts, source
+        images, recipes, groups —, the replay recipe, each row's prompt set as the rollout encoded it)."""
+        images = ["source_image"] if "source_image" in self.table.dataset(ref.version).schema.names else []
+        cols = list(dict.fromkeys([*columns, "prompt", "recipe", "group_id", *images]))
+        batch = RolloutBatch.from_arrow(self._read(ref, iteration, cols))
+        return batch, replay_recipe(batch["recipe"], self.step_kind, self.cfg.algorithm.train_cfg), \
+            self._rounds(batch["group_id"])
 
     def update_into(self, iteration: int, policy: PolicyRef, out_dir: Path) -> CheckpointRef:
         """Recompute iteration's update from its stored trajectories and advantages into out_dir,
