@@ -38,6 +38,8 @@ def dpm_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: float,
     (x at σ_next, this step's x̂0 — the next step's history). fp32 throughout."""
     x, v = x.float(), v.float()
     x0 = x - sigma * v
+    if sigma_next == sigma:  # a zero-length step (Cosmos-Predict2's last, at σ_min) moves nothing
+        return x, x0
     if prev_x0 is None or sigma_next <= 0.0 or prev_sigma is None or prev_sigma >= 1.0:
         return x + (sigma_next - sigma) * v, x0  # first order (DDIM, η = 0); at σ_next = 0 this is x̂0
     h = _lam(sigma_next) - _lam(sigma)
@@ -61,14 +63,15 @@ def unshifted(sigma: float, shift: float) -> float:
 def compressed_tail(sigmas: torch.Tensor, last_sde: int, ratio: float, shift: float) -> torch.Tensor:
     """MixGRPO-Flash's schedule after the last SDE step (index `last_sde`): the T − last_sde
     remaining grid points re-spaced onto max(int((T − last_sde)·ratio), 2) points, uniform in
-    unshifted time from the point after the window down to 0 and shifted again. The first point
-    is the original σ[last_sde + 1] itself. Upstream allows a single point, which ends sampling
-    at σ > 0 (a noisy image); pixrl keeps at least one step to σ = 0."""
+    unshifted time from the point after the window down to the grid's end (0; Cosmos-Predict2's
+    σ_min) and shifted again. The first point is the original σ[last_sde + 1] itself, the last
+    the grid's own. Upstream allows a single point, which ends sampling at σ > 0 (a noisy image);
+    pixrl keeps at least one step to the grid's end."""
     total = len(sigmas) - 1  # T steps
     n = max(int((total - last_sde) * ratio), 2)
-    start = float(sigmas[last_sde + 1])
-    t = torch.linspace(unshifted(start, shift), 0.0, n, dtype=torch.float64)
+    start, end = float(sigmas[last_sde + 1]), float(sigmas[-1])
+    t = torch.linspace(unshifted(start, shift), unshifted(end, shift), n, dtype=torch.float64)
     tail = shifted(t, shift).to(torch.float32)
     tail[0] = sigmas[last_sde + 1]
-    tail[-1] = 0.0
+    tail[-1] = sigmas[-1]
     return tail.to(sigmas.device)

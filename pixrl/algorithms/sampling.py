@@ -91,6 +91,16 @@ def vp_scale(policy, sigma) -> float:
     return float(vp_norm(torch.as_tensor(sigma, dtype=torch.float32)))
 
 
+def latent_scales(policy, sigmas: torch.Tensor) -> tuple[float, float]:
+    """(the factor of ε in the first flow latent, the divisor that turns the last flow latent into
+    the pipeline's latents): the family's own (`latent_scales`: Cosmos's EDM coordinates), else
+    n(σ) at each end for a variance-preserving family, else (1, 1)."""
+    own = getattr(policy, "latent_scales", None)
+    if own is not None:
+        return own(float(sigmas[0]), float(sigmas[-1]))
+    return vp_scale(policy, sigmas[0]), vp_scale(policy, sigmas[-1])
+
+
 def guidance_at(policy, recipe: SamplerRecipe, k: int, timestep) -> float:
     """The guidance scale of step k under CFG truncation (`recipe.cfg_truncation` < 1), by the
     family's pipeline's rule (`cfg_truncation_by`): "step" — Lumina2Pipeline's `cfg_trunc_ratio`,
@@ -142,7 +152,7 @@ def sample(policy, cond, neg, generators: list[torch.Generator], recipe: Sampler
     sigmas, timesteps = policy.schedule(recipe.steps)
     shape = policy.latent_shape()
     x = initial_noise(noise_generators or generators, shape)
-    start, end = vp_scale(policy, sigmas[0]), vp_scale(policy, sigmas[-1])
+    start, end = latent_scales(policy, sigmas)
     if start != 1.0:
         x = x * start
     stored_x, stored_next, stored_lp, stored_mean = [], [], [], []
@@ -215,7 +225,7 @@ def _check_stored(out: StepOut, k: int, recipe: SamplerRecipe) -> None:
 
 
 def _ode_tail(policy, x, first: int, prev_x0, sigmas, timesteps, cond, neg, recipe: SamplerRecipe) -> torch.Tensor:
-    """DPM-Solver++(2M) from step `first` to σ = 0: on the schedule's own points, or (Flash) on
+    """DPM-Solver++(2M) from step `first` to the grid's end (σ = 0; Cosmos-Predict2's σ_min): on the schedule's own points, or (Flash) on
     the compressed re-shifted grid, whose model timesteps are σ · num_train_timesteps."""
     if recipe.tail_compress < 1.0 and first > 0:
         if recipe.cfg_truncation < 1.0:

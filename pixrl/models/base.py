@@ -33,8 +33,9 @@ class ModelLoadError(ExpectedError, RuntimeError):
     """A model path or checkpoint that cannot be loaded; the message says how to fix it."""
 
 
-def check_layout(path: str | Path, pipeline_class: str, family: str) -> Path:
-    """A diffusers pipeline directory of `pipeline_class`, or a ModelLoadError saying what to set."""
+def check_layout(path: str | Path, pipeline_class: str, family: str, skip: tuple[str, ...] = ()) -> Path:
+    """A diffusers pipeline directory of `pipeline_class`, or a ModelLoadError saying what to set.
+    `skip`: components the family never reads (their folders are neither required nor checked)."""
     p = Path(path)
     index = p / "model_index.json"
     if not index.is_file():
@@ -46,24 +47,24 @@ def check_layout(path: str | Path, pipeline_class: str, family: str) -> Path:
     if found != pipeline_class:
         raise ModelLoadError(f"{str(p)!r} holds a {found}, not a {pipeline_class}; set model.family to the "
                              f"family of that pipeline (or model.path to a {pipeline_class} checkout)")
-    missing = [f"{name}/ ({entry[1]})" for name, entry in spec.items()
-               if isinstance(entry, list) and len(entry) == 2 and entry[0] is not None and not (p / name).is_dir()]
+    components = {name: entry for name, entry in spec.items()
+                  if isinstance(entry, list) and len(entry) == 2 and entry[0] is not None and name not in skip}
+    missing = [f"{name}/ ({entry[1]})" for name, entry in components.items() if not (p / name).is_dir()]
     if missing:
         raise ModelLoadError(f"{str(p)!r} lacks {', '.join(missing)}, which its model_index.json lists for the "
                              f"{family} family's {pipeline_class}; the checkout is incomplete (copy the missing "
                              f"component folders)")
-    for name, entry in spec.items():
-        if isinstance(entry, list) and len(entry) == 2 and entry[0] is not None:
-            cfg = _component_config(p / name)
-            found_kind = _component_kind(cfg)
-            if not found_kind or entry[1] in (cfg.get("architectures") or []):
-                continue  # the config was saved by the declared class: its kind is that class's
-            want_kind = _declared_kind(*entry)
-            if want_kind and found_kind != want_kind:
-                raise ModelLoadError(f"{str(p)!r}: component {name}/ holds a {found_kind[1]} model, but "
-                                     f"model_index.json declares a {entry[1]} ({want_kind[1]}) for the {family} "
-                                     f"family's {pipeline_class}; the folder comes from another checkpoint "
-                                     f"(copy {name}/ from a matching {pipeline_class} checkout)")
+    for name, entry in components.items():
+        cfg = _component_config(p / name)
+        found_kind = _component_kind(cfg)
+        if not found_kind or entry[1] in (cfg.get("architectures") or []):
+            continue  # the config was saved by the declared class: its kind is that class's
+        want_kind = _declared_kind(*entry)
+        if want_kind and found_kind != want_kind:
+            raise ModelLoadError(f"{str(p)!r}: component {name}/ holds a {found_kind[1]} model, but "
+                                 f"model_index.json declares a {entry[1]} ({want_kind[1]}) for the {family} "
+                                 f"family's {pipeline_class}; the folder comes from another checkpoint "
+                                 f"(copy {name}/ from a matching {pipeline_class} checkout)")
     return p
 
 

@@ -39,6 +39,9 @@ class PipelineFamily:
     #: swapped components (`swap_components`) are handed to the pipeline's constructor, which reads
     #: them (a ProcessorMixin by type), instead of being set on the built pipeline
     swap_at_construction: bool = False
+    #: components model_index.json may list that the family never reads (Cosmos's guardrail): no
+    #: folder is required for them and none is loaded (the pipeline is given None)
+    unread_components: tuple[str, ...] = ()
 
     def __init__(self, pipe, path: str, dtype: torch.dtype, max_sequence_length: int = 0,
                  resolution: int | tuple[int | None, int | None] | None = None, frames: int | None = None):
@@ -73,6 +76,14 @@ class PipelineFamily:
                                   text_towers, **options)
 
     @classmethod
+    def pipeline_type(cls) -> type:
+        """The class that loads the checkpoint: diffusers' `pipeline_class` (a family may load with
+        a subclass that differs only in construction: Cosmos-Predict2's, without its guardrail)."""
+        import diffusers
+
+        return getattr(diffusers, cls.pipeline_class)
+
+    @classmethod
     def trained_component(cls, options: dict) -> str:
         """The pipeline component the family trains (a two-expert checkpoint: the chosen expert)."""
         return cls.denoiser
@@ -89,19 +100,20 @@ class PipelineFamily:
         from diffusers.utils import logging as diffusers_logging
 
         diffusers_logging.disable_progress_bar()  # the loader's bars would garble the CLI's own progress
-        p = check_layout(path, cls.pipeline_class, cls.name)
+        p = check_layout(path, cls.pipeline_class, cls.name, skip=cls.unread_components)
+        swapped = cls.swap_components(p)
         # components saved as [null, null] (e.g. SD3 without T5) must be passed as None explicitly
         index = json.loads((p / "model_index.json").read_text())
-        absent = {k: None for k, v in index.items() if isinstance(v, list) and v[0] is None}
+        absent = {k: None for k, v in index.items() if isinstance(v, list) and v[0] is None and k not in swapped}
+        absent.update({k: None for k in cls.unread_components if k in index})
         if not text_towers:  # not read at all: a trainer rank replays with the rollout's encodings
             absent.update({k: None for k, v in index.items()
                            if k.startswith(cls.conditioning_towers) and isinstance(v, list)})
-        swapped = cls.swap_components(p)
         trained = cls.trained_component(options)
         try:
             given = {trained: empty_transformer(p, dtype, trained)} if trainable_device == "meta" else {}
             early = {k: load() for k, load in swapped.items()} if cls.swap_at_construction else {}
-            pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(
+            pipe = cls.pipeline_type().from_pretrained(
                 str(p), dtype=torch_dtype(dtype), **absent, **{k: early.get(k) for k in swapped}, **given)
             for name, load in swapped.items():
                 if name not in early:

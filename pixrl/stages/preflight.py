@@ -49,7 +49,7 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
         if hasattr(family, "check_checkpoint"):  # not a diffusers pipeline (a transformers model)
             family.check_checkpoint(path)
         else:
-            check_layout(path, family.pipeline_class, family.name)
+            check_layout(path, family.pipeline_class, family.name, skip=getattr(family, "unread_components", ()))
         if hasattr(family, "check_options"):  # the checkpoint's own settings against model.*
             family.check_options(path, options, cfg.sampling)
         items = select_categories(load_prompt_set(resolve_asset(cfg.dataset.path), cfg.dataset.name),
