@@ -64,7 +64,10 @@ images/s and peak memory.
 - `--family janus_pro`: Janus-Pro-1B — the real decoder, vision tower, VQ-VAE and generation
   head (576 image tokens, 384²), Token-GRPO with CFG 5 on the logits, full fine-tune; `--cot N`
   first samples a chain of thought of up to N text tokens (T2I-R1's reasoning prompt).
-  Builders: benchmarks/real_shapes.py (video: real_shapes_video.py).
+- `--family cosmos2`: Cosmos-Predict2-2B-Text2Image — the real transformer (28 blocks of 16×128
+  heads, 2B), the Wan2.1 VAE, T5-11B at its real width with 2 of its 24 layers; CFG 8 (the
+  pipeline's 7: w = s − 1) against its negative prompt; LoRA r64 on attention and MLP.
+  Builders: benchmarks/real_shapes.py (video: real_shapes_video.py; Cosmos: real_shapes_image.py).
 
     python benchmarks/gpu_smoke.py [--family F]                       # the check a GPU machine runs
     python benchmarks/gpu_smoke.py --family F --tiny --device cpu     # the same path, tiny (tests run it)
@@ -157,6 +160,9 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
                                   "sampling.guidance_scale=4.5", *([] if tiny else ["algorithm=flow_grpo_lora"])],
     "sdxl": lambda tiny: [GC, "sampling.guidance_scale=5.0", *([] if tiny else ["algorithm=flow_grpo_lora"])],
     "janus_pro": lambda tiny: ["model.max_sequence_length=0", "sampling.guidance_scale=5.0", "algorithm=token_grpo"],
+    "cosmos2": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
+                             "sampling.guidance_scale=8.0", "sampling.window_range=[0,3]",  # off the zero-length last step
+                             *([] if tiny else ["algorithm=flow_grpo_lora64"])],
     "wan": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=226",
                          "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=5.0",
                          *([] if tiny else ["algorithm=flow_grpo_wan"])],

@@ -234,45 +234,41 @@ class Cosmos2Family(PipelineFamily):
         """A random Cosmos-Predict2-T2I-shaped checkpoint: a one-block CosmosTransformer3DModel with
         the 2B's settings (padding-mask channel, RoPE scale (1, 4, 4), no learnable position
         embedding), a tiny T5 encoder and tokenizer, the tiny Wan VAE (latent mean/std), and the
-        checkpoint's scheduler (Karras, σ 80 → 0.002, final σ_min); model_index.json lists no
-        safety checker. Returns the overrides that run it (32 px)."""
+        checkpoint's scheduler (Karras, σ 80 → 0.002, final σ_min); saved without a safety
+        checker. Returns the overrides that run it (32 px)."""
         import shutil
 
-        from diffusers import CosmosTransformer3DModel, FlowMatchEulerDiscreteScheduler
+        from diffusers import CosmosTransformer3DModel
 
+        from .tiny_parts import t5_encoder
         from .wan import tiny_wan_parts
 
         build = out_dir.parent / (out_dir.name + "_build")
         parts = tiny_wan_parts(build, seed)
-        from .tiny_parts import t5_encoder
-
         parts["text_encoder"] = t5_encoder(parts["tokenizer"])
         z = parts["vae"].config.z_dim
         transformer = CosmosTransformer3DModel(
             in_channels=z, out_channels=z, num_attention_heads=2, attention_head_dim=16, num_layers=1, mlp_ratio=2.0,
             text_embed_dim=32, adaln_lora_dim=8, max_size=(4, 32, 32), patch_size=(1, 2, 2), rope_scale=(1.0, 4.0, 4.0),
             concat_padding_mask=True, extra_pos_embed_type=None)
-        parts["scheduler"] = FlowMatchEulerDiscreteScheduler(use_karras_sigmas=True, shift=1.0)
-        parts["scheduler"].register_to_config(sigma_max=80.0, sigma_min=0.002, sigma_data=1.0,
-                                              final_sigmas_type="sigma_min")
-        _save_pipeline(out_dir, {**parts, "transformer": transformer})
+        pipe = cosmos2_pipeline(**{**parts, "scheduler": cosmos2_scheduler()}, transformer=transformer)
+        pipe.save_pretrained(str(out_dir), safe_serialization=True)
         shutil.rmtree(build, ignore_errors=True)
         return {"model.family": cls.name, "model.path": str(out_dir), "model.resolution": 32,
                 "model.max_sequence_length": 64}
 
 
-def _save_pipeline(out_dir: Path, parts: dict) -> None:
-    """Each component in its folder and a model_index.json without a safety checker: the
-    pipeline's constructor builds Cosmos Guardrail when given none, so it is not built to save."""
-    import json
+def cosmos2_scheduler():
+    """The Cosmos-Predict2 checkpoints' scheduler: flow-match Euler on a Karras grid (shift 1)
+    between σ_max = 80 and σ_min = 0.002, the last σ repeated (the pipeline registers these)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
-    import diffusers
+    sched = FlowMatchEulerDiscreteScheduler(use_karras_sigmas=True, shift=1.0)
+    sched.register_to_config(sigma_max=80.0, sigma_min=0.002, sigma_data=1.0, final_sigmas_type="sigma_min")
+    return sched
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    index = {"_class_name": Cosmos2Family.pipeline_class, "_diffusers_version": diffusers.__version__,
-             "safety_checker": [None, None]}
-    for name, part in parts.items():
-        part.save_pretrained(str(out_dir / name))
-        library = "diffusers" if type(part).__module__.startswith("diffusers") else "transformers"
-        index[name] = [library, type(part).__name__]
-    (out_dir / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+
+def cosmos2_pipeline(**components):
+    """A Cosmos2TextToImagePipeline of `components` without a safety checker (what `write_tiny`
+    and the real-shape smoke save)."""
+    return _pipeline_without_guardrail()(**components)

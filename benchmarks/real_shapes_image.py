@@ -1,0 +1,34 @@
+"""A random Cosmos-Predict2-2B-Text2Image of its real shapes for `gpu_smoke.py` (beside
+real_shapes.py): nothing is downloaded; T5-11B keeps its real width with 2 of its 24 layers, as
+the other families' text encoders are shortened there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def cosmos2_2b_pipeline(layers: int | None, device: str, workdir: Path):
+    """The 2B's transformer (28 blocks of 16×128 heads, MLP ratio 4, adaLN-LoRA 256, T5 width 1024,
+    RoPE scale (1, 4, 4), a padding-mask channel, no learnable position embedding — the diffusers
+    conversion's "Cosmos-2.0-Diffusion-2B-Text2Image"), the Wan2.1 VAE, T5-11B's encoder at its
+    width (1024, 128 heads of 128, ReLU FFN 65536) with 2 layers, the Karras EDM scheduler. `--layers N`:
+    N blocks (the 14B has 36 of 40×128)."""
+    import torch
+    from diffusers import AutoencoderKLWan, CosmosTransformer3DModel
+    from transformers import T5Config, T5EncoderModel
+
+    from pixrl.models.cosmos2 import cosmos2_pipeline, cosmos2_scheduler
+    from pixrl.models.tiny_parts import t5_tokenizer
+
+    tok = t5_tokenizer(workdir / "tokenizer", 512)
+    text = T5EncoderModel(T5Config(vocab_size=len(tok), d_model=1024, d_kv=128, d_ff=65536, num_layers=2,
+                                   num_heads=128, feed_forward_proj="relu", is_encoder_decoder=False,
+                                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                   decoder_start_token_id=0))
+    with torch.device(device):
+        transformer = CosmosTransformer3DModel(
+            in_channels=16, out_channels=16, num_attention_heads=16, attention_head_dim=128, num_layers=layers or 28,
+            mlp_ratio=4.0, text_embed_dim=1024, adaln_lora_dim=256, max_size=(128, 240, 240), patch_size=(1, 2, 2),
+            rope_scale=(1.0, 4.0, 4.0), concat_padding_mask=True, extra_pos_embed_type=None).to(torch.bfloat16)
+    return cosmos2_pipeline(text_encoder=text, tokenizer=tok, transformer=transformer, vae=AutoencoderKLWan(),
+                            scheduler=cosmos2_scheduler())
