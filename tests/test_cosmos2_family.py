@@ -189,3 +189,16 @@ def test_a_listed_guardrail_is_not_required_and_a_wrong_or_partial_directory_is_
 def test_two_rl_iterations_through_the_unchanged_flow(tiny_cosmos, tmp_path, prefect_harness, mode):
     out, t = two_iterations(tiny_cosmos, tmp_path, f"cosmos_{mode}", mode, "sampling.guidance_scale=8.0")
     assert t["final_latent"].type.shape == [4, 1, 8, 8]
+
+
+def test_the_presets_keep_the_zero_length_step_out_and_negate_as_the_pipeline(tiny_cosmos):
+    from diffusers.pipelines.cosmos.pipeline_cosmos2_text2image import DEFAULT_NEGATIVE_PROMPT
+
+    cfg = load_config("cosmos2_pickscore", ["model.path=/x"])
+    assert (cfg.model.family, cfg.model.resolution, cfg.sampling.guidance_scale) == ("cosmos2", 512, 8.0)
+    assert cfg.sampling.negative_prompt == DEFAULT_NEGATIVE_PROMPT and cfg.algorithm.lora.rank == 64
+    Cosmos2Family.check_options(tiny_cosmos[0], {}, cfg.sampling)
+    plain = load_config("cosmos2_pickscore", ["model.path=/x", "sampling.window_size=null",
+                                              "sampling.window_range=null"])
+    Cosmos2Family.check_options(tiny_cosmos[0], {}, plain.sampling)  # 9 of 10 stored: the last left out
+    assert load_config(None, ["model=cosmos2_14b_t2i", "model.path=/x"]).model.gradient_checkpointing
