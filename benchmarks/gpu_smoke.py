@@ -67,6 +67,8 @@ images/s and peak memory.
 - `--family cosmos2`: Cosmos-Predict2-2B-Text2Image — the real transformer (28 blocks of 16×128
   heads, 2B), the Wan2.1 VAE, T5-11B at its real width with 2 of its 24 layers; CFG 8 (the
   pipeline's 7: w = s − 1) against its negative prompt; LoRA r64 on attention and MLP.
+- `--family cosmos2_v2w`: Cosmos-Predict2-2B-Video2World given one image — the same widths with
+  the condition-mask channel, 33 frames animating 8 random first frames, CFG 8; LoRA r64.
   Builders: benchmarks/real_shapes.py (video: real_shapes_video.py; Cosmos: real_shapes_image.py).
 
     python benchmarks/gpu_smoke.py [--family F]                       # the check a GPU machine runs
@@ -163,6 +165,9 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
     "cosmos2": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
                              "sampling.guidance_scale=8.0", "sampling.window_range=[0,3]",  # off the zero-length last step
                              *([] if tiny else ["algorithm=flow_grpo_lora64"])],
+    "cosmos2_v2w": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
+                                 "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=8.0",
+                                 "sampling.window_range=[0,3]", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
     "wan": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=226",
                          "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=5.0",
                          *([] if tiny else ["algorithm=flow_grpo_wan"])],

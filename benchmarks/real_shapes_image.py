@@ -1,4 +1,4 @@
-"""A random Cosmos-Predict2-2B-Text2Image of its real shapes for `gpu_smoke.py` (beside
+"""A random Cosmos-Predict2-2B (Text2Image, Video2World) of its real shapes for `gpu_smoke.py` (beside
 real_shapes.py): nothing is downloaded; T5-11B keeps its real width with 2 of its 24 layers, as
 the other families' text encoders are shortened there."""
 
@@ -7,12 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def cosmos2_2b_pipeline(layers: int | None, device: str, workdir: Path):
+def cosmos2_2b_pipeline(layers: int | None, device: str, workdir: Path, video2world: bool = False):
     """The 2B's transformer (28 blocks of 16×128 heads, MLP ratio 4, adaLN-LoRA 256, T5 width 1024,
     RoPE scale (1, 4, 4), a padding-mask channel, no learnable position embedding — the diffusers
     conversion's "Cosmos-2.0-Diffusion-2B-Text2Image"), the Wan2.1 VAE, T5-11B's encoder at its
     width (1024, 128 heads of 128, ReLU FFN 65536) with 2 layers, the Karras EDM scheduler. `--layers N`:
-    N blocks (the 14B has 36 of 40×128)."""
+    N blocks (the 14B has 36 of 40×128). `video2world`: the 2B Video2World's — the condition-mask
+    channel in (17 channels), RoPE scale (1, 3, 3)."""
     import torch
     from diffusers import AutoencoderKLWan, CosmosTransformer3DModel
     from transformers import T5Config, T5EncoderModel
@@ -27,8 +28,14 @@ def cosmos2_2b_pipeline(layers: int | None, device: str, workdir: Path):
                                    decoder_start_token_id=0))
     with torch.device(device):
         transformer = CosmosTransformer3DModel(
-            in_channels=16, out_channels=16, num_attention_heads=16, attention_head_dim=128, num_layers=layers or 28,
+            in_channels=17 if video2world else 16, out_channels=16, num_attention_heads=16, attention_head_dim=128, num_layers=layers or 28,
             mlp_ratio=4.0, text_embed_dim=1024, adaln_lora_dim=256, max_size=(128, 240, 240), patch_size=(1, 2, 2),
-            rope_scale=(1.0, 4.0, 4.0), concat_padding_mask=True, extra_pos_embed_type=None).to(torch.bfloat16)
-    return cosmos2_pipeline(text_encoder=text, tokenizer=tok, transformer=transformer, vae=AutoencoderKLWan(),
+            rope_scale=(1.0, 3.0, 3.0) if video2world else (1.0, 4.0, 4.0), concat_padding_mask=True, extra_pos_embed_type=None).to(torch.bfloat16)
+    pipeline = "Cosmos2VideoToWorldPipeline" if video2world else "Cosmos2TextToImagePipeline"
+    return cosmos2_pipeline(pipeline, text_encoder=text, tokenizer=tok, transformer=transformer, vae=AutoencoderKLWan(),
                             scheduler=cosmos2_scheduler())
+
+
+def cosmos2_2b_v2w_pipeline(layers: int | None, device: str, workdir: Path):
+    """Cosmos-Predict2-2B-Video2World of its real shapes (`cosmos2_2b_pipeline`'s, video2world)."""
+    return cosmos2_2b_pipeline(layers, device, workdir, video2world=True)

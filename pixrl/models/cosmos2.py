@@ -67,20 +67,21 @@ class _GuardrailNotRun:
 
 
 @functools.cache
-def _pipeline_without_guardrail() -> type:
-    """Cosmos2TextToImagePipeline, constructed without building Cosmos Guardrail when given no
-    safety checker (the checkpoint may list one — `unread_components` — or none). The same name,
-    so a saved model_index.json names diffusers' class."""
-    from diffusers import Cosmos2TextToImagePipeline as Pipeline
+def without_guardrail(pipeline_class: str) -> type:
+    """A Cosmos pipeline class of diffusers, constructed without building Cosmos Guardrail when
+    given no safety checker (the checkpoint may list one — `unread_components` — or none). The
+    same name, so a saved model_index.json names diffusers' class."""
+    import diffusers
 
-    class Cosmos2TextToImagePipeline(Pipeline):
-        def __init__(self, text_encoder, tokenizer, transformer, vae, scheduler, safety_checker=None):
-            super().__init__(text_encoder, tokenizer, transformer, vae, scheduler,
-                             safety_checker=_GuardrailNotRun() if safety_checker is None else safety_checker)
-            if safety_checker is None:
-                self.safety_checker = None
+    base = getattr(diffusers, pipeline_class)
 
-    return Cosmos2TextToImagePipeline
+    def __init__(self, text_encoder, tokenizer, transformer, vae, scheduler, safety_checker=None):
+        base.__init__(self, text_encoder, tokenizer, transformer, vae, scheduler,
+                      safety_checker=_GuardrailNotRun() if safety_checker is None else safety_checker)
+        if safety_checker is None:
+            self.safety_checker = None
+
+    return type(pipeline_class, (base,), {"__init__": __init__, "__module__": __name__})
 
 
 def _padding_mask_resize() -> None:
@@ -125,7 +126,7 @@ class Cosmos2Family(PipelineFamily):
 
     @classmethod
     def pipeline_type(cls) -> type:
-        return _pipeline_without_guardrail()
+        return without_guardrail(cls.pipeline_class)
 
     @classmethod
     def check_options(cls, path: Path, options: dict, sampling) -> None:
@@ -268,7 +269,7 @@ def cosmos2_scheduler():
     return sched
 
 
-def cosmos2_pipeline(**components):
-    """A Cosmos2TextToImagePipeline of `components` without a safety checker (what `write_tiny`
+def cosmos2_pipeline(pipeline_class: str = "Cosmos2TextToImagePipeline", **components):
+    """A Cosmos-Predict2 pipeline of `components` without a safety checker (what `write_tiny`
     and the real-shape smoke save)."""
-    return _pipeline_without_guardrail()(**components)
+    return without_guardrail(pipeline_class)(**components)
