@@ -103,7 +103,7 @@ def test_ode_sampling_equals_the_video2world_pipeline(family, frames, cfg, negat
 
 
 def test_non_square_ode_and_another_frame_rate_equal_the_pipeline(tiny_v2w, frames):
-    fam = wide(Cosmos2Video2WorldFamily, tiny_v2w[0], 32, 48, max_sequence_length=64, frames=5, fps=10)
+    fam = wide(Cosmos2Video2WorldFamily, tiny_v2w[0], 32, 48, max_sequence_length=64, frames=5, frame_rate=10)
     neg = fam.encode_negative("").expand(2)
     traj = sample(fam, fam.encode_prompts(PROMPTS, frames), neg, gens([3, 4]),
                   SamplerRecipe(6, 0.0, guidance_scale=8.0, train_steps=()))
@@ -155,3 +155,13 @@ def test_two_rl_iterations_through_the_unchanged_flow(tiny_v2w, tmp_path, prefec
     assert decode_media(t["image"][0].as_py()).shape == (5, 32, 32, 3)
     rep = CliRunner().invoke(app, ["replay", "cosmos-v2w", "--iteration", "1", "--workdir", str(tmp_path)])
     assert rep.exit_code == 0 and json.loads(rep.stdout.strip().splitlines()[-1])["equal"] is True, rep.output
+
+
+def test_the_presets(tiny_v2w):
+    from pixrl.config.loader import load_config
+
+    cfg = load_config("cosmos2_v2w_video", ["model.path=/x", "dataset.path=/x.jsonl"])
+    assert (cfg.model.family, cfg.model.size(), cfg.model.frames, cfg.model.frame_rate) == ("cosmos2_v2w", (480, 832),
+                                                                                            33, 16)
+    assert cfg.dataset.name == "edits" and cfg.sampling.guidance_scale == 8.0 and cfg.algorithm.lora.rank == 64
+    Cosmos2Video2WorldFamily.check_options(tiny_v2w[0], {}, cfg.sampling)

@@ -39,8 +39,8 @@ class ModelConfig(_Section):
         "guidance_scale_2; Wan2.2-T2V-A14B ships 3.0 beside 4.0); None: sampling.guidance_scale")
     cfg_normalization: bool | None = Field(None, description="Lumina-2: CFG rescaled to the conditional output's norm")
     shift: float | None = Field(None, gt=0, description="fixed-shift flow schedulers: the sampling grid's shift instead of the checkpoint's")
-    frame_rate: float | None = Field(None, gt=0, description="LTX-Video: frames per second its rotary time axis "
-                                     "is scaled to; None: the pipeline's 25")
+    frame_rate: float | None = Field(None, gt=0, description="LTX-Video, Cosmos-Predict2 Video2World: frames per "
+                                     "second its rotary time axis is scaled to; None: the pipeline's (25, 16)")
     decode_timestep: float | None = Field(None, ge=0, le=1, description="LTX-Video 0.9.1+: the timestep its VAE "
                                           "decodes at (0.03 recommended for 0.9.1); None: the pipeline's 0")
     decode_noise_scale: float | None = Field(None, ge=0, le=1, description="LTX-Video 0.9.1+: the share of fresh "

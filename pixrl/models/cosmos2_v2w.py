@@ -8,7 +8,7 @@ the pipeline computes it:
   latent mean/std times σ_data: the clean first latent frame c;
 - the transformer reads c there (its time t(σ_conditioning = 1e-4), a condition-mask channel of
   ones on that frame, zeros elsewhere; `fps`, 16 by default, sets its rotary time) and the
-  pipeline replaces its data prediction there by c. On the flow that is the velocity (x − c)/t
+  pipeline replaces its data prediction there by c (`model.frame_rate` is its `fps`). On the flow that is the velocity (x − c)/t
   towards c (models/held_frame.py): that part of every transition holds no policy parameter;
 - the pipeline leaves that frame as its EDM step leaves it (c + σ_min·ε̂ at the end), and so does
   pixrl (no overwrite).
@@ -66,13 +66,14 @@ class Cosmos2Video2WorldFamily(Cosmos2Family):
     image_use = "animates a first frame"
     default_frames = 93  # the pipeline's num_frames
     decode_batch = 2  # clips per VAE decode
-    options = {"fps": "the clip's frame rate the transformer's rotary time reads (the pipeline's 16)"}
+    options = {"frame_rate": "the clip's frames per second the transformer's rotary time reads (the pipeline's fps, 16)"}
 
-    def __init__(self, pipe, *args, fps: int | None = None, **kwargs):
+    def __init__(self, pipe, *args, frame_rate: float | None = None, **kwargs):
         super().__init__(pipe, *args, **kwargs)
-        self.fps = 16 if fps is None else int(fps)
+        self.fps = 16 if frame_rate is None else frame_rate
         if self.fps <= 0:
-            raise ModelLoadError(f"model.fps={fps}: a frame rate is a positive number of frames per second")
+            raise ModelLoadError(f"model.frame_rate={frame_rate}: a frame rate is a positive number of frames per "
+                                 "second")
         self.set_clip_frames()
 
     @staticmethod
