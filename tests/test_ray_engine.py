@@ -148,7 +148,8 @@ def _update_batch(local: LocalEngine, recipe=RECIPE):
     batch, _ = local.rollout(PolicySource(), PROMPTS, seeds, recipe)
     adv = np.linspace(-1.5, 1.5, len(PROMPTS)).astype(np.float32)
     mb = [list(range(i, i + 4)) for i in range(0, len(PROMPTS), 4)]
-    return batch.with_columns(prompt=PROMPTS, advantage=adv), [mb[:3], [mb[3]], [mb[4]]]
+    ids = [f"s{i}" for i in range(len(PROMPTS))]  # as the update stage reads them with its rows
+    return batch.with_columns(prompt=PROMPTS, advantage=adv, sample_id=ids), [mb[:3], [mb[3]], [mb[4]]]
 
 
 def _close(got: dict, want: dict, lr: float = 0.0, rtol: float = 1e-6) -> None:
@@ -500,19 +501,22 @@ def test_one_step_off_rollouts_run_ahead_on_the_workers_and_equal_the_local_engi
     assert not local_client.get_metric_history(outs["local"]["run_id"], "prefetch/wait_s")  # generated in the stage
 
 
-@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+@pytest.mark.parametrize("sharding,cap", [("ddp", None), ("fsdp", 1.0001)])
 def test_an_off_policy_update_on_two_ranks_recomputes_each_ranks_rows(ray_cluster, tiny_checkpoint, tmp_path,
-                                                                      sharding):
+                                                                      sharding, cap):
     """run.staleness=1: rows the base weights sampled, trained from the weights after one update.
     Each rank recomputes the old log-probs of the micro-batches it replays (FSDP: the padding
     replays too, in lockstep); the first step's ratio is exactly 1 on every rank and the update
-    equals one process's; the drift's extremes are gathered over the ranks."""
+    equals one process's; the drift's extremes are gathered over the ranks. With a behaviour
+    weight cap (FSDP, its padding rows absent from a rank's weights) the weighted update runs on
+    every rank and its truncation is gathered (tests/test_staleness.py shows the weight changes
+    an update)."""
     from pixrl.artifacts.checkpoints import save_checkpoint
     from pixrl.engines.ray_engine import RayEngine
 
     cfg = _cfg(tiny_checkpoint, tmp_path, "ray.rollout_workers=1", f"ray.trainer_sharding={sharding}",
                "algorithm.lora.enabled=true", "algorithm.lora.rank=4", "algorithm.lora.alpha=8",
-               "algorithm.lr=1e-2", "run.staleness=1")
+               "algorithm.lr=1e-2", "run.staleness=1", *([f"run.staleness_weight_cap={cap}"] if cap else []))
     local = LocalEngine(cfg)
     batch, plan = _update_batch(local)
     first = local.train(PolicySource(), batch, plan, RECIPE, seed=3)
@@ -529,4 +533,6 @@ def test_an_off_policy_update_on_two_ranks_recomputes_each_ranks_rows(ray_cluste
     assert got.metrics["onpolicy_ratio_dev"] == want.metrics["onpolicy_ratio_dev"] == 0.0
     for key in ("off_policy/ratio_max", "off_policy/ratio_min"):
         np.testing.assert_allclose(got.metrics[key], want.metrics[key], rtol=1e-6)
+    if cap:  # some weights truncated at the cap, on both (the ranks' means are averaged: not the one mean)
+        assert want.metrics["off_policy/weight_capped_frac"] > 0 and got.metrics["off_policy/weight_capped_frac"] > 0
     _close(got.weights, want.weights, cfg.algorithm.lr)

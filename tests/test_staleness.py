@@ -99,6 +99,50 @@ def test_without_the_recompute_the_first_ratio_would_not_be_one(one_step_off, ti
     assert dev[0] == 0.0 and dev[1] > 0 and dev[2] > 0
 
 
+def test_the_behaviour_weight_is_the_truncated_ratio_of_proximal_to_behaviour():
+    import numpy as np
+
+    from pixrl.engines.proximal import behaviour_weights
+
+    behaviour = np.log(np.array([[0.5, 0.2], [0.4, 0.1]], dtype=np.float32))
+    proximal = np.log(np.array([[0.6, 0.1], [0.4, 0.3]], dtype=np.float32))
+    w = behaviour_weights(behaviour, proximal, 2.0)
+    assert w.dtype == np.float32 and np.allclose(w, [[1.2, 0.5], [1.0, 2.0]], atol=1e-6)  # 3.0 truncated to 2
+    with pytest.raises(ConfigError, match="set run.staleness >= 1"):
+        load_config(None, ["run.staleness_weight_cap=2.0"])
+    with pytest.raises(ConfigError, match="staleness_weight_cap"):
+        load_config(None, ["run.staleness=1", "run.staleness_weight_cap=1.0"])  # a cap below 1 would down-weight all
+
+
+def test_a_weighted_one_step_off_update_truncates_and_replays(one_step_off, tiny_checkpoint, tmp_path):
+    """With run.staleness_weight_cap each transition's loss carries min(π_prox/π_behav, C): 1 at
+    iteration 0 (sampled with its update's own start), off 1 after — here C just above 1 truncates
+    some — and the trained weights differ from the unweighted run's; replay recomputes it exactly."""
+    ref_wd, _ = one_step_off
+    res = _run(tiny_checkpoint, tmp_path, "weighted", "run.staleness_weight_cap=1.0001")
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    mean, capped = _history(tmp_path, out, "off_policy/weight_mean"), _history(tmp_path, out, "off_policy/weight_capped_frac")
+    assert mean[0] == 1.0 and capped[0] == 0.0
+    assert mean[1] != 1.0 and mean[2] != 1.0 and max(capped[1:]) > 0
+    assert _history(tmp_path, out, "onpolicy_ratio_dev") == [0.0, 0.0, 0.0]  # the ratio is still to the start
+    a, b = _final(tmp_path, "weighted", 0), _final(ref_wd, "ref", 0)
+    assert all(torch.equal(a[k], b[k]) for k in b)  # iteration 0: every weight 1, the same update
+    a, b = _final(tmp_path, "weighted"), _final(ref_wd, "ref")
+    assert any(not torch.equal(a[k], b[k]) for k in b), "the behaviour weight changed no update"
+    rep = CliRunner().invoke(app, ["replay", "weighted", "--iteration", "2", "--workdir", str(tmp_path)])
+    assert rep.exit_code == 0 and json.loads(rep.stdout.strip().splitlines()[-1])["equal"] is True, rep.output
+
+
+def test_an_algorithm_without_a_behaviour_ratio_refuses_the_weight(tiny_checkpoint, tmp_path):
+    from pixrl.stages.preflight import PreflightError, preflight
+
+    cfg = load_config(None, [f"model.path={tiny_checkpoint}", f"run.workdir={tmp_path}", "algorithm=diffusion_nft",
+                             "run.staleness=1", "run.staleness_weight_cap=2.0"])
+    with pytest.raises(PreflightError, match="takes no behaviour weight.*flow_grpo"):
+        preflight(cfg)
+
+
 def test_a_fault_in_update_then_resume_equals_the_uninterrupted_run(one_step_off, tiny_checkpoint, tmp_path,
                                                                     monkeypatch):
     ref_wd, out = one_step_off

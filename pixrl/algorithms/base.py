@@ -80,6 +80,17 @@ class Algorithm(ABC):
         (each trainer rank alike); returns metrics to log."""
         return {}
 
+    #: run.staleness_weight_cap applies: the loss weighs each transition by its behaviour weight
+    #: (`set_behaviour_weights`, engines/proximal.py)
+    behaviour_weighted: bool = False
+    _behaviour_weights: dict[str, np.ndarray] | None = None
+
+    def set_behaviour_weights(self, weights: dict[str, np.ndarray] | None) -> None:
+        """The update's truncated importance weights π_prox/π_behav per row (sample id → [S]), or
+        None: unweighted. Set before each update's first step; rows absent weigh 1 (a sharded
+        rank's padding, which is discarded)."""
+        self._behaviour_weights = weights
+
     def proximal_columns(self, batch, policy) -> dict[str, np.ndarray]:
         """run.staleness > 0: the micro-batch's stored columns that hold the sampling policy's
         log-probs (and step means), recomputed under `policy` — the update's weights before its

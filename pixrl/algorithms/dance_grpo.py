@@ -103,4 +103,4 @@ class DanceGRPO(FlowGRPO):
     def step_loss(self, tr, batch, adv, policy):
         c = self.settings
         return ppo_clip_loss(tr.new.log_prob, policy.tensor(batch["log_probs"][:, tr.j]), adv, c.clip_range,
-                             c.adv_clip_max)
+                             c.adv_clip_max, tr.weight)

@@ -103,7 +103,7 @@ class FlowDPPO(FlowGRPO):
         ratio = torch.exp(tr.new.log_prob - old)
         dims = tuple(range(1, tr.new.mean.ndim))
         kl = ((tr.new.mean - old_mean) ** 2).mean(dim=dims) / (2 * self.sigma_t(policy, tr.k) ** 2)
-        a = adv.float()
+        a = adv.float() if tr.weight is None else tr.weight.float() * adv.float()  # a positive weight keeps a's sign
         keep, pos_rm, neg_rm = dppo_mask(kl.detach(), ratio.detach(), a, c.kl_threshold)
         loss = torch.where(keep, -a * ratio, torch.zeros_like(ratio)).mean()
         with torch.no_grad():

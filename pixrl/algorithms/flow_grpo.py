@@ -25,6 +25,7 @@ class Transition:
     x: torch.Tensor
     x_next: torch.Tensor
     new: StepOut
+    weight: torch.Tensor | None = None  # [B] the behaviour weight (run.staleness_weight_cap), else None
 
 
 class FlowGRPOSettings(BaseModel):
@@ -44,6 +45,7 @@ class FlowGRPOSettings(BaseModel):
 class FlowGRPO(Algorithm):
     Settings = FlowGRPOSettings
     needs = frozenset({"stored_steps", "latents", "next_latents", "log_probs"})
+    behaviour_weighted = True
 
     @property
     def needs_reference(self) -> bool:
@@ -85,7 +87,8 @@ class FlowGRPO(Algorithm):
         for j in self.trained_positions(batch, policy):
             k = int(steps[j])
             x, x_next = policy.tensor(batch["latents"][:, j]), policy.tensor(batch["next_latents"][:, j])
-            yield self.step_loss(Transition(j, k, x, x_next, policy.step(x, x_next, k)), batch, adv, policy)
+            weight = self.behaviour_weight(batch, j, policy)
+            yield self.step_loss(Transition(j, k, x, x_next, policy.step(x, x_next, k), weight), batch, adv, policy)
 
     def proximal_columns(self, batch, policy) -> dict[str, np.ndarray]:
         """The log-probs (and means, where stored) of every trainable stored transition under
@@ -101,13 +104,20 @@ class FlowGRPO(Algorithm):
                     out["means"][:, j] = step.mean.float().cpu().numpy()
         return out
 
+    def behaviour_weight(self, batch, j: int, policy) -> torch.Tensor | None:
+        """[B] the rows' behaviour weights of stored transition j (run.staleness_weight_cap), else None."""
+        if self._behaviour_weights is None:
+            return None
+        return policy.tensor(np.array([self._behaviour_weights[sid][j] if sid in self._behaviour_weights else 1.0
+                                       for sid in batch["sample_id"]], dtype=np.float32))
+
     def step_loss(self, tr: "Transition", batch, adv: torch.Tensor, policy):
         """PPO-clip (+KL) of one transition, against its stored rollout log-prob."""
         ref = None
         if self.needs_reference:
             with torch.no_grad():
                 ref = policy.step(tr.x, tr.x_next, tr.k, reference=True)
-        return self.transition_loss(tr.new, policy.tensor(batch["log_probs"][:, tr.j]), adv, ref)
+        return self.transition_loss(tr.new, policy.tensor(batch["log_probs"][:, tr.j]), adv, ref, tr.weight)
 
     @staticmethod
     def reference_kl(tr: Transition, policy, std: torch.Tensor) -> torch.Tensor:
@@ -118,9 +128,9 @@ class FlowGRPO(Algorithm):
         return kl_to_reference(tr.new.mean, ref.mean, std).mean()
 
     def transition_loss(self, new: StepOut, old_log_prob: torch.Tensor, advantages: torch.Tensor,
-                        reference: StepOut | None = None):
+                        reference: StepOut | None = None, weight: torch.Tensor | None = None):
         c = self.settings
-        loss, metrics = ppo_clip_loss(new.log_prob, old_log_prob, advantages, c.clip_range, c.adv_clip_max)
+        loss, metrics = ppo_clip_loss(new.log_prob, old_log_prob, advantages, c.clip_range, c.adv_clip_max, weight)
         if c.beta > 0:
             if reference is None:
                 raise ValueError("flow_grpo with beta > 0 needs the reference step")

@@ -220,7 +220,7 @@ class GARDO(FlowGRPO):
     def step_loss(self, tr: Transition, batch, adv: torch.Tensor, policy):
         c = self.settings
         loss, metrics = ppo_clip_loss(tr.new.log_prob, policy.tensor(batch["log_probs"][:, tr.j]), adv,
-                                      c.clip_range, c.adv_clip_max)
+                                      c.clip_range, c.adv_clip_max, tr.weight)
         metrics["policy_loss"] = loss.detach()
         if c.beta > 0:
             rows = [i for i, sid in enumerate(batch["sample_id"]) if self._gated.get(sid, False)]

@@ -67,6 +67,8 @@ class GRPOGuard(FlowGRPO):
         log_ratio = normalised_log_ratio(tr.new.log_prob, old, tr.new.mean, policy.tensor(batch["means"][:, tr.j]), s)
         ratio = torch.exp(log_ratio)
         a = torch.clamp(adv.float(), -c.adv_clip_max, c.adv_clip_max)
+        if tr.weight is not None:  # the behaviour weight (run.staleness_weight_cap), positive: per row
+            a = tr.weight.float() * a
         clipped = torch.clamp(ratio, 1.0 - c.clip_range, 1.0 + c.clip_range)
         loss = torch.maximum(-a * ratio, -a * clipped).mean() / sqrt_dt**2
         with torch.no_grad():

@@ -96,7 +96,7 @@ class MixGRPO(FlowGRPO):
     def step_loss(self, tr, batch, adv, policy):
         c = self.settings
         old = policy.tensor(batch["log_probs"][:, tr.j])
-        loss, metrics = ppo_clip_loss(tr.new.log_prob, old, adv, c.clip_range, c.adv_clip_max)
+        loss, metrics = ppo_clip_loss(tr.new.log_prob, old, adv, c.clip_range, c.adv_clip_max, tr.weight)
         if c.kl_coeff > 0:
             approx_kl = 0.5 * torch.mean((tr.new.log_prob - old) ** 2)
             loss = loss + c.kl_coeff * approx_kl

@@ -106,7 +106,8 @@ class TempFlowGRPO(FlowGRPO):
         c = self.settings
         weight = c.noise_weight * tr.new.std.detach() if c.weighting == "noise" else None
         old = policy.tensor(batch["log_probs"][:, tr.j])
-        loss, metrics = ppo_clip_loss(tr.new.log_prob, old, adv, c.clip_range, c.adv_clip_max, weight)
+        both = tr.weight if weight is None else weight if tr.weight is None else weight * tr.weight
+        loss, metrics = ppo_clip_loss(tr.new.log_prob, old, adv, c.clip_range, c.adv_clip_max, both)
         if weight is not None:
             metrics["noise_weight"] = weight.mean()
         if c.beta > 0:

@@ -212,6 +212,10 @@ class RunConfig(_Section):
                            "(the weights N updates behind the update's): 0 on-policy; 1 one-step-off, the next "
                            "rollout runs on the Ray engine's rollout workers while this update trains. Log-prob "
                            "algorithms recompute the old log-probs under the update's weights (stages/schedule.py)")
+    staleness_weight_cap: float | None = Field(
+        None, gt=1.0, description="run.staleness ≥ 1: each transition's loss weighted by min(π_prox/π_behav, cap) — "
+        "decoupled PPO's truncated importance weight from the update's starting policy back to the one that "
+        "sampled the row (Flow-GRPO and its kin); None: unweighted, as verl's and MM-GRPO's one-step-off trainers")
     time_budget_minutes: float | None = Field(None, gt=0, description="stop starting iterations once this process has "
                                               "trained this long (wall clock; the run then ends normally, evaluated "
                                               "after its last iteration); None: run.iterations decides")
@@ -362,6 +366,10 @@ class ExperimentConfig(_Section):
             raise ValueError(f"reward.overlap=true overlaps scoring with rollout inside the local engine; "
                              f"run.engine={self.run.engine} scores on its own reward workers — set "
                              f"reward.overlap=false")
+        if self.run.staleness_weight_cap is not None and not self.run.staleness:
+            raise ValueError(f"run.staleness_weight_cap={self.run.staleness_weight_cap} weighs rows an older policy "
+                             f"sampled, and run.staleness=0 samples with the update's own: set run.staleness >= 1 "
+                             f"or unset run.staleness_weight_cap")
         keep = self.run.retention.keep_full
         if self.run.staleness and keep is not None and keep < self.run.staleness + 1:
             raise ValueError(f"run.staleness={self.run.staleness} samples with the checkpoint {self.run.staleness} "

@@ -12,6 +12,13 @@ is then exactly 1, as on-policy, and the clip bounds the move from the update's 
 A row is recomputed in the first micro-batch that holds it (the loss's own geometry: a batched
 forward's bits depend on its batch); the behaviour log-probs stay in the trajectory table, and
 how far the two are apart is logged (`off_policy/*`).
+
+With `run.staleness_weight_cap` C the algorithm is also given each recomputed row's behaviour
+weights [S] (`Algorithm.set_behaviour_weights`, by sample id): each stored transition's
+min(exp(log π_prox − log π_behav), C), the truncated importance weight of decoupled
+PPO (Hilton et al. 2022) that carries the update's surrogate, taken on the proximal policy's
+samples, back to the rows the behaviour policy drew. Per transition and per stored value, as the
+ratio itself is (flow_grpo's log-probs are means over the latent's elements).
 """
 
 from __future__ import annotations
@@ -24,10 +31,10 @@ from ..stages.plan import seed_of
 
 
 def proximal_batch(algo, batch: RolloutBatch, plan: list[list[list[int]]], replay_policy, coll, device,
-                   seed: int) -> tuple[RolloutBatch, dict[str, list[float]]]:
+                   seed: int, weight_cap: float | None = None) -> tuple[RolloutBatch, dict[str, list[float]]]:
     """`batch` with the algorithm's old-policy columns recomputed under the loaded weights for
-    every row this rank trains, and the drift metrics; `batch` itself when the algorithm's loss
-    takes no ratio to the sampling policy."""
+    every row this rank trains (and, with `weight_cap`, the behaviour weights), and the drift
+    metrics; `batch` itself when the algorithm's loss takes no ratio to the sampling policy."""
     columns: dict[str, np.ndarray] = {}
     done: set[int] = set()
     for opt_step, step_batches in enumerate(plan):
@@ -46,7 +53,29 @@ def proximal_batch(algo, batch: RolloutBatch, plan: list[list[list[int]]], repla
             done.update(mb)
     if not columns:
         return batch, {}
-    return batch.with_columns(**columns), _drift(batch["log_probs"], columns["log_probs"], sorted(done))
+    rows = sorted(done)
+    drift = _drift(batch["log_probs"], columns["log_probs"], rows)
+    if weight_cap is not None:
+        weights = behaviour_weights(batch["log_probs"], columns["log_probs"], weight_cap)
+        algo.set_behaviour_weights({batch["sample_id"][r]: weights[r] for r in rows})
+        drift.update(_weight_metrics(batch["log_probs"], columns["log_probs"], weights, rows, weight_cap))
+    return batch.with_columns(**columns), drift
+
+
+def behaviour_weights(behaviour: np.ndarray, proximal: np.ndarray, cap: float) -> np.ndarray:
+    """min(π_prox/π_behav, cap) per stored value (float32)."""
+    log_ratio = proximal.astype(np.float64) - behaviour.astype(np.float64)
+    return np.minimum(np.exp(np.minimum(log_ratio, 30.0)), cap).astype(np.float32)
+
+
+def _weight_metrics(behaviour: np.ndarray, proximal: np.ndarray, weights: np.ndarray, rows: list[int],
+                    cap: float) -> dict[str, list[float]]:
+    """The weights' mean and the fraction the cap truncated, on the recomputed rows."""
+    if not rows:
+        return {}
+    capped = (proximal[rows].astype(np.float64) - behaviour[rows].astype(np.float64)) > np.log(cap)
+    return {"off_policy/weight_mean": [float(weights[rows].mean())],
+            "off_policy/weight_capped_frac": [float(capped.mean())]}
 
 
 def _drift(behaviour: np.ndarray, proximal: np.ndarray, rows: list[int]) -> dict[str, list[float]]:

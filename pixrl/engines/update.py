@@ -122,9 +122,11 @@ def run_update(pol: TrainablePolicy, prompts: PromptCache, algo, max_grad_norm: 
     replay_policy = ReplayFactory(pol, prompts, algo, batch, recipe, prompt_sets)
     acc: dict[str, list[float]] = {key: [val] for key, val in prepared.items()}
     pol.module.train()  # the loss's mode: the recomputed log-probs are the ones its first step computes
+    algo.set_behaviour_weights(None)  # this update's own, if any (proximal_batch)
     if pol.cfg.run.staleness:  # older samples: the old log-probs are the update's starting weights'
         t_prox = time.perf_counter()
-        batch, drift = proximal_batch(algo, batch, plan, replay_policy, coll, fam.device, seed)
+        batch, drift = proximal_batch(algo, batch, plan, replay_policy, coll, fam.device, seed,
+                                      pol.cfg.run.staleness_weight_cap)
         if drift:
             drift["off_policy/recompute_s"] = [time.perf_counter() - t_prox]
         for part in coll.gather(drift):  # every rank's rows

@@ -4,7 +4,7 @@ is a PreflightError that names the problem and the fix."""
 
 from __future__ import annotations
 
-from ..algorithms.base import build_algorithm
+from ..algorithms.base import ALGORITHMS, build_algorithm
 from ..artifacts.batch import rollout_fields
 from ..config.schema import ExperimentConfig
 from ..datasets.prompts import load_prompt_set, select_categories
@@ -109,6 +109,11 @@ def check_sampling_settings(s, family, algo) -> None:
 def check_online_algorithm(cfg: ExperimentConfig, algo, family) -> None:
     """The algorithm can train on this family's rollouts with these sampling and reward settings."""
     algo.check_sampling(cfg.sampling, family.semantics.step.value)
+    if cfg.run.staleness_weight_cap is not None and not algo.behaviour_weighted:
+        weighted = [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).behaviour_weighted]
+        raise ValueError(f"run.staleness_weight_cap: algorithm {algo.name!r} takes no behaviour weight (its loss has "
+                         f"no per-transition ratio to the sampling policy); unset it, or choose one that does: "
+                         f"{', '.join(weighted)}")
     if algo.pairs_in_groups and cfg.reward.aggregate != "reward":
         raise ValueError(f"algorithm {algo.name!r} pairs each group's best and worst rollout by the total reward; "
                          f"reward.aggregate={cfg.reward.aggregate} sums per-reward advantages — set "
