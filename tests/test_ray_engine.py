@@ -536,3 +536,22 @@ def test_an_off_policy_update_on_two_ranks_recomputes_each_ranks_rows(ray_cluste
     if cap:  # some weights truncated at the cap, on both (the ranks' means are averaged: not the one mean)
         assert want.metrics["off_policy/weight_capped_frac"] > 0 and got.metrics["off_policy/weight_capped_frac"] > 0
     _close(got.weights, want.weights, cfg.algorithm.lr)
+
+
+def test_a_distributed_generate_that_fails_before_its_commit_leaves_no_files(ray_cluster, prefect_harness,
+                                                                              tiny_checkpoint, tmp_path, monkeypatch):
+    """The fault point is after the rollout workers wrote their fragments and before the stage's
+    one commit; every file in the table's data folder is then one some version lists."""
+    from pixrl.stages.chaos import ENV
+
+    monkeypatch.setenv(ENV, "generate@1:raise")
+    res = CliRunner().invoke(app, ["train", "--iterations", "2", "--run", "stray", "reward=jpeg_compressibility",
+                                   *tiny_overrides(tiny_checkpoint, tmp_path), "run.engine=ray",
+                                   "ray.rollout_workers=2", "ray.reward_workers=1", "ray.trainer_workers=1"])
+    assert res.exit_code == 1 and "injected fault in generate" in res.output, res.output
+    uri = str(tmp_path / "lance" / "stray" / "trajectories.lance")
+    assert sorted(set(lance.dataset(uri).to_table(columns=["iteration"])["iteration"].to_pylist())) == [0]
+    ds = lance.dataset(uri)
+    listed = {d.path for v in ds.versions() for f in lance.dataset(uri, version=v["version"]).get_fragments()
+              for d in f.metadata.data_files()}
+    assert {p.name for p in (Path(uri) / "data").iterdir()} == listed

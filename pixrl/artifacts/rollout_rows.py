@@ -9,7 +9,9 @@ A distributed generate (an engine with `rollout_to_store`): the stage hands the 
 generated as Lance fragments (data files that no version lists yet, invisible to readers), so the
 latents never pass through the driver. The stage then commits every worker's fragments in one
 Append (Overwrite when the table is new): one new table version, as a local generate's append.
-Fragments of a generate that fails before its commit are never listed and go with cleanup.
+Fragments that are never committed — a generate that fails before its commit, a rollout begun
+ahead that no stage took — are never listed by a version; `discard_fragments` deletes their files
+then (Lance's own cleanup would leave them for 7 days).
 """
 
 from __future__ import annotations
@@ -48,6 +50,21 @@ class RowSink:
         """Uncommitted fragments holding `table` (FragmentMetadata, picklable)."""
         return lance.fragment.write_fragments(table, self.uri, schema=table.schema,
                                               mode="create" if self.create else "append")
+
+
+def discard_fragments(uri: str, fragments: list) -> int:
+    """Delete the data files of `fragments`, which no version lists; the number deleted."""
+    from pyarrow import fs
+
+    filesystem, root = fs.FileSystem.from_uri(uri)
+    removed = 0
+    for fragment in fragments:
+        for data in fragment.data_files():
+            path = f"{root}/data/{data.path}"
+            if filesystem.get_file_info(path).type == fs.FileType.File:
+                filesystem.delete_file(path)
+                removed += 1
+    return removed
 
 
 def commit_fragments(uri: str, fragments: list, schema: pa.Schema, create: bool) -> int:

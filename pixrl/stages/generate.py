@@ -16,7 +16,7 @@ import numpy as np
 
 from ..algorithms.recipe import with_guidance
 from ..algorithms.token_sampling import behavior_gap
-from ..artifacts.rollout_rows import rows_table
+from ..artifacts.rollout_rows import discard_fragments, rows_table
 from ..artifacts.store_maintenance import maintain_store
 from ..artifacts.tracking import PolicyRef
 from ..artifacts.trajectories import TableRef, meta_json
@@ -84,12 +84,17 @@ class GenerateStage:
             else:
                 fetched = self._rollout_to_store(iteration, rnd, call, columns, video, to_store)
             fragments, schema, seconds, create = fetched
-        metrics = self._commit_record("generate", iteration, rnd,
-                                      {"images_per_s": len(rows) / seconds, "generate_compute_s": seconds, **extra})
-        if in_process:
-            ref = self.table.append(table, where=scope)
-        else:
-            ref = self.table.commit_appended(fragments, schema, create, self.spec.run_id, iteration, scope)
+        try:
+            metrics = self._commit_record("generate", iteration, rnd,
+                                          {"images_per_s": len(rows) / seconds, "generate_compute_s": seconds, **extra})
+            if in_process:
+                ref = self.table.append(table, where=scope)
+            else:
+                ref = self.table.commit_appended(fragments, schema, create, self.spec.run_id, iteration, scope)
+        except BaseException:
+            if not in_process:  # the workers' rows were never committed: their files go now
+                discard_fragments(self.table.uri, fragments)
+            raise
         if self.overlap is not None:
             self.overlap.committed((iteration, rnd), ref.version)
         self.table.tag(f"{self.spec.run_name}-it{iteration}-{self.stage_name('generate', rnd)}", ref.version)
@@ -133,7 +138,8 @@ class GenerateStage:
         self._warm_update(iteration - 1)
         _, columns, call, video = self._rollout_call(iteration, policy, 0)
         self.prefetch.begin(self._prefetch_key(iteration, policy),
-                            lambda: self._rollout_to_store(iteration, 0, call, columns, video, to_store))
+                            lambda: self._rollout_to_store(iteration, 0, call, columns, video, to_store),
+                            discard=lambda fetched: discard_fragments(self.table.uri, fetched[0]))
 
     def _warm_update(self, iteration: int) -> None:
         """Ask the engine now for what iteration's update will ask of its rollout workers (the
