@@ -69,6 +69,8 @@ images/s and peak memory.
   pipeline's 7: w = s − 1) against its negative prompt; LoRA r64 on attention and MLP.
 - `--family cosmos2_v2w`: Cosmos-Predict2-2B-Video2World given one image — the same widths with
   the condition-mask channel, 33 frames animating 8 random first frames, CFG 8; LoRA r64.
+- `--family cosmos25`: Cosmos-Predict2.5-2B Text2World — the 2B DiT with its text projection,
+  Cosmos-Reason1 (Qwen2.5-VL-7B) at its width with 2 of its 28 layers, 33 frames, CFG 8; LoRA r64.
   Builders: benchmarks/real_shapes.py (video: real_shapes_video.py; Cosmos: real_shapes_image.py).
 
     python benchmarks/gpu_smoke.py [--family F]                       # the check a GPU machine runs
@@ -168,6 +170,9 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
     "cosmos2_v2w": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
                                  "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=8.0",
                                  "sampling.window_range=[0,3]", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
+    "cosmos25": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
+                              "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=8.0",
+                              *([] if tiny else ["algorithm=flow_grpo_lora64"])],
     "wan": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=226",
                          "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=5.0",
                          *([] if tiny else ["algorithm=flow_grpo_wan"])],
