@@ -83,11 +83,44 @@ def edit_pipeline_latents(family, cond, neg, images, cfg, seeds, steps=6):
     return torch.cat(out)
 
 
-def assert_held_frame_is_parameter_free(family, cond, neg, scale: float, sigma: float) -> None:
+class PassingGuardrail:
+    """What the Cosmos pipelines ask of Cosmos Guardrail (the cosmos_guardrail package, not
+    installed here) when called or constructed, passing everything: the guardrail is not what the
+    tests compare."""
+
+    def to(self, *args):
+        return self
+
+    def check_text_safety(self, prompt):
+        return True
+
+    def check_video_safety(self, video):
+        return video
+
+
+def assert_rows_keep_their_frames_and_replay(prompts_jsonl, table, run: str, workdir) -> None:
+    """An image-conditioned run's rows each keep the source image of their prompt (from the
+    prompt set `prompts_jsonl`), and `pixrl replay` of its iteration 1 is equal."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from pixrl.cli import app
+
+    folder = prompts_jsonl.parent
+    files = {json.loads(ln)["prompt"]: (folder / json.loads(ln)["image"]).read_bytes()
+             for ln in prompts_jsonl.read_text().splitlines()}
+    assert all(img == files[p] for p, img in zip(table["prompt"].to_pylist(), table["source_image"].to_pylist()))
+    rep = CliRunner().invoke(app, ["replay", run, "--iteration", "1", "--workdir", str(workdir)])
+    assert rep.exit_code == 0 and json.loads(rep.stdout.strip().splitlines()[-1])["equal"] is True, rep.output
+
+
+def assert_held_frame_is_parameter_free(family, cond, neg, scale: float, sigma: float, per_thousand: bool = True) -> None:
     """An image-to-video family holding its first latent frame clean (models/held_frame.py): that
-    frame's velocity is (x − c)/σ whatever the weights, the others move with them."""
+    frame's velocity is (x − c)/σ whatever the weights, the others move with them. `per_thousand`:
+    the family's timestep is σ·1000 (else σ itself: Cosmos)."""
     x = torch.randn((2, *family.latent_shape()), generator=torch.Generator().manual_seed(1))
-    t = torch.full((2,), sigma * 1000.0)
+    t = torch.full((2,), sigma * 1000.0 if per_thousand else sigma)
     v = family.velocity(x, t, cond, scale, neg)
     assert torch.allclose(v[:, :, :1], (x[:, :, :1] - cond.condition) / sigma, atol=1e-5)
     with torch.no_grad():

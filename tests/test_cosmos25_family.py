@@ -6,18 +6,15 @@ decoded clips equal, the condition frame's part of a transition parameter-free, 
 log-probs equal the stored ones, and RL iterations through the unchanged flow (Text2World with
 LoRA and full fine-tuning, Image2World from a prompt set of first frames)."""
 
-import json
-
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from conftest import two_iterations
-from family_checks import assert_replay_is_on_policy, euler, gens, wide
+from family_checks import (PassingGuardrail, assert_held_frame_is_parameter_free, assert_replay_is_on_policy,
+                           assert_rows_keep_their_frames_and_replay, euler, gens, wide)
 from pixrl.algorithms.sampling import SamplerRecipe, initial_noise, sample
 from pixrl.artifacts.media import decode_media
-from pixrl.cli import app
 from pixrl.models.cosmos25 import Cosmos25Family
 from pixrl.models.registry import family_of_directory, get_family
 from pixrl.models.source_images import png_bytes, source_pixels, write_prompt_images
@@ -42,20 +39,10 @@ def frames():
     return [png_bytes(rng.integers(0, 256, (48, 40, 3), dtype=np.uint8)) for _ in PROMPTS]
 
 
-class _PassingGuardrail:
-    """What the pipeline's `__call__` asks of Cosmos Guardrail (not installed), passing everything."""
-
-    def to(self, *args):
-        return self
-
-    def check_text_safety(self, prompt):
-        return True
-
-
 def _pipeline(family, cfg: float, seeds, negative: str = "", output_type: str = "latent", frames=None):
     """The pipeline on Euler (the family's `euler` context), one call; Image2World one prompt and
     frame a call through its video input (its image input needs torchvision), given our noise."""
-    family.pipe.safety_checker = _PassingGuardrail()
+    family.pipe.safety_checker = PassingGuardrail()
     common = dict(negative_prompt=negative, guidance_scale=cfg - 1.0, num_inference_steps=6, output_type=output_type,
                   height=family.height, width=family.width, num_frames=family.frames, max_sequence_length=64)
     try:
@@ -136,19 +123,7 @@ def test_non_square_ode_and_decoded_clips_equal_the_pipeline(tiny_c25):
 
 def test_the_condition_frames_transition_carries_no_parameter(family, frames):
     cond, neg = family.encode_prompts(PROMPTS, frames), family.encode_negative("").expand(2)
-    x = torch.randn((2, *family.latent_shape()), generator=torch.Generator().manual_seed(1))
-    t = torch.full((2,), 0.5)
-    v = family.velocity(x, t, cond, 8.0, neg)
-    assert torch.allclose(v[:, :, :1], (x[:, :, :1] - cond.condition) / 0.5, atol=1e-5)
-    with torch.no_grad():
-        for p in family.transformer.parameters():
-            p.add_(0.01)
-        try:
-            moved = family.velocity(x, t, cond, 8.0, neg)
-        finally:
-            for p in family.transformer.parameters():
-                p.sub_(0.01)
-    assert torch.equal(moved[:, :, :1], v[:, :, :1]) and not torch.allclose(moved[:, :, 1:], v[:, :, 1:])
+    assert_held_frame_is_parameter_free(family, cond, neg, 8.0, 0.5, per_thousand=False)
 
 
 @pytest.mark.parametrize("sde_type,window,image", [("sde", None, False), ("cps", None, False), ("sde", (1, 2), True)])
@@ -172,11 +147,7 @@ def test_image2world_iterations_keep_each_rows_frame_and_replay(tiny_c25, tmp_pa
     prompts = write_prompt_images(tmp_path / "first_frames", FIRST_FRAME_PROMPTS, 0, stem="frame")
     out, t = two_iterations(tiny_c25, tmp_path, "c25_i2w", "lora", "sampling.guidance_scale=8.0", "dataset.name=edits",
                             f"dataset.path={prompts}", "dataset.heldout_path=null", "dataset.categories=null")
-    files = {json.loads(ln)["prompt"]: (prompts.parent / json.loads(ln)["image"]).read_bytes()
-             for ln in prompts.read_text().splitlines()}
-    assert all(img == files[p] for p, img in zip(t["prompt"].to_pylist(), t["source_image"].to_pylist()))
-    rep = CliRunner().invoke(app, ["replay", "c25_i2w", "--iteration", "1", "--workdir", str(tmp_path)])
-    assert rep.exit_code == 0 and json.loads(rep.stdout.strip().splitlines()[-1])["equal"] is True, rep.output
+    assert_rows_keep_their_frames_and_replay(prompts, t, "c25_i2w", tmp_path)
 
 
 def test_the_presets():

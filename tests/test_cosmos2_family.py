@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import two_iterations
-from family_checks import assert_replay_is_on_policy, gens, wide
+from family_checks import PassingGuardrail, assert_replay_is_on_policy, gens, wide
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.config.loader import load_config
 from pixrl.models.base import ModelLoadError
@@ -36,23 +36,9 @@ def family(tiny_cosmos):
     return Cosmos2Family.load(tiny_cosmos[0], max_sequence_length=64, resolution=32)
 
 
-class _PassingGuardrail:
-    """What the pipeline's `__call__` asks of Cosmos Guardrail (a separate package), passing
-    everything: the guardrail is not what these tests compare."""
-
-    def to(self, *args):
-        return self
-
-    def check_text_safety(self, prompt):
-        return True
-
-    def check_video_safety(self, video):
-        return video
-
-
 @contextmanager
 def _guarded(family):
-    family.pipe.safety_checker = _PassingGuardrail()
+    family.pipe.safety_checker = PassingGuardrail()
     try:
         yield family.pipe
     finally:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from family_checks import PassingGuardrail
 from pixrl.artifacts.checkpoints import save_checkpoint
 from pixrl.cli import app
 from pixrl.config.loader import load_config
@@ -58,18 +59,13 @@ def _export(ckpt, out, *flags) -> dict:
     return manifest
 
 
-class _Guardrail:
-    """Stands for Cosmos Guardrail (the cosmos_guardrail package, not installed here), which
-    Cosmos2TextToImagePipeline's constructor builds when given no safety checker."""
-
-
 def _pipeline(cls, path, family):
     """`cls.from_pretrained(path)`, components saved as [null, null] (SD3 without T5) passed as None
     and those this machine cannot build from the declared class (FLUX.2's PixtralProcessor needs
     torchvision) loaded as the family loads them; a component the family never reads (Cosmos's
     guardrail) given as a stand-in."""
     index = json.loads((Path(path) / "model_index.json").read_text())
-    unread = {k: _Guardrail() for k in getattr(type(family), "unread_components", ())}
+    unread = {k: PassingGuardrail() for k in getattr(type(family), "unread_components", ())}
     absent = {k: None for k, v in index.items() if isinstance(v, list) and v[0] is None and k not in unread}
     swapped = type(family).swap_components(Path(path))
     pipe = cls.from_pretrained(str(path), **absent, **unread, **{k: None for k in swapped})

@@ -12,7 +12,6 @@ from pathlib import Path
 import lance
 import pyarrow as pa
 import pytest
-from typer.testing import CliRunner
 
 from pixrl.artifacts.rollout_rows import discard_fragments
 from pixrl.stages.rollout_prefetch import RolloutPrefetch
@@ -22,13 +21,6 @@ SCHEMA = pa.schema([("a", pa.int64())])
 
 def _files(uri: str) -> set[str]:
     return {p.name for p in (Path(uri) / "data").iterdir()}
-
-
-def _listed(uri: str) -> set[str]:
-    """Every data file some version of the table lists."""
-    ds = lance.dataset(uri)
-    return {d.path for v in ds.versions() for f in lance.dataset(uri, version=v["version"]).get_fragments()
-            for d in f.metadata.data_files()}
 
 
 def _table(tmp_path: Path) -> str:

@@ -45,20 +45,51 @@ from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 from .wan import video_to_uint8
 
-__all__ = ["Cosmos2Conditioning", "Cosmos2Family"]
+__all__ = ["Cosmos2Conditioning", "Cosmos2Family", "decode_clips", "first_latent_frame", "without_guardrail"]
 
 
 @dataclass
 class Cosmos2Conditioning:
-    """T5 states of the prompts [B, L, D], zero past each prompt's length (the pipeline's)."""
+    """The prompts' text states [B, L, D] (Predict2: T5, zero past each prompt's length; 2.5: every
+    Qwen2.5-VL layer normalised and concatenated) and, for the image-conditioned ones, each
+    prompt's clean first latent frame (None for text alone and for the negative prompt, which
+    borrows the rows' own)."""
 
     prompt_embeds: torch.Tensor
+    condition: torch.Tensor | None = None  # [B, C, 1, H', W']
 
     def select(self, idx) -> "Cosmos2Conditioning":
-        return Cosmos2Conditioning(self.prompt_embeds[idx])
+        return Cosmos2Conditioning(self.prompt_embeds[idx], None if self.condition is None else self.condition[idx])
 
     def expand(self, n: int) -> "Cosmos2Conditioning":
-        return Cosmos2Conditioning(self.prompt_embeds.expand(n, -1, -1))
+        grow = (lambda v: None if v is None else v.expand(n, *v.shape[1:]))  # noqa: E731
+        return Cosmos2Conditioning(grow(self.prompt_embeds), grow(self.condition))
+
+
+def latent_stats(vae, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, std) of the Wan VAE's latents per channel, [1, C, 1, 1, 1] on `like`'s device and dtype."""
+    cfg = vae.config
+    shape = (1, cfg.z_dim, 1, 1, 1)
+    return (torch.tensor(cfg.latents_mean).view(shape).to(like.device, like.dtype),
+            torch.tensor(cfg.latents_std).view(shape).to(like.device, like.dtype))
+
+
+def first_latent_frame(family, image: bytes, sigma_data: float = 1.0) -> torch.Tensor:
+    """[1, C, 1, H', W']: a source image at the clip's size, encoded as a one-frame clip (the
+    posterior's mode), normalised as the Cosmos pipelines' `prepare_latents` — (z − mean)/std·σ_data."""
+    from .source_images import source_pixels
+
+    _, pixels = source_pixels(family, image, family.vae.dtype)
+    z = family.vae.encode(pixels.unsqueeze(2)).latent_dist.mode().float()
+    mean, std = latent_stats(family.vae, z)
+    return (z - mean) / std * sigma_data
+
+
+def decode_clips(vae, latents: torch.Tensor, sigma_data: float = 1.0) -> np.ndarray:
+    """Cosmos latents [B, C, F', H', W'] → uint8 clips [B, F, H, W, 3]: ·std/σ_data + mean, decode."""
+    z = latents.to(vae.dtype)
+    mean, std = latent_stats(vae, z)
+    return video_to_uint8(vae.decode(z * std / sigma_data + mean, return_dict=False)[0])
 
 
 class _GuardrailNotRun:
@@ -222,12 +253,7 @@ class Cosmos2Family(PipelineFamily):
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """Final latents [B, C, 1, H', W'] (the pipeline's, at σ_min) → uint8 [B, H, W, 3]: the
         latent std and mean undone (and σ_data), decode, the clip's one frame."""
-        cfg = self.vae.config
-        z = latents.to(self.vae.dtype)
-        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
-        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
-        z = z / inv_std / self.scheduler.config.sigma_data + mean
-        return video_to_uint8(self.vae.decode(z, return_dict=False)[0])[:, 0]
+        return decode_clips(self.vae, latents, self.scheduler.config.sigma_data)[:, 0]
 
     # --- a tiny random checkpoint in the real layout --------------------------------------------
     @classmethod

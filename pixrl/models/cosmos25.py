@@ -27,39 +27,21 @@ What is the family's own, as the pipeline computes it:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .cosmos2 import _padding_mask_resize, without_guardrail
+from .cosmos2 import Cosmos2Conditioning, _padding_mask_resize, decode_clips, first_latent_frame, without_guardrail
 from .held_frame import held_input, held_velocity
 from .pipelines import PipelineFamily, encodes_text, scheduler_grid
 from .registry import register_family
-from .source_images import require_sources, source_pixels
+from .source_images import require_sources
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
-from .wan import video_to_uint8
 
-__all__ = ["Cosmos25Conditioning", "Cosmos25Family"]
+__all__ = ["Cosmos25Family"]
 
 CONDITIONAL_FRAME_TIMESTEP = 0.0001  # the pipeline's `conditional_frame_timestep`
-
-
-@dataclass
-class Cosmos25Conditioning:
-    """The prompts' concatenated normalised hidden states, and each prompt's first latent frame
-    (Image2World; None for Text2World and for the negative prompt, which borrows the rows' own)."""
-
-    prompt_embeds: torch.Tensor  # [B, L, layers · hidden]
-    condition: torch.Tensor | None = None  # [B, C, 1, H', W']
-
-    def select(self, idx) -> "Cosmos25Conditioning":
-        return Cosmos25Conditioning(self.prompt_embeds[idx], None if self.condition is None else self.condition[idx])
-
-    def expand(self, n: int) -> "Cosmos25Conditioning":
-        grow = (lambda v: None if v is None else v.expand(n, *v.shape[1:]))  # noqa: E731
-        return Cosmos25Conditioning(grow(self.prompt_embeds), grow(self.condition))
 
 
 @register_family("cosmos25")
@@ -104,22 +86,19 @@ class Cosmos25Family(PipelineFamily):
     # --- conditioning -------------------------------------------------------------------------
     @encodes_text
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str], images: list[bytes] | None = None) -> Cosmos25Conditioning:
+    def encode_prompts(self, prompts: list[str], images: list[bytes] | None = None) -> Cosmos2Conditioning:
         """The pipeline's prompt states; with `images` (one per prompt) each prompt's first frame."""
         embeds, _ = self.pipe.encode_prompt(list(prompts), do_classifier_free_guidance=False, device=self.device,
                                             max_sequence_length=self.max_sequence_length)
         if images is None:
-            return Cosmos25Conditioning(embeds)
+            return Cosmos2Conditioning(embeds)
         require_sources(self, prompts, images)
-        return Cosmos25Conditioning(embeds, torch.cat([self.first_frame(im) for im in images]))
+        return Cosmos2Conditioning(embeds, torch.cat([self.first_frame(im) for im in images]))
 
     def first_frame(self, image: bytes) -> torch.Tensor:
         """[1, C, 1, H', W']: the source at the clip's size, encoded as a one-frame clip (posterior
         mode, as the pipeline's `prepare_latents`), normalised by the latent mean and std."""
-        vae = self.vae
-        _, pixels = source_pixels(self, image, vae.dtype)
-        z = vae.encode(pixels.unsqueeze(2)).latent_dist.mode().float()
-        return (z - self.pipe.latents_mean.to(z.device)) * self.pipe.latents_std.to(z.device)
+        return first_latent_frame(self, image)
 
     # --- dynamics -----------------------------------------------------------------------------
     def latent_shape(self) -> tuple[int, int, int, int]:
@@ -134,8 +113,8 @@ class Cosmos25Family(PipelineFamily):
     def timesteps_at(self, sigma: torch.Tensor) -> torch.Tensor:
         return sigma.float()
 
-    def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: Cosmos25Conditioning,
-                 guidance_scale: float = 1.0, neg: Cosmos25Conditioning | None = None) -> torch.Tensor:
+    def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: Cosmos2Conditioning,
+                 guidance_scale: float = 1.0, neg: Cosmos2Conditioning | None = None) -> torch.Tensor:
         """v on clip latents [B, C, F', H', W'] (with the pipeline's CFG, w = s − 1); Image2World:
         the first latent frame's is the one towards its condition."""
         b, _, f, h, w = x.shape
@@ -157,7 +136,7 @@ class Cosmos25Family(PipelineFamily):
             v = v + (guidance_scale - 1.0) * (v - v_u)
         return v if cond.condition is None else held_velocity(x, cond.condition, v, t)
 
-    def _predict(self, x: torch.Tensor, times: torch.Tensor, cond: Cosmos25Conditioning,
+    def _predict(self, x: torch.Tensor, times: torch.Tensor, cond: Cosmos2Conditioning,
                  mask: torch.Tensor) -> torch.Tensor:
         dtype = self.transformer.dtype
         pad = x.new_zeros(1, 1, self.height, self.width, dtype=dtype)
@@ -170,10 +149,7 @@ class Cosmos25Family(PipelineFamily):
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """Final latents [B, C, F', H', W'] → uint8 clips [B, F, H, W, 3]: the latent std and mean
         undone, decode (the causal VAE gives the clip's 4k + 1 frames)."""
-        z = latents.to(self.vae.dtype)
-        mean = self.pipe.latents_mean.to(z.device, z.dtype)
-        inv_std = self.pipe.latents_std.to(z.device, z.dtype)
-        return video_to_uint8(self.vae.decode(z / inv_std + mean, return_dict=False)[0])
+        return decode_clips(self.vae, latents)
 
     # --- a tiny random checkpoint in the real layout --------------------------------------------
     @classmethod

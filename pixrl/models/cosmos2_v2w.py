@@ -21,39 +21,21 @@ ODE equals the pipeline's. Sources are resized to the clip's size (aspect kept, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from .base import ModelLoadError
-from .cosmos2 import Cosmos2Conditioning, Cosmos2Family
+from .cosmos2 import Cosmos2Conditioning, Cosmos2Family, decode_clips, first_latent_frame
 from .held_frame import held_input, held_velocity
 from .pipelines import encodes_text
 from .registry import register_family
-from .source_images import require_sources, source_pixels, write_prompt_images
-from .wan import video_to_uint8
+from .source_images import require_sources, write_prompt_images
 
-__all__ = ["Cosmos2Video2WorldConditioning", "Cosmos2Video2WorldFamily"]
+__all__ = ["Cosmos2Video2WorldFamily"]
 
 SIGMA_CONDITIONING = 0.0001  # the pipeline's `sigma_conditioning`: the condition frame's noise level
-
-
-@dataclass
-class Cosmos2Video2WorldConditioning(Cosmos2Conditioning):
-    """The prompts' T5 states plus each prompt's first latent frame (None for the negative prompt,
-    which borrows the rows' own)."""
-
-    condition: torch.Tensor | None = None  # [B, C, 1, H', W']
-
-    def select(self, idx) -> "Cosmos2Video2WorldConditioning":
-        return Cosmos2Video2WorldConditioning(self.prompt_embeds[idx],
-                                              None if self.condition is None else self.condition[idx])
-
-    def expand(self, n: int) -> "Cosmos2Video2WorldConditioning":
-        grow = (lambda v: None if v is None else v.expand(n, *v.shape[1:]))  # noqa: E731
-        return Cosmos2Video2WorldConditioning(grow(self.prompt_embeds), grow(self.condition))
 
 
 @register_family("cosmos2_v2w")
@@ -87,32 +69,27 @@ class Cosmos2Video2WorldFamily(Cosmos2Family):
     # --- conditioning -------------------------------------------------------------------------
     @encodes_text
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str], images: list[bytes] | None = None) -> Cosmos2Video2WorldConditioning:
+    def encode_prompts(self, prompts: list[str], images: list[bytes] | None = None) -> Cosmos2Conditioning:
         """The prompts' T5 states; with `images` (one per prompt), each prompt's first latent frame.
         Without images: text alone, as the negative prompt is encoded."""
         embeds, _ = self.pipe.encode_prompt(list(prompts), do_classifier_free_guidance=False, device=self.device,
                                             max_sequence_length=self.max_sequence_length)
         if images is None:
-            return Cosmos2Video2WorldConditioning(embeds)
+            return Cosmos2Conditioning(embeds)
         require_sources(self, prompts, images)
-        return Cosmos2Video2WorldConditioning(embeds, torch.cat([self.first_frame(im) for im in images]))
+        return Cosmos2Conditioning(embeds, torch.cat([self.first_frame(im) for im in images]))
 
     def first_frame(self, image: bytes) -> torch.Tensor:
         """[1, C, 1, H', W']: the source as the pipeline's video processor reads it, encoded as a
-        one-frame clip (posterior mode), normalised as its `prepare_latents`."""
-        vae, cfg = self.vae, self.vae.config
-        _, pixels = source_pixels(self, image, vae.dtype)
-        z = vae.encode(pixels.unsqueeze(2)).latent_dist.mode().float()
-        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z.device)
-        std = torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z.device)
-        return (z - mean) / std * self.scheduler.config.sigma_data
+        one-frame clip (posterior mode), normalised (with σ_data) as its `prepare_latents`."""
+        return first_latent_frame(self, image, self.scheduler.config.sigma_data)
 
     # --- dynamics -----------------------------------------------------------------------------
     def latent_shape(self) -> tuple[int, int, int, int]:
         h, w = self.latent_grid(self.pipe.vae_scale_factor_spatial)
         return self.vae.config.z_dim, (self.frames - 1) // self.pipe.vae_scale_factor_temporal + 1, h, w
 
-    def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: Cosmos2Video2WorldConditioning,
+    def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: Cosmos2Conditioning,
                  guidance_scale: float = 1.0, neg: Cosmos2Conditioning | None = None) -> torch.Tensor:
         """v on clip latents [B, C, F', H', W']: the transformer's (with the pipeline's CFG, w = s − 1)
         on every latent frame but the first, whose velocity is the one towards its condition."""
@@ -151,11 +128,7 @@ class Cosmos2Video2WorldFamily(Cosmos2Family):
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """Final latents [B, C, F', H', W'] → uint8 clips [B, F, H, W, 3]."""
-        cfg = self.vae.config
-        z = latents.to(self.vae.dtype)
-        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
-        std = torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
-        return video_to_uint8(self.vae.decode(z * std / self.scheduler.config.sigma_data + mean, return_dict=False)[0])
+        return decode_clips(self.vae, latents, self.scheduler.config.sigma_data)
 
     # --- a tiny random checkpoint in the real layout --------------------------------------------
     @classmethod
