@@ -88,6 +88,18 @@ def test_schedule_is_the_shipped_unipc_grid_with_times_sigma(family):
     assert torch.equal(sigmas, sched.sigmas.float()) and torch.equal(times, sigmas[:-1]) and sigmas[-1] == 0
 
 
+def test_a_compressed_tail_is_respaced_on_the_shipped_solvers_shift(family):
+    """MixGRPO-Flash re-spaces the steps after its window in unshifted time and shifts them back:
+    with the shift of the grid (UniPC's `flow_shift`, which FlowMatchEuler calls `shift`), not 1."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from pixrl.algorithms.sampling import grid_shift
+
+    assert grid_shift(family.scheduler.config) == 5.0 == family.scheduler.config.flow_shift
+    assert grid_shift(FlowMatchEulerDiscreteScheduler(shift=3.0).config) == 3.0
+    assert grid_shift(FlowMatchEulerDiscreteScheduler().config) == 1.0
+
+
 @pytest.mark.parametrize("cfg,negative", [(1.0, ""), (8.0, ""), (4.0, "blurry, low quality")])
 def test_text2world_ode_equals_the_pipeline_on_euler(family, cfg, negative):
     with euler(family):

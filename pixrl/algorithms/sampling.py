@@ -224,15 +224,22 @@ def _check_stored(out: StepOut, k: int, recipe: SamplerRecipe) -> None:
                          f"< 1, e.g. {(recipe.steps - 1) / recipe.steps:.2f}, leaves the last one out)")
 
 
+def grid_shift(config) -> float:
+    """The static shift of a flow scheduler's grid: FlowMatchEulerDiscreteScheduler's `shift`, a
+    multistep solver's `flow_shift` (UniPC/DPM-Solver with flow sigmas: Wan, SANA, Cosmos-Predict2.5),
+    else 1."""
+    return float(config.get("shift") or config.get("flow_shift") or 1.0)
+
+
 def _ode_tail(policy, x, first: int, prev_x0, sigmas, timesteps, cond, neg, recipe: SamplerRecipe) -> torch.Tensor:
-    """DPM-Solver++(2M) from step `first` to the grid's end (σ = 0; Cosmos-Predict2's σ_min): on the schedule's own points, or (Flash) on
-    the compressed re-shifted grid, whose model timesteps are σ · num_train_timesteps."""
+    """DPM-Solver++(2M) from step `first` to the grid's end (σ = 0; Cosmos-Predict2's σ_min): on
+    the schedule's own points, or (Flash) on the compressed re-shifted grid, whose model timesteps
+    are the family's of σ (`model_timesteps`)."""
     if recipe.tail_compress < 1.0 and first > 0:
         if recipe.cfg_truncation < 1.0:
             raise ValueError("sampling.cfg_truncation < 1 counts the grid's steps, and a compressed ODE tail "
                              "(tail_compress < 1, MixGRPO-Flash) re-spaces them; use one or the other")
-        shift = float(policy.scheduler.config.get("shift", 1.0))
-        grid = compressed_tail(sigmas, first - 1, recipe.tail_compress, shift)
+        grid = compressed_tail(sigmas, first - 1, recipe.tail_compress, grid_shift(policy.scheduler.config))
         steps = model_timesteps(policy, grid[:-1])
     else:
         grid, steps = sigmas[first:], timesteps[first:]
