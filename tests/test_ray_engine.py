@@ -553,5 +553,5 @@ def test_a_distributed_generate_that_fails_before_its_commit_leaves_no_files(ray
     assert sorted(set(lance.dataset(uri).to_table(columns=["iteration"])["iteration"].to_pylist())) == [0]
     ds = lance.dataset(uri)
     listed = {d.path for v in ds.versions() for f in lance.dataset(uri, version=v["version"]).get_fragments()
-              for d in f.metadata.data_files()}
+              for d in f.metadata.files}
     assert {p.name for p in (Path(uri) / "data").iterdir()} == listed

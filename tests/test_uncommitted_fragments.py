@@ -57,11 +57,11 @@ def test_a_prefetch_no_stage_takes_is_discarded_when_it_finishes(tmp_path):
     taken = prefetch.take((2, "m", 0))  # the second is taken: its fragments are the stage's to commit
     gate.set()  # the first, replaced while running, finishes now
     prefetch.close()
-    assert _files(uri) == committed | {d.path for f in taken[0] for d in f.data_files()}
+    assert _files(uri) == committed | {d.path for f in taken[0] for d in f.files}
     ahead = RolloutPrefetch()
     ahead.begin((3, "m", 0), lambda: (_write(uri, [7]),), discard=lambda res: discard_fragments(uri, res[0]))
     ahead.close()  # the run ends before iteration 3's generate
-    assert _files(uri) == committed | {d.path for f in taken[0] for d in f.data_files()}
+    assert _files(uri) == committed | {d.path for f in taken[0] for d in f.files}
     failing = RolloutPrefetch()
     failing.begin((4, "m", 0), lambda: 1 / 0, discard=lambda res: pytest.fail("a failed prefetch wrote nothing"))
     failing.close()

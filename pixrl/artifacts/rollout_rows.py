@@ -59,7 +59,7 @@ def discard_fragments(uri: str, fragments: list) -> int:
     filesystem, root = fs.FileSystem.from_uri(uri)
     removed = 0
     for fragment in fragments:
-        for data in fragment.data_files():
+        for data in fragment.files:
             path = f"{root}/data/{data.path}"
             if filesystem.get_file_info(path).type == fs.FileType.File:
                 filesystem.delete_file(path)

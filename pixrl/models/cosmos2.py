@@ -23,7 +23,7 @@ What is the family's own, as Cosmos2TextToImagePipeline computes it:
   s − 1 (its 7.0 is s = 8). The pipeline turns CFG on only for w > 1; pixrl for s > 1;
 - the negative prompt: the pipeline's own long default (`model/cosmos2_*` presets set it);
 - the transformer's padding mask is zeros at the image size (resized to the latents' grid:
-  diffusers resizes it with torchvision, which pixrl does not install — `_padding_mask_resize`
+  diffusers resizes it with torchvision, which pixrl does not install — `padding_mask_resize`
   gives the transformer module the same nearest resize from torch);
 - Cosmos Guardrail (the pipeline's `safety_checker`, package cosmos_guardrail) is not run:
   rollouts never go through the pipeline's `__call__`, as with every family. Its licence's
@@ -45,7 +45,8 @@ from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 from .wan import video_to_uint8
 
-__all__ = ["Cosmos2Conditioning", "Cosmos2Family", "decode_clips", "first_latent_frame", "without_guardrail"]
+__all__ = ["Cosmos2Conditioning", "Cosmos2Family", "decode_clips", "first_latent_frame", "padding_mask_resize",
+           "without_guardrail"]
 
 
 @dataclass
@@ -115,7 +116,7 @@ def without_guardrail(pipeline_class: str) -> type:
     return type(pipeline_class, (base,), {"__init__": __init__, "__module__": __name__})
 
 
-def _padding_mask_resize() -> None:
+def padding_mask_resize() -> None:
     """diffusers' Cosmos transformer resizes its padding mask with torchvision's nearest
     `transforms.functional.resize`, imported only when torchvision is installed. Without it the
     module gets the same resize from torch (`interpolate(mode="nearest")`, what torchvision's
@@ -147,7 +148,7 @@ class Cosmos2Family(PipelineFamily):
     unread_components = ("safety_checker",)
 
     def __init__(self, pipe, *args, **kwargs):
-        _padding_mask_resize()
+        padding_mask_resize()
         super().__init__(pipe, *args, **kwargs)
         c = self.scheduler.config
         if not c.get("use_karras_sigmas") or c.get("sigma_max") is None:

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cosmos2 import Cosmos2Conditioning, _padding_mask_resize, decode_clips, first_latent_frame, without_guardrail
+from .cosmos2 import Cosmos2Conditioning, padding_mask_resize, decode_clips, first_latent_frame, without_guardrail
 from .held_frame import held_input, held_velocity
 from .pipelines import PipelineFamily, encodes_text, scheduler_grid
 from .registry import register_family
@@ -61,7 +61,7 @@ class Cosmos25Family(PipelineFamily):
     unread_components = ("safety_checker",)
 
     def __init__(self, pipe, *args, **kwargs):
-        _padding_mask_resize()
+        padding_mask_resize()
         super().__init__(pipe, *args, **kwargs)
         self.set_clip_frames()
 
