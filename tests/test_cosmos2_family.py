@@ -120,7 +120,19 @@ def test_replayed_log_probs_equal_stored_with_cfg(family, sde_type, window):
 
 
 def test_the_sde_leaves_the_zero_length_last_step_unmoved(family):
-    """Flow-GRPO's SDE on every step: at the last (σ_min → σ_min) its std is 0 and its mean x."""
+    """At the last step (σ_min → σ_min) Flow-GRPO's SDE, DanceGRPO's and DDPO's DDIM-η have std 0
+    and mean x — the step moves nothing, as the pipeline's — while CPS would add noise there (so
+    preflight refuses it); a rollout with every step stochastic ends finite."""
+    from pixrl.algorithms.flow_sde import flow_step
+
+    sigmas, _ = family.schedule(6)
+    s = float(sigmas[-2])
+    x, v, eps = (torch.randn(2, 4, 1, 8, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    for kind in ("sde", "dance", "ddim"):
+        out = flow_step(v, x, s, s, float(sigmas[1]), 0.7, kind, noise=eps)
+        assert torch.equal(out.std, torch.zeros(2)) and torch.allclose(out.prev_sample, x, atol=1e-6), kind
+    cps = flow_step(v, x, s, s, float(sigmas[1]), 0.7, "cps", noise=eps)
+    assert (cps.std > 0).all() and not torch.allclose(cps.prev_sample, x, atol=1e-4)
     recipe = SamplerRecipe(steps=6, noise_level=0.7, sde_type="sde", guidance_scale=8.0, train_steps=(4,))
     traj = sample(family, family.encode_prompts(PROMPTS), family.encode_negative("").expand(2), gens([1, 2]), recipe)
     assert torch.isfinite(traj.final).all() and torch.isfinite(traj.log_probs).all()

@@ -46,7 +46,7 @@ from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 from .wan import video_to_uint8
 
 __all__ = ["Cosmos2Conditioning", "Cosmos2Family", "decode_clips", "first_latent_frame", "padding_mask_resize",
-           "without_guardrail"]
+           "prompt_conditioning", "without_guardrail"]
 
 
 @dataclass
@@ -65,6 +65,20 @@ class Cosmos2Conditioning:
     def expand(self, n: int) -> "Cosmos2Conditioning":
         grow = (lambda v: None if v is None else v.expand(n, *v.shape[1:]))  # noqa: E731
         return Cosmos2Conditioning(grow(self.prompt_embeds), grow(self.condition))
+
+
+def prompt_conditioning(family, prompts: list[str], images: list[bytes] | None = None) -> Cosmos2Conditioning:
+    """What every Cosmos family's `encode_prompts` returns: the pipeline's own prompt states (its
+    `encode_prompt`) and, with `images` (one per prompt), each prompt's first latent frame
+    (`family.first_frame`). Without images: text alone, as the negative prompt is encoded."""
+    from .source_images import require_sources
+
+    embeds, _ = family.pipe.encode_prompt(list(prompts), do_classifier_free_guidance=False, device=family.device,
+                                          max_sequence_length=family.max_sequence_length)
+    if images is None:
+        return Cosmos2Conditioning(embeds)
+    require_sources(family, prompts, images)
+    return Cosmos2Conditioning(embeds, torch.cat([family.first_frame(im) for im in images]))
 
 
 def latent_stats(vae, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,9 +208,7 @@ class Cosmos2Family(PipelineFamily):
     @encodes_text
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> Cosmos2Conditioning:
-        embeds, _ = self.pipe.encode_prompt(list(prompts), do_classifier_free_guidance=False, device=self.device,
-                                            max_sequence_length=self.max_sequence_length)
-        return Cosmos2Conditioning(embeds)
+        return prompt_conditioning(self, prompts)
 
     # --- the EDM grid as a flow -----------------------------------------------------------------
     def latent_shape(self) -> tuple[int, int, int, int]:

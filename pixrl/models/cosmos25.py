@@ -32,11 +32,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cosmos2 import Cosmos2Conditioning, padding_mask_resize, decode_clips, first_latent_frame, without_guardrail
+from .cosmos2 import (Cosmos2Conditioning, decode_clips, first_latent_frame, padding_mask_resize, prompt_conditioning,
+                      without_guardrail)
 from .held_frame import held_input, held_velocity
 from .pipelines import PipelineFamily, encodes_text, scheduler_grid
 from .registry import register_family
-from .source_images import require_sources
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
 __all__ = ["Cosmos25Family"]
@@ -88,12 +88,7 @@ class Cosmos25Family(PipelineFamily):
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], images: list[bytes] | None = None) -> Cosmos2Conditioning:
         """The pipeline's prompt states; with `images` (one per prompt) each prompt's first frame."""
-        embeds, _ = self.pipe.encode_prompt(list(prompts), do_classifier_free_guidance=False, device=self.device,
-                                            max_sequence_length=self.max_sequence_length)
-        if images is None:
-            return Cosmos2Conditioning(embeds)
-        require_sources(self, prompts, images)
-        return Cosmos2Conditioning(embeds, torch.cat([self.first_frame(im) for im in images]))
+        return prompt_conditioning(self, prompts, images)
 
     def first_frame(self, image: bytes) -> torch.Tensor:
         """[1, C, 1, H', W']: the source at the clip's size, encoded as a one-frame clip (posterior

@@ -27,11 +27,11 @@ import numpy as np
 import torch
 
 from .base import ModelLoadError
-from .cosmos2 import Cosmos2Conditioning, Cosmos2Family, decode_clips, first_latent_frame
+from .cosmos2 import Cosmos2Conditioning, Cosmos2Family, decode_clips, first_latent_frame, prompt_conditioning
 from .held_frame import held_input, held_velocity
 from .pipelines import encodes_text
 from .registry import register_family
-from .source_images import require_sources, write_prompt_images
+from .source_images import write_prompt_images
 
 __all__ = ["Cosmos2Video2WorldFamily"]
 
@@ -72,12 +72,7 @@ class Cosmos2Video2WorldFamily(Cosmos2Family):
     def encode_prompts(self, prompts: list[str], images: list[bytes] | None = None) -> Cosmos2Conditioning:
         """The prompts' T5 states; with `images` (one per prompt), each prompt's first latent frame.
         Without images: text alone, as the negative prompt is encoded."""
-        embeds, _ = self.pipe.encode_prompt(list(prompts), do_classifier_free_guidance=False, device=self.device,
-                                            max_sequence_length=self.max_sequence_length)
-        if images is None:
-            return Cosmos2Conditioning(embeds)
-        require_sources(self, prompts, images)
-        return Cosmos2Conditioning(embeds, torch.cat([self.first_frame(im) for im in images]))
+        return prompt_conditioning(self, prompts, images)
 
     def first_frame(self, image: bytes) -> torch.Tensor:
         """[1, C, 1, H', W']: the source as the pipeline's video processor reads it, encoded as a
