@@ -14,7 +14,7 @@ from pixrl.engines.policy import TrainablePolicy
 from pixrl.models.registry import get_family
 from pixrl.stages.preflight import PreflightError, preflight
 
-PIPELINE_FAMILIES = ["sd3", "flux1", "flux2", "qwen_image", "sana", "wan", "z_image", "flux2_klein", "lumina2", "cosmos2", "cosmos25"]
+PIPELINE_FAMILIES = ["sd3", "flux1", "flux2", "qwen_image", "sana", "wan", "z_image", "flux2_klein", "lumina2", "cosmos2", "cosmos25", "glm_image"]
 PROMPTS = ["a red circle", "two blue squares in the sky"]
 
 
@@ -43,7 +43,7 @@ def test_offloaded_towers_encode_the_same_and_rest_in_host_memory(family, tiny_d
     want = _tensors(_policy(tiny_dirs, family, False).family.encode_prompts(PROMPTS))
     fam = _policy(tiny_dirs, family, True).family
     towers = fam.text_towers()
-    assert towers and all(k.startswith("text_encoder") for k in towers)
+    assert towers and all(k.startswith(fam.conditioning_towers) for k in towers)
     seen = []
     hooks = [m.register_forward_pre_hook(lambda m, a: seen.append(next(m.parameters()).device)) for m in towers.values()]
     got = _tensors(fam.encode_prompts(PROMPTS))

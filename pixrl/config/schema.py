@@ -45,6 +45,9 @@ class ModelConfig(_Section):
                                           "decodes at (0.03 recommended for 0.9.1); None: the pipeline's 0")
     decode_noise_scale: float | None = Field(None, ge=0, le=1, description="LTX-Video 0.9.1+: the share of fresh "
                                              "noise mixed into the latents before decoding; None: decode_timestep")
+    prior_seed: int | None = Field(None, ge=0, description="GLM-Image: the seed from which each prompt's prior "
+                                   "tokens are sampled by its autoregressive model (with a digest of the prompt: "
+                                   "one plan per prompt, the same in every rollout and replay); None: 0")
 
     def size(self) -> int | tuple[int | None, int | None] | None:
         """What a family loads with (`Family.load(resolution=...)`): model.resolution's square
@@ -57,7 +60,7 @@ class ModelConfig(_Section):
     def family_options(self) -> dict:
         """The settings only some families read, as `Family.load` keywords: those that are set."""
         keys = ("expert", "guidance_scale_2", "cfg_normalization", "shift", "frame_rate", "decode_timestep",
-                "decode_noise_scale")
+                "decode_noise_scale", "prior_seed")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
 
