@@ -71,7 +71,10 @@ images/s and peak memory.
   the condition-mask channel, 33 frames animating 8 random first frames, CFG 8; LoRA r64.
 - `--family cosmos25`: Cosmos-Predict2.5-2B Text2World — the 2B DiT with its text projection,
   Cosmos-Reason1 (Qwen2.5-VL-7B) at its width with 2 of its 28 layers, 33 frames, CFG 8; LoRA r64.
-  Builders: benchmarks/real_shapes.py (video: real_shapes_video.py; Cosmos: real_shapes_image.py).
+- `--family glm_image`: GLM-Image's decoder — the real DiT (30 blocks of 32×128 heads, 7B), ByT5-small
+  glyph encoder, a 16-channel VAE; the autoregressive model at GLM-4-9B's width with 2 of its 40
+  layers samples each prompt's prior tokens; CFG 1.5 (prior tokens dropped); LoRA r64.
+  Builders: benchmarks/real_shapes.py (video: real_shapes_video.py; Cosmos, GLM-Image: real_shapes_image.py).
 
     python benchmarks/gpu_smoke.py [--family F]                       # the check a GPU machine runs
     python benchmarks/gpu_smoke.py --family F --tiny --device cpu     # the same path, tiny (tests run it)
@@ -173,6 +176,8 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
     "cosmos25": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=512",
                               "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=8.0",
                               *([] if tiny else ["algorithm=flow_grpo_lora64"])],
+    "glm_image": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=2048",
+                               "sampling.guidance_scale=1.5", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
     "wan": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=226",
                          "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=5.0",
                          *([] if tiny else ["algorithm=flow_grpo_wan"])],

@@ -73,3 +73,38 @@ def cosmos25_2b_pipeline(layers: int | None, device: str, workdir: Path):
 def cosmos2_2b_v2w_pipeline(layers: int | None, device: str, workdir: Path):
     """Cosmos-Predict2-2B-Video2World of its real shapes (`cosmos2_2b_pipeline`'s, video2world)."""
     return cosmos2_2b_pipeline(layers, device, workdir, video2world=True)
+
+
+def glm_image_pipeline(layers: int | None, device: str, workdir: Path):
+    """GLM-Image of its real shapes: the DiT decoder (30 blocks of 32×128 heads, glyph width 1472,
+    a 16384-entry prior codebook, 16 latent channels), ByT5-small's encoder (12 layers of 1472),
+    a 16-channel 8× VAE, CogView4's linear dynamic shift; the autoregressive model at GLM-4-9B's
+    width (4096, 32 heads with 2 KV heads, FFN 13696, half-rotary 3-D RoPE) with 2 of its 40
+    layers and one vision block, over the 16384 codebook. `--layers N`: N decoder blocks."""
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
+
+    from pixrl.models.tiny_glm_image import glm_image_ar, glm_image_processor, glyph_tower
+
+    codebook = 16384
+    proc = glm_image_processor(workdir / "processor", codebook)
+    ar = glm_image_ar(proc.tokenizer, codebook,
+                      text={"hidden_size": 4096, "intermediate_size": 13696, "num_hidden_layers": 2,
+                            "num_attention_heads": 32, "num_key_value_heads": 2,
+                            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                "mrope_section": [8, 12, 12], "partial_rotary_factor": 0.5}},
+                      vision={"depth": 1, "hidden_size": 1536, "num_heads": 16, "intermediate_size": 6144,
+                              "image_size": 2048}, vq={"embed_dim": 2048, "latent_channels": 1536}).to(torch.bfloat16)
+    tok, text = glyph_tower(d_model=1472, d_kv=64, d_ff=3584, num_layers=12, num_heads=6,
+                            relative_attention_num_buckets=32, relative_attention_max_distance=128)
+    with torch.device(device):
+        transformer = GlmImageTransformer2DModel(num_layers=layers or 30, num_attention_heads=32, attention_head_dim=128,
+                                                 text_embed_dim=1472, prior_vq_quantizer_codebook_size=codebook
+                                                 ).to(torch.bfloat16)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512),
+                        layers_per_block=2, latent_channels=16, latents_mean=[0.0] * 16, latents_std=[1.0] * 16)
+    sched = FlowMatchEulerDiscreteScheduler(base_shift=0.25, max_shift=0.75, base_image_seq_len=256,
+                                            use_dynamic_shifting=True, time_shift_type="linear")
+    return GlmImagePipeline(tokenizer=tok, processor=proc, text_encoder=text, vision_language_encoder=ar, vae=vae,
+                            transformer=transformer, scheduler=sched)

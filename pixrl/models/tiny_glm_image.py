@@ -66,26 +66,26 @@ def glm_image_processor(out_dir: Path, codebook: int):
     return GlmImageProcessor.from_pretrained(str(out_dir))
 
 
-def glm_image_ar(tok, codebook: int, hidden: int = 32, layers: int = 2):
+def glm_image_ar(tok, codebook: int, text: dict | None = None, vision: dict | None = None, vq: dict | None = None):
     """A random GlmImageForConditionalGeneration over `tok`: GLM text layers with 3-D rotary
-    positions, a head over the C + 2 vision ids, a small vision tower and VQ codebook; its
-    generation config samples (the pipeline calls `generate(do_sample=True)`) and keeps the image
-    marks out of the C image tokens it must produce."""
+    positions, a head over the C + 2 vision ids, a vision tower and VQ codebook (tiny unless
+    `text`/`vision`/`vq` give other shapes); its generation config samples (the pipeline calls
+    `generate(do_sample=True)`) and keeps the image marks out of the C image tokens it must produce."""
     from transformers import GenerationConfig, GlmImageConfig, GlmImageForConditionalGeneration
 
     start, end = tok.convert_tokens_to_ids([IMAGE_START, IMAGE_END])
+    text = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                          "mrope_section": [4, 2, 2], "partial_rotary_factor": 1.0},
+            **(text or {})}
+    vision = {"depth": 1, "hidden_size": 32, "num_heads": 2, "image_size": 64, "patch_size": 16,
+              "intermediate_size": 64, **(vision or {})}
+    vq = {"embed_dim": 32, "latent_channels": 32, **(vq or {}), "num_embeddings": codebook}
     cfg = GlmImageConfig(
-        text_config={"vocab_size": len(tok), "hidden_size": hidden, "intermediate_size": 2 * hidden,
-                     "num_hidden_layers": layers, "num_attention_heads": 2, "num_key_value_heads": 1,
-                     "max_position_embeddings": 2048, "vision_vocab_size": codebook + 2,
-                     "pad_token_id": tok.pad_token_id, "eos_token_id": end,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
-                                         "partial_rotary_factor": 1.0}},
-        vision_config={"depth": 1, "hidden_size": hidden, "num_heads": 2, "image_size": 64, "patch_size": 16,
-                       "intermediate_size": 2 * hidden},
-        vq_config={"embed_dim": hidden, "num_embeddings": codebook, "latent_channels": hidden},
-        image_token_id=tok.convert_tokens_to_ids(NAMED_TOKENS["image_token"]), image_start_token_id=start,
-        image_end_token_id=end)
+        text_config={"vocab_size": len(tok), "max_position_embeddings": 8192, "vision_vocab_size": codebook + 2,
+                     "pad_token_id": tok.pad_token_id, "eos_token_id": end, **text},
+        vision_config=vision, vq_config=vq, image_token_id=tok.convert_tokens_to_ids(NAMED_TOKENS["image_token"]),
+        image_start_token_id=start, image_end_token_id=end)
     model = GlmImageForConditionalGeneration(cfg)
     model.generation_config = GenerationConfig(do_sample=True, temperature=1.0, top_k=codebook, eos_token_id=end,
                                                pad_token_id=tok.pad_token_id, bos_token_id=start,
@@ -93,15 +93,16 @@ def glm_image_ar(tok, codebook: int, hidden: int = 32, layers: int = 2):
     return model
 
 
-def glyph_tower(d_model: int = 32):
-    """(ByT5's byte tokenizer — it needs no files — and a tiny T5 encoder over its 384 ids)."""
+def glyph_tower(**shape):
+    """(ByT5's byte tokenizer — it needs no files — and a T5 encoder over its 384 ids: tiny unless
+    `shape` gives T5Config's sizes, e.g. ByT5-small's)."""
     from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
 
     tok = ByT5Tokenizer()
-    cfg = T5Config(vocab_size=len(tok), d_model=d_model, d_kv=d_model // 2, d_ff=2 * d_model, num_layers=2,
-                   num_heads=2, relative_attention_num_buckets=8, relative_attention_max_distance=32,
-                   feed_forward_proj="gated-gelu", is_encoder_decoder=False, pad_token_id=tok.pad_token_id,
-                   eos_token_id=tok.eos_token_id, decoder_start_token_id=0)
+    shape = {"d_model": 32, "d_kv": 16, "d_ff": 64, "num_layers": 2, "num_heads": 2,
+             "relative_attention_num_buckets": 8, "relative_attention_max_distance": 32, **shape}
+    cfg = T5Config(vocab_size=len(tok), feed_forward_proj="gated-gelu", is_encoder_decoder=False,
+                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, decoder_start_token_id=0, **shape)
     return tok, T5EncoderModel(cfg)
 
 
