@@ -18,7 +18,7 @@ from family_checks import assert_replay_is_on_policy, gens, wide
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.config.loader import load_config
 from pixrl.models.base import ModelLoadError
-from pixrl.models.glm_image import GlmImageFamily, prior_generation_seed
+from pixrl.models.glm_image import GlmImageFamily, prompt_seed
 from pixrl.models.registry import family_of_directory, get_family
 
 # the first quotes text: its glyph embeddings are longer than the empty string's
@@ -45,7 +45,7 @@ def _pipeline(family, prompt: str, cfg: float, seed: int, output_type: str = "la
 
 def _seeds(family, prompts=PROMPTS) -> list[int]:
     """Each prompt's prior seed, used as its sample seed too: the pipeline draws both from one generator."""
-    return [prior_generation_seed(family.prior_seed, p) for p in prompts]
+    return [prompt_seed(family.prior_seed, p) for p in prompts]
 
 
 def _ode(family, cfg: float, steps: int = 6):

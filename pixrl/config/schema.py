@@ -48,6 +48,12 @@ class ModelConfig(_Section):
     prior_seed: int | None = Field(None, ge=0, description="GLM-Image: the seed from which each prompt's prior "
                                    "tokens are sampled by its autoregressive model (with a digest of the prompt: "
                                    "one plan per prompt, the same in every rollout and replay); None: 0")
+    decoder_steps: int | None = Field(None, ge=1, description="GLM-Image's autoregressive model (glm_image_ar): "
+                                      "the diffusion decoder's ODE steps when its tokens are decoded; None: 50")
+    decoder_guidance: float | None = Field(None, ge=1.0, description="glm_image_ar: the decoder's CFG scale "
+                                           "(prior tokens dropped in the unconditional pass); None: 1.5")
+    decoder_seed: int | None = Field(None, ge=0, description="glm_image_ar: the seed from which each prompt's "
+                                     "decoder noise is drawn (with a digest of the prompt); None: 0")
 
     def size(self) -> int | tuple[int | None, int | None] | None:
         """What a family loads with (`Family.load(resolution=...)`): model.resolution's square
@@ -60,7 +66,8 @@ class ModelConfig(_Section):
     def family_options(self) -> dict:
         """The settings only some families read, as `Family.load` keywords: those that are set."""
         keys = ("expert", "guidance_scale_2", "cfg_normalization", "shift", "frame_rate", "decode_timestep",
-                "decode_noise_scale", "prior_seed")
+                "decode_noise_scale", "prior_seed",
+                "decoder_steps", "decoder_guidance", "decoder_seed")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
 

@@ -67,8 +67,9 @@ class Engine(Protocol):
         stored transitions include their means when the algorithm needs them; an algorithm with a
         separate sampling policy (DiffusionNFT) samples with the weights in that version's state."""
 
-    def decode(self, final_latents: np.ndarray) -> np.ndarray:
-        """uint8 images [B, H, W, 3] (video [B, F, H, W, 3])."""
+    def decode(self, final_latents: np.ndarray, prompts: list[str] | None = None) -> np.ndarray:
+        """uint8 images [B, H, W, 3] (video [B, F, H, W, 3]); `prompts`: the rows' prompts, which a
+        family whose decoder reads them needs (models/base.decode_images)."""
 
     def score(self, images: np.ndarray, prompts: list[str], metadata: list[dict],
               sample_ids: list[str]) -> dict[str, np.ndarray]:

@@ -21,7 +21,7 @@ from ..artifacts.batch import RolloutBatch
 from ..artifacts.checkpoints import check_trained_part, load_weights
 from ..config.schema import ExperimentConfig
 from ..datasets.registry import evaluate_split, evaluator_of
-from ..models.base import negative_prompt_of
+from ..models.base import decode_images, negative_prompt_of
 from ..models.source_images import condition_keys
 from ..rewards.compose import RewardSet
 from .base import PolicySource, TrainResult
@@ -186,12 +186,14 @@ class LocalEngine:
         return self._cot_server
 
     # --- decode and score ---------------------------------------------------------------------
-    def decode(self, final_latents: np.ndarray) -> np.ndarray:
-        """Final latents (or a token family's image tokens) → uint8 images/clips."""
+    def decode(self, final_latents: np.ndarray, prompts: list[str] | None = None) -> np.ndarray:
+        """Final latents (or a token family's image tokens) → uint8 images/clips; `prompts` for a
+        family whose decoder reads them."""
         fam = self.policy.family
         lat = torch.from_numpy(np.array(final_latents)).to(fam.device)
         n = getattr(fam, "decode_batch", 64)  # a video VAE decodes a few clips at a time
-        return np.concatenate([fam.decode(lat[i:i + n]) for i in range(0, len(lat), n)])
+        return np.concatenate([decode_images(fam, lat[i:i + n], None if prompts is None else prompts[i:i + n])
+                               for i in range(0, len(lat), n)])
 
     def score(self, images: np.ndarray, prompts: list[str], metadata: list[dict],
               sample_ids: list[str]) -> dict[str, np.ndarray]:

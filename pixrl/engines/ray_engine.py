@@ -203,12 +203,13 @@ class RayEngine:
         parts = self._sharded_rollout("rollout_rows", policy, prompts, seeds, recipe, noise_seeds, sink, images=images)
         return [f for frags, _, _ in parts for f in frags], parts[0][1], max(sec for _, _, sec in parts)
 
-    def decode(self, final_latents: np.ndarray) -> np.ndarray:
+    def decode(self, final_latents: np.ndarray, prompts: list[str] | None = None) -> np.ndarray:
         if self._decode_batch is None:
             self._decode_batch = self._get([self.rollout_workers[0].decode_batch.remote()], "decode",
                                            self.rollout_workers)[0]
         shards = _shards(len(final_latents), self._decode_batch, len(self.rollout_workers))
-        refs = [w.decode.remote(final_latents[lo:hi]) for w, (lo, hi) in zip(self.rollout_workers, shards)]
+        refs = [w.decode.remote(final_latents[lo:hi], None if prompts is None else prompts[lo:hi])
+                for w, (lo, hi) in zip(self.rollout_workers, shards)]
         return np.concatenate(self._get(refs, "decode", self.rollout_workers))
 
     def decode_to_store(self, reads: list[RowsRead], field: str) -> tuple[list[ColumnFile], float]:

@@ -96,9 +96,9 @@ class RolloutWorker(_Worker):
         table = sink.rows(batch, *rows)
         return sink.write(table), table.schema, seconds
 
-    def decode(self, final_latents):
+    def decode(self, final_latents, prompts=None):
         worker_fault_point(self.kind, self.index)
-        return self.engine.decode(final_latents)
+        return self.engine.decode(final_latents, prompts)
 
     def decode_rows(self, reads, field: str) -> tuple[list, float]:
         """Whole fragments' rows decoded, their image columns written as uncommitted files:
@@ -113,9 +113,10 @@ class RolloutWorker(_Worker):
         worker_fault_point(self.kind, self.index)
         files, seconds = [], 0.0
         for r in reads:
-            t = r.read([field])
+            t = r.read([field, "prompt"])
             t0 = time.perf_counter()
-            cols = image_columns(self.engine.decode(RolloutBatch.from_arrow(t.select([field]))[field]))
+            cols = image_columns(self.engine.decode(RolloutBatch.from_arrow(t.select([field]))[field],
+                                                    t["prompt"].to_pylist()))
             seconds += time.perf_counter() - t0
             files.append(r.write_columns(pa.table({"_rowid": t["_rowid"], **cols})))
         return files, seconds

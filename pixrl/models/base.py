@@ -163,6 +163,17 @@ def negative_prompt_of(family, recipe) -> str | None:
     return getattr(recipe, "negative_prompt", "")
 
 
+def decode_images(family, latents, prompts: list[str] | None = None):
+    """`family.decode(latents)`, given the rows' prompts where its decoder reads them
+    (`decode_reads_prompts`: GLM-Image's autoregressive mode renders each prompt's quoted text)."""
+    if not getattr(family, "decode_reads_prompts", False):
+        return family.decode(latents)
+    if prompts is None or len(prompts) != len(latents):
+        raise ValueError(f"the {family.name} family decodes with each row's prompt; {len(latents)} rows came with "
+                         f"{'no' if prompts is None else len(prompts)} prompts")
+    return family.decode(latents, list(prompts))
+
+
 class Family(Protocol):
     """A loaded model of one family (the common part of every regime)."""
 
@@ -188,7 +199,8 @@ class Family(Protocol):
     def encode_prompts(self, prompts: list[str]) -> Conditioning: ...
 
     def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """uint8 images [B, H, W, 3] (or video [B, F, H, W, 3])."""
+        """uint8 images [B, H, W, 3] (or video [B, F, H, W, 3]); a family whose decoder reads the
+        prompts (`decode_reads_prompts`) takes them as a second argument (`decode_images`)."""
 
     def trainable_module(self) -> torch.nn.Module: ...
 

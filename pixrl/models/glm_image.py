@@ -45,7 +45,7 @@ from .pipelines import PipelineFamily, encodes_text, to_uint8
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
-__all__ = ["GlmImageConditioning", "GlmImageFamily", "prior_generation_seed"]
+__all__ = ["GlmImageConditioning", "GlmImageFamily", "prompt_seed", "quiet_processor"]
 
 
 @dataclass
@@ -66,13 +66,14 @@ class GlmImageConditioning:
                                     None if self.prior is None else self.prior.expand(n, -1))
 
 
-def prior_generation_seed(prior_seed: int, prompt: str) -> int:
-    """The seed of a prompt's prior tokens: a digest of the family's `prior_seed` and the prompt."""
-    return int.from_bytes(hashlib.sha256(f"{int(prior_seed)}\x1f{prompt}".encode()).digest()[:8], "big") >> 1
+def prompt_seed(seed: int, prompt: str) -> int:
+    """A seed of its own for each prompt: a digest of `seed` (`model.prior_seed` for the prior tokens,
+    `model.decoder_seed` for glm_image_ar's decoder noise) and the prompt."""
+    return int.from_bytes(hashlib.sha256(f"{int(seed)}\x1f{prompt}".encode()).digest()[:8], "big") >> 1
 
 
 @contextmanager
-def _quiet_processor():
+def quiet_processor():
     """transformers' warning about the pipeline's processor keywords (`target_h`/`target_w`, which
     the processor still reads) silenced while prior tokens are sampled: one line per prompt."""
     from transformers.utils import logging as hf_logging
@@ -119,11 +120,15 @@ class GlmImageFamily(PipelineFamily):
         cond.prior = torch.cat([self.prior_tokens(p) for p in prompts]).to(self.device)
         return cond
 
-    @encodes_text
-    @torch.no_grad()
     def encode_negative(self, text: str) -> GlmImageConditioning:
         """The unconditional pass's glyph embeddings of `text` (the pipeline's: ""), no prior tokens."""
-        return self._glyphs([text])
+        return self.encode_glyphs([text])
+
+    @encodes_text
+    @torch.no_grad()
+    def encode_glyphs(self, prompts: list[str]) -> GlmImageConditioning:
+        """Each prompt's glyph embeddings, computed alone (its own length), without prior tokens."""
+        return self._glyphs(prompts)
 
     def _glyphs(self, prompts: list[str]) -> GlmImageConditioning:
         rows = [self.pipe._get_glyph_embeds([p], self.max_sequence_length, self.device)[0] for p in prompts]
@@ -137,8 +142,8 @@ class GlmImageFamily(PipelineFamily):
         """[1, (H/16)·(W/16)] prior tokens of `prompt`, as `generate_prior_tokens` samples them with
         a generator of the prompt's seed; the global RNG it reseeds is restored afterwards."""
         ar = self.pipe.vision_language_encoder
-        seed = prior_generation_seed(self.prior_seed, prompt)
-        with torch.random.fork_rng(devices=[ar.device] if ar.device.type == "cuda" else []), _quiet_processor():
+        seed = prompt_seed(self.prior_seed, prompt)
+        with torch.random.fork_rng(devices=[ar.device] if ar.device.type == "cuda" else []), quiet_processor():
             ids, _, _ = self.pipe.generate_prior_tokens(prompt=[prompt], height=self.height, width=self.width,
                                                         device=ar.device,
                                                         generator=torch.Generator().manual_seed(seed))

@@ -40,10 +40,10 @@ class DecodeScoreStages:
             files, seconds = to_store(reads, field)
             metrics = self._commit_record("decode", iteration, rnd, {"decode_compute_s": seconds})
             return self.table.commit_columns(reads, files), metrics
-        t = self._read(ref, iteration, ["run_id", "iteration", "sample_id", field], where=scope)
+        t = self._read(ref, iteration, ["run_id", "iteration", "sample_id", "prompt", field], where=scope)
         batch = RolloutBatch.from_arrow(t.select([field]))
-        t0 = time.perf_counter()
-        cols = image_columns(self.engine.decode(batch[field]))  # images [B, H, W, 3] or clips [B, F, H, W, 3]
+        t0 = time.perf_counter()  # images [B, H, W, 3] or clips [B, F, H, W, 3]
+        cols = image_columns(self.engine.decode(batch[field], t["prompt"].to_pylist()))
         seconds = time.perf_counter() - t0  # the sample grid is logged by the iteration's report
         upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"], **cols})
         metrics = self._commit_record("decode", iteration, rnd, {"decode_compute_s": seconds})
@@ -61,10 +61,10 @@ class DecodeScoreStages:
         got = self.overlap.decoded(key, ref.version, [sids[i] for p in parts for i in p])
         metrics: dict = {}
         if got is None:
-            data = RolloutBatch.from_arrow(self._read(ref, iteration, ["sample_id", field], where=scope))
+            data = RolloutBatch.from_arrow(self._read(ref, iteration, ["sample_id", "prompt", field], where=scope))
             pos = {sid: i for i, sid in enumerate(data["sample_id"])}
-            chunks = [decode_chunk(self.engine, data[field][[pos[sids[i]] for i in p]], [sids[i] for i in p])
-                      for p in parts]
+            chunks = [decode_chunk(self.engine, data[field][[pos[sids[i]] for i in p]], [sids[i] for i in p],
+                                   [data["prompt"][pos[sids[i]]] for i in p]) for p in parts]
         else:
             chunks, metrics["overlap/decode_wait_s"] = got
         blob = {s: b for ch in chunks for s, b in zip(ch.sample_ids, ch.blobs)}

@@ -36,10 +36,10 @@ class Chunk:
     score_s: float = 0.0
 
 
-def decode_chunk(engine, decode_input: np.ndarray, sample_ids: list[str]) -> Chunk:
+def decode_chunk(engine, decode_input: np.ndarray, sample_ids: list[str], prompts: list[str]) -> Chunk:
     """Images (clips) of one micro-batch as the trajectory row stores them."""
     t0 = time.perf_counter()
-    imgs = engine.decode(decode_input)
+    imgs = engine.decode(decode_input, prompts)
     blobs = [media_bytes(im) for im in imgs]
     posters = [png_bytes(clip[0]) for clip in imgs] if imgs.ndim == 5 else None
     return Chunk(list(sample_ids), blobs, posters, time.perf_counter() - t0)
@@ -102,7 +102,7 @@ class ScoringOverlap:
         pend = self._pending[key] = _Pending()
 
         def job(decode_input: np.ndarray, lo: int, hi: int) -> Chunk:
-            ch = decode_chunk(self.engine, decode_input, sample_ids[lo:hi])
+            ch = decode_chunk(self.engine, decode_input, sample_ids[lo:hi], prompts[lo:hi])
             try:
                 ch.scores, ch.score_s = score_chunk(self.engine, ch.blobs, prompts[lo:hi], metadata[lo:hi],
                                                     sample_ids[lo:hi])

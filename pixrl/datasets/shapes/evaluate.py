@@ -10,7 +10,7 @@ import numpy as np
 from ...algorithms.recipe import eval_recipe
 from ...algorithms.sampling import SamplerRecipe, generators, sample
 from ...algorithms.token_sampling import TokenRecipe, generate_tokens
-from ...models.base import conditioning_to, negative_prompt_of
+from ...models.base import conditioning_to, decode_images, negative_prompt_of
 from ..registry import register_evaluator
 from .judge import judge
 from .prompts import CATEGORIES
@@ -59,8 +59,9 @@ def generate_images(family, prompts: list[str], seeds: list[int], recipe: Sample
     source image (an editing family)."""
     if isinstance(recipe, TokenRecipe):
         return np.concatenate([
-            family.decode(generate_tokens(family, prompts[s:s + batch], generators(seeds[s:s + batch], family.device),
-                                          recipe).tokens)
+            decode_images(family, generate_tokens(family, prompts[s:s + batch], generators(seeds[s:s + batch],
+                                                                                            family.device), recipe).tokens,
+                          prompts[s:s + batch])
             for s in range(0, len(prompts), batch)])
     on = lambda cond: None if cond is None else conditioning_to(cond, family.device)  # noqa: E731
     negs = [on(n) for n in encoded["negatives"]] if encoded is not None else \
@@ -71,7 +72,7 @@ def generate_images(family, prompts: list[str], seeds: list[int], recipe: Sample
         cond = on(encoded["batches"][k]) if encoded is not None else \
             family.encode_prompts(ps, images[s:s + batch]) if images is not None else family.encode_prompts(ps)
         gens = generators(seeds[s:s + batch], family.device)
-        imgs.append(family.decode(sample(family, cond, negs[k], gens, recipe).final))
+        imgs.append(decode_images(family, sample(family, cond, negs[k], gens, recipe).final, ps))
     return np.concatenate(imgs)
 
 
