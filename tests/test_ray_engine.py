@@ -555,3 +555,37 @@ def test_a_distributed_generate_that_fails_before_its_commit_leaves_no_files(ray
     listed = {d.path for v in ds.versions() for f in lance.dataset(uri, version=v["version"]).get_fragments()
               for d in f.metadata.files}
     assert {p.name for p in (Path(uri) / "data").iterdir()} == listed
+
+
+def test_a_family_that_decodes_with_its_prompts_on_the_ray_engine_equals_the_local_engine(ray_cluster, prefect_harness,
+                                                                                        tmp_path_factory, tmp_path):
+    """GLM-Image's autoregressive model (`glm_image_ar`): its decoder renders each row's prompt
+    (glyph embeddings, prompt-seeded noise), so the rollout workers that decode the stored tokens
+    (`decode_to_store`) read each row's prompt beside them; iteration 0's tokens, images and
+    rewards equal the local engine's bit for bit, and differ from a decode given other prompts."""
+    from pixrl.models.glm_image_ar import GlmImageArFamily
+
+    path = tmp_path_factory.mktemp("ckpt") / "tiny-glm-image"
+    overrides = GlmImageArFamily.write_tiny(path, seed=0)
+    extra = [f"{k}={v}" for k, v in overrides.items() if k != "model.path"]
+    runs = {}
+    for engine, args in (("local", ["run.threads=1"]), ("ray", [*RAY_RUN, "ray.trainer_workers=1"])):
+        res = CliRunner().invoke(app, ["train", "--iterations", "1", "--run", f"g_{engine}", "reward=jpeg_compressibility",
+                                       "algorithm=token_grpo", "sampling.prompts_per_iteration=4",
+                                       *tiny_overrides(path, tmp_path / engine), *extra, *args])
+        assert res.exit_code == 0, res.output + repr(res.exception)
+        runs[engine] = lance.dataset(json.loads(res.stdout.strip().splitlines()[-1])["table_uri"]).to_table().sort_by(
+            [("sample_id", "ascending")])
+    local, remote = runs["local"], runs["ray"]
+    for col in ("tokens", "image", "reward"):
+        assert remote[col].combine_chunks().equals(local[col].combine_chunks()), col
+    assert len(set(local["prompt"].to_pylist())) > 1
+    fam = GlmImageArFamily.load(path, max_sequence_length=64, resolution=64, decoder_steps=4)
+    tokens = torch.from_numpy(np.stack(local["tokens"].to_numpy(zero_copy_only=False))[:2].astype(np.int64))
+    from pixrl.artifacts.media import decode_media
+
+    prompts = local["prompt"].to_pylist()
+    other = next(p for p in prompts if p not in prompts[:2])
+    stored = np.stack([decode_media(b) for b in local["image"].to_pylist()[:2]])
+    assert np.array_equal(fam.decode(tokens, prompts[:2]), stored)
+    assert not np.array_equal(fam.decode(tokens, [other, other]), stored)
