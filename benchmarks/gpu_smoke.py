@@ -74,6 +74,9 @@ images/s and peak memory.
 - `--family glm_image`: GLM-Image's decoder — the real DiT (30 blocks of 32×128 heads, 7B), ByT5-small
   glyph encoder, a 16-channel VAE; the autoregressive model at GLM-4-9B's width with 2 of its 40
   layers samples each prompt's prior tokens; CFG 1.5 (prior tokens dropped); LoRA r64.
+- `--family glm_image_ar`: GLM-Image's autoregressive model (GLM-4-9B's width, 2 of 40 layers)
+  trained with Token-GRPO, full fine-tune; 512 tokens per 512² image, rendered by the 7B decoder
+  at 10 steps.
   Builders: benchmarks/real_shapes.py (video: real_shapes_video.py; Cosmos, GLM-Image: real_shapes_image.py).
 
     python benchmarks/gpu_smoke.py [--family F]                       # the check a GPU machine runs
@@ -178,6 +181,9 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
                               *([] if tiny else ["algorithm=flow_grpo_lora64"])],
     "glm_image": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=2048",
                                "sampling.guidance_scale=1.5", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
+    "glm_image_ar": lambda tiny: ["algorithm=token_grpo", "sampling.guidance_scale=1.0",
+                                  "model.max_sequence_length=64" if tiny else "model.max_sequence_length=2048",
+                                  "model.decoder_steps=4" if tiny else "model.decoder_steps=10"],
     "wan": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=226",
                          "model.frames=5" if tiny else "model.frames=33", "sampling.guidance_scale=5.0",
                          *([] if tiny else ["algorithm=flow_grpo_wan"])],
