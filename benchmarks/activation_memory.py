@@ -40,15 +40,17 @@ GIB = 2 ** 30
 def trained_forward(policy, batch: int = 1, seed: int = 0) -> torch.Tensor:
     """The trained module's forward as the update runs it, at the config's guidance scale: the
     velocity (with a negative-prompt batch under CFG, the scale as an input when embedded) for
-    denoise families, the teacher-forced image-token logits (with CFG rows above 1) for Janus."""
+    denoise families, the teacher-forced image-token logits for token families (with CFG rows above
+    1 where the family guides its logits: Janus)."""
     from pixrl.models.base import uses_negative_prompt
 
     fam, scale = policy.family, policy.cfg.sampling.guidance_scale
     g = torch.Generator().manual_seed(seed)
-    if fam.name == "janus_pro":
+    if fam.semantics.step.value == "token":
         cond = fam.encode_prompts([PROMPT] * batch)
-        tokens = torch.randint(0, fam.model.config.vq_config.num_embeddings, (batch, fam.image_token_count()), generator=g)
-        return fam.sequence_logits(cond, tokens.to(fam.device), guided=scale > 1)
+        codes = fam.transformer.config.vq_config.num_embeddings
+        tokens = torch.randint(0, codes, (batch, fam.image_token_count()), generator=g)
+        return fam.sequence_logits(cond, tokens.to(fam.device), guided=scale > 1 and fam.guidance == "logits")
     x = torch.randn(batch, *fam.latent_shape(), generator=g).to(fam.device, fam.dtype)  # as the sampler feeds it
     _, timesteps = fam.schedule(4)
     neg = fam.encode_negative("").expand(batch) if uses_negative_prompt(fam, scale) else None
