@@ -137,3 +137,12 @@ def test_the_presets_train_the_autoregressive_model_without_guidance():
     assert (cfg.model.family, cfg.model.resolution, cfg.model.decoder_steps) == ("glm_image_ar", 1024, 50)
     assert cfg.sampling.guidance_scale == 1.0 and cfg.algorithm.name == "token_grpo"
     assert GlmImageFamily.name == "glm_image"  # the same checkpoint trains the decoder (experiment/glm_image_ocr)
+
+
+def test_a_sharded_trainer_rank_builds_the_model_without_reading_weights(tiny_glm, family):
+    """A Ray FSDP rank other than 0 loads the trained transformers model on the meta device (its
+    weights come from rank 0): the same parameter names and shapes, no storage."""
+    bare = GlmImageArFamily.load(tiny_glm[0], max_sequence_length=64, resolution=64, trainable_device="meta")
+    params = dict(bare.transformer.named_parameters())
+    assert all(p.is_meta for p in params.values())
+    assert {n: p.shape for n, p in params.items()} == {n: p.shape for n, p in family.transformer.named_parameters()}

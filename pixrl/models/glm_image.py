@@ -75,7 +75,7 @@ def prompt_seed(seed: int, prompt: str) -> int:
 @contextmanager
 def quiet_processor():
     """transformers' warning about the pipeline's processor keywords (`target_h`/`target_w`, which
-    the processor still reads) silenced while prior tokens are sampled: one line per prompt."""
+    the processor still reads) silenced while it formats a prompt: one line per prompt otherwise."""
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()

@@ -272,9 +272,15 @@ def empty_transformer(path: Path, dtype: str, component: str = "transformer") ->
     the meta device: structure and dtype, no storage, no weights read. Buffers and plain tensors
     made at construction (rotary tables) are real, as in a loaded one."""
     import diffusers
+    import transformers
     from accelerate import init_empty_weights
 
-    _, class_name = json.loads((path / "model_index.json").read_text())[component]
+    library, class_name = json.loads((path / "model_index.json").read_text())[component]
+    if library != "diffusers":  # a trained transformers model (GLM-Image's autoregressive one; saved as its module)
+        model_cls = getattr(transformers, class_name)
+        with init_empty_weights(include_buffers=False):
+            model = model_cls(transformers.AutoConfig.from_pretrained(str(path / component)))
+        return model.to(torch_dtype(dtype))
     model_cls = getattr(diffusers, class_name)
     with init_empty_weights(include_buffers=False):
         model = model_cls.from_config(model_cls.load_config(str(path / component)))
