@@ -314,11 +314,18 @@ def test_a_worker_killed_mid_stage_is_retried_and_the_run_ends_as_if_uninterrupt
                                                                                   tiny_checkpoint, tmp_path,
                                                                                   monkeypatch):
     """Rollout worker 1 dies as generate begins (Ray restarts it; the stage's retry reruns), or
-    trainer rank 1 dies as update begins (rank 0 fails in its collective; the group is rebuilt)."""
+    trainer rank 1 dies as update begins (rank 0 fails in its collective; the group is rebuilt).
+    The fragments rollout worker 0 wrote in the failed attempt are deleted: every file in the
+    table's data folder is one some version lists."""
     monkeypatch.setenv("PIXRL_WORKER_FAULT", f"{kind}:1:{tmp_path / 'fired'}")
     res = _train(tmp_path, tiny_checkpoint, "ray")
     assert res.exit_code == 0, res.output + repr(res.exception)
     assert (tmp_path / "fired").exists(), "the worker fault never fired"
+    uri = json.loads(res.stdout.strip().splitlines()[-1])["table_uri"]
+    ds = lance.dataset(uri)
+    listed = {d.path for v in ds.versions() for f in lance.dataset(uri, version=v["version"]).get_fragments()
+              for d in f.metadata.files}
+    assert {p.name for p in (Path(uri) / "data").iterdir()} == listed
     want = _final_weights(uninterrupted[0], "ray")
     got = _final_weights(tmp_path, "ray")
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)

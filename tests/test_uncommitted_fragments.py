@@ -65,3 +65,24 @@ def test_a_prefetch_no_stage_takes_is_discarded_when_it_finishes(tmp_path):
     failing = RolloutPrefetch()
     failing.begin((4, "m", 0), lambda: 1 / 0, discard=lambda res: pytest.fail("a failed prefetch wrote nothing"))
     failing.close()
+
+
+def test_a_decode_that_will_not_commit_deletes_only_the_column_files_it_wrote(tmp_path):
+    """A worker's decode writes the image columns of a fragment as new data files of it
+    (`RowsRead.write_columns`); discarding them (a peer failed: the stage will not commit) leaves
+    the fragment's own files, and the table reads as before."""
+    from pixrl.artifacts.column_writes import RowsRead, discard_column_files
+
+    uri = _table(tmp_path)
+    lance.dataset(uri).add_columns({"image": "CAST(NULL AS BINARY)"})  # decode fills a column the table has
+    ds = lance.dataset(uri)
+    committed = _files(uri)
+    read = RowsRead(uri, ds.version, "a >= 0", fragment_id=ds.get_fragments()[0].fragment_id, rows=2)
+    rows = read.read(["a"])
+    written = read.write_columns(pa.table({"_rowid": rows["_rowid"], "image": pa.array([b"x", b"y"], pa.binary())}))
+    assert _files(uri) > committed
+    other = RowsRead(uri, ds.version, "a >= 0", fragment_id=99, rows=0)  # a read whose fragment wrote nothing
+    assert discard_column_files([read, other], [written]) >= 1 and discard_column_files([read], [written]) == 0
+    assert _files(uri) == committed
+    assert lance.dataset(uri).to_table(columns=["a", "image"]).to_pylist() == [{"a": 1, "image": None},
+                                                                               {"a": 2, "image": None}]

@@ -84,6 +84,27 @@ class ColumnFile:
     rows: int
 
 
+def discard_column_files(reads: list[RowsRead], files: list[ColumnFile]) -> int:
+    """Delete the data files that `files` added to their fragments (those the fragment's metadata
+    lists but its version read did not): a decode whose commit will not happen. The fragment's own
+    files stay. The number deleted."""
+    from pyarrow import fs
+
+    removed = 0
+    for read in reads:
+        written = [f for f in files if f.fragment_id == read.fragment_id]
+        if not written:
+            continue
+        had = {d.path for d in read.dataset().get_fragment(read.fragment_id).metadata.files}
+        filesystem, root = fs.FileSystem.from_uri(read.uri)
+        for data in (d for f in written for d in f.metadata.files if d.path not in had):
+            path = f"{root}/data/{data.path}"
+            if filesystem.get_file_info(path).type == fs.FileType.File:
+                filesystem.delete_file(path)
+                removed += 1
+    return removed
+
+
 # --- what decode writes and score reads: one definition for the stage and the workers ---------
 SCORE_INPUTS = ["sample_id", "prompt", "prompt_meta", "image"]
 SCORE_OPTIONAL = ["source_image"]  # an editing rollout's source: rewards receive it in the metadata

@@ -38,7 +38,8 @@ from dataclasses import replace
 import numpy as np
 
 from ..artifacts.batch import RolloutBatch
-from ..artifacts.column_writes import ColumnFile, RowsRead
+from ..artifacts.column_writes import ColumnFile, RowsRead, discard_column_files
+from ..artifacts.rollout_rows import discard_fragments
 from ..errors import exception_chain
 from ..models.source_images import condition_keys
 from ..rewards.base import ScoringError, group_keys
@@ -109,24 +110,32 @@ class RayEngine:
         opts = actor_options(res, self.cfg.ray, restarts)
         return self.ray.remote(cls).options(**opts).remote(self._cfg_json, index, worker_threads(res, self.cfg))
 
-    def _get(self, refs: list, what: str, workers: list, rows: list[tuple[str, str]] | None = None) -> list:
+    def _get(self, refs: list, what: str, workers: list, rows: list[tuple[str, str]] | None = None,
+             undo=None) -> list:
         """The results of one call per worker, once every call has ended. A worker that died →
         WorkerLost (transient: the stage retries on its restart), whatever the others raised
         meanwhile (a trainer rank fails when its peer dies); a worker's own error → re-raised
         naming the worker and, for a shard of rows, its first and last sample (a ScoringError
-        stays one: the user fixes the scorer, a retry would not)."""
+        stays one: the user fixes the scorer, a retry would not). `undo(results)`: given what the
+        workers that did finish returned, before either is raised (their files, which nothing
+        will commit, deleted)."""
         ray, errors = self.ray, self.ray.exceptions
         ray.wait(refs, num_returns=len(refs))
-        out, failures = [], []
+        out, failures, lost = [], [], None
         for i, ref in enumerate(refs):
             try:
                 out.append(ray.get(ref))
             except (errors.RayActorError, errors.ObjectLostError) as exc:
-                self._await_restart(workers[i])
-                raise WorkerLost(f"{what} worker {i} died ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
-                                 f"the stage's retry reruns it on the restarted worker") from exc
+                lost = lost or (i, exc)
             except errors.RayTaskError as exc:
                 failures.append((i, exc.cause if isinstance(exc.cause, BaseException) else exc))
+        if (lost or failures) and undo is not None:
+            undo(out)
+        if lost:
+            i, exc = lost
+            self._await_restart(workers[i])
+            raise WorkerLost(f"{what} worker {i} died ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+                             f"the stage's retry reruns it on the restarted worker") from exc
         if not failures:
             return out
         i, cause = failures[0]
@@ -169,7 +178,7 @@ class RayEngine:
         return self._described
 
     # --- rollout, decode, score ---------------------------------------------------------------
-    def _sharded_rollout(self, method: str, *args, images=None) -> list:
+    def _sharded_rollout(self, method: str, *args, images=None, undo=None) -> list:
         """`method` of every rollout worker on its run of whole micro-batches of the call; the
         workers after the first are given the call's encodings, made by worker 0. `images`: each
         prompt's source image (an editing family), passed to every worker with the whole call."""
@@ -179,7 +188,7 @@ class RayEngine:
         images = None if images is None else self.ray.put(images)  # in the object store once, not once per worker
         refs = [getattr(w, method).remote(*args[:5], rows, *args[5:], None if k == 0 else given, images)
                 for k, (w, rows) in enumerate(zip(self.rollout_workers, shards))]
-        return self._get(refs, "rollout", self.rollout_workers)
+        return self._get(refs, "rollout", self.rollout_workers, undo=undo)
 
     def _call_encodings(self, keys: list[str], recipe, images=None):
         """The call's prompts (and negative prompt) encoded by rollout worker 0 as its own rollout
@@ -199,8 +208,11 @@ class RayEngine:
                          noise_seeds: list[int] | None = None, sink=None, images=None) -> tuple[list, object, float]:
         """The same shards as `rollout`, each worker writing its rows as Lance fragments through
         `sink` (artifacts/rollout_rows.py): (every fragment in row order, the rows' schema, the
-        slowest worker's seconds). The stage commits them as one version."""
-        parts = self._sharded_rollout("rollout_rows", policy, prompts, seeds, recipe, noise_seeds, sink, images=images)
+        slowest worker's seconds). The stage commits them as one version; when a worker fails, the
+        others' fragments are deleted before the error is raised (nothing will commit them)."""
+        undo = lambda done: discard_fragments(sink.uri, [f for frags, _, _ in done for f in frags])  # noqa: E731
+        parts = self._sharded_rollout("rollout_rows", policy, prompts, seeds, recipe, noise_seeds, sink, images=images,
+                                      undo=undo)
         return [f for frags, _, _ in parts for f in frags], parts[0][1], max(sec for _, _, sec in parts)
 
     def decode(self, final_latents: np.ndarray, prompts: list[str] | None = None) -> np.ndarray:
@@ -215,10 +227,12 @@ class RayEngine:
     def decode_to_store(self, reads: list[RowsRead], field: str) -> tuple[list[ColumnFile], float]:
         """Each rollout worker decodes whole fragments of the iteration (`reads`) and writes their
         image columns as uncommitted column files, so neither latents nor images pass through the
-        driver: (every file, the slowest worker's seconds). The stage commits them as one version."""
+        driver: (every file, the slowest worker's seconds). The stage commits them as one version;
+        when a worker fails, the others' column files are deleted before the error is raised."""
         groups = _balanced(reads, len(self.rollout_workers))
         used = self.rollout_workers[:len(groups)]
-        parts = self._get([w.decode_rows.remote(g, field) for w, g in zip(used, groups)], "decode", used)
+        undo = lambda done: discard_column_files(reads, [f for files, _ in done for f in files])  # noqa: E731
+        parts = self._get([w.decode_rows.remote(g, field) for w, g in zip(used, groups)], "decode", used, undo=undo)
         return [f for files, _ in parts for f in files], max(sec for _, sec in parts)
 
     def score_from_store(self, rows: RowsRead, iteration: int) -> tuple[dict[str, np.ndarray], float]:
