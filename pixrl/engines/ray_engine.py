@@ -32,6 +32,7 @@ group that lost a rank is rebuilt whole before the next update.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import replace
 
@@ -130,7 +131,11 @@ class RayEngine:
             except errors.RayTaskError as exc:
                 failures.append((i, exc.cause if isinstance(exc.cause, BaseException) else exc))
         if (lost or failures) and undo is not None:
-            undo(out)
+            try:
+                undo(out)
+            except Exception as exc:  # the workers' failure is the error to raise; the stray files are logged
+                logging.getLogger(__name__).warning("could not delete the files the finished %s workers wrote "
+                                                    "(Lance's cleanup removes them later): %s", what, exc)
         if lost:
             i, exc = lost
             self._await_restart(workers[i])
