@@ -96,7 +96,6 @@ class PipelineFamily:
         trained transformer frozen, progress bars off; the size checked against the checkpoint.
         `trainable_device` keeps the trained transformer off `device`: "cpu", or "meta" (built from its
         config, no weights read: a sharded trainer rank that receives them from rank 0)."""
-        import diffusers
         from diffusers.utils import logging as diffusers_logging
 
         diffusers_logging.disable_progress_bar()  # the loader's bars would garble the CLI's own progress
