@@ -17,7 +17,7 @@ from family_checks import gens
 from pixrl.algorithms.token_sampling import TokenRecipe, sample_tokens, sequence_log_probs
 from pixrl.config.loader import load_config
 from pixrl.models.base import ModelLoadError, decode_images
-from pixrl.models.glm_image import GlmImageFamily, prompt_seed
+from pixrl.models.glm_image import prompt_seed
 from pixrl.models.glm_image_ar import GlmImageArFamily
 from pixrl.models.registry import get_family
 
@@ -89,9 +89,15 @@ def test_teacher_forced_logits_equal_the_pipelines_sampler_and_its_incremental_d
 
 def test_the_image_marks_are_never_sampled_and_samples_do_not_depend_on_their_batch(tiny_glm):
     fam = GlmImageArFamily.load(tiny_glm[0], max_sequence_length=64, resolution=64, decoder_steps=4)
-    with torch.no_grad():  # a head that favours the marks: still only codebook tokens
-        fam.transformer.lm_head.weight[fam.codebook:] *= 100
-    traj = sample_tokens(fam, fam.encode_prompts(PROMPTS), gens([3, 4]), TokenRecipe())
+    head = fam.transformer.lm_head.weight
+    with torch.no_grad():  # the two marks' rows ±100·r: one of them far above every codebook logit
+        r = head[fam.codebook].clone()
+        head[fam.codebook], head[fam.codebook + 1] = 100 * r, -100 * r
+    cond = fam.encode_prompts(PROMPTS)
+    with torch.no_grad():
+        raw = fam.transformer(input_ids=cond.ids, attention_mask=cond.mask, position_ids=cond.positions).logits[:, -1]
+    assert (raw.argmax(-1) >= fam.codebook).all(), "the head does not favour the marks: the test would prove nothing"
+    traj = sample_tokens(fam, cond, gens([3, 4]), TokenRecipe())
     assert int(traj.tokens.max()) < fam.codebook and torch.isfinite(traj.log_probs).all()
     alone = sample_tokens(fam, fam.encode_prompts(PROMPTS[1:]), gens([4]), TokenRecipe())
     assert torch.equal(alone.tokens[0], traj.tokens[1])
@@ -136,7 +142,8 @@ def test_the_presets_train_the_autoregressive_model_without_guidance():
     cfg = load_config("glm_image_ar_pickscore", ["model.path=/x"])
     assert (cfg.model.family, cfg.model.resolution, cfg.model.decoder_steps) == ("glm_image_ar", 1024, 50)
     assert cfg.sampling.guidance_scale == 1.0 and cfg.algorithm.name == "token_grpo"
-    assert GlmImageFamily.name == "glm_image"  # the same checkpoint trains the decoder (experiment/glm_image_ocr)
+    decoder = load_config("glm_image_ocr", ["model.path=/x"])  # the same checkpoint's decoder, trained for text
+    assert (decoder.model.family, decoder.sampling.guidance_scale) == ("glm_image", cfg.model.decoder_guidance)
 
 
 def test_a_sharded_trainer_rank_builds_the_model_without_reading_weights(tiny_glm, family):
