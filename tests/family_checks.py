@@ -32,8 +32,9 @@ def assert_replay_is_on_policy(family, cond, neg, recipe: SamplerRecipe, seeds=(
     traj = sample(family, cond, neg, gens(seeds), recipe)
     assert list(traj.stored_steps) == list(recipe.train_steps)
     for j, k in enumerate(traj.stored_steps):
+        memory = None if traj.memory is None else traj.memory[:, j]  # a stateful guider's stored m_{k−1}
         out = replay_step(family, traj.latents[:, j], traj.next_latents[:, j], k, traj.sigmas, traj.timesteps,
-                          cond, neg, recipe)
+                          cond, neg, recipe, memory)
         assert torch.equal(out.log_prob.detach(), traj.log_probs[:, j])
         out.log_prob.sum().backward()
     assert any(p.grad is not None for p in family.transformer.parameters())

@@ -29,6 +29,7 @@ class ReplayPolicy:
     generator: torch.Generator | None = None  # the update's own randomness (e.g. DPO's σ and ε)
     sampler: object | None = None  # the algorithm's separate sampling policy (DiffusionNFT's "old")
     trained_steps: frozenset[int] | None = None  # grid steps the trained weights denoise; None: every one
+    memory: dict[int, torch.Tensor] | None = None  # step k → the guider's stored m_{k−1} (guidance_memory)
 
     def tensor(self, values: np.ndarray) -> torch.Tensor:
         """A stored array (host) as a tensor on the model's device."""
@@ -39,7 +40,8 @@ class ReplayPolicy:
         model = self.reference if reference else self.model
         if model is None:
             raise ValueError("the reference step was asked for, but the algorithm declared no reference")
-        return replay_step(model, x, x_next, k, self.sigmas, self.timesteps, self.cond, self.neg, self.recipe)
+        memory = None if self.memory is None else self.memory[k]
+        return replay_step(model, x, x_next, k, self.sigmas, self.timesteps, self.cond, self.neg, self.recipe, memory)
 
 
 def trained_grid_steps(model, timesteps: torch.Tensor | None) -> frozenset[int] | None:

@@ -15,6 +15,7 @@ import torch
 
 from ..errors import ExpectedError
 from .flow_sde import StepOut, flow_step, vp_norm
+from .guidance_memory import GuidanceMemory, memory_for, memory_kwargs
 from .ode_solvers import compressed_tail, dpm_step
 
 
@@ -58,6 +59,7 @@ class Trajectory:
     sigmas: torch.Tensor  # [T+1]
     timesteps: torch.Tensor  # [T]
     stored_steps: list[int] = field(default_factory=list)
+    memory: torch.Tensor | None = None  # [B, S, C, H, W] the guider's memory before each stored step (guidance_memory)
 
 
 def generators(seeds: list[int], device: torch.device | str = "cpu") -> list[torch.Generator]:
@@ -116,9 +118,11 @@ def guidance_at(policy, recipe: SamplerRecipe, k: int, timestep) -> float:
 
 
 def denoise_step(policy, x, k: int, sigmas, timesteps, cond, neg, recipe: SamplerRecipe,
-                 prev_sample=None, noise=None) -> StepOut:
-    """One step k of the recipe: velocity (with CFG) then the SDE/ODE transition."""
-    v = policy.velocity(x.to(policy.dtype), timesteps[k:k + 1], cond, guidance_at(policy, recipe, k, timesteps[k]), neg)
+                 prev_sample=None, noise=None, memory: GuidanceMemory | None = None) -> StepOut:
+    """One step k of the recipe: velocity (with CFG; a stateful guider reads and updates
+    `memory`) then the SDE/ODE transition."""
+    v = policy.velocity(x.to(policy.dtype), timesteps[k:k + 1], cond, guidance_at(policy, recipe, k, timesteps[k]), neg,
+                        **memory_kwargs(policy, memory, k))
     a = recipe.noise_level if recipe.is_sde(k) else 0.0
     return flow_step(v, x, sigmas[k], sigmas[k + 1], float(sigmas[1]), a, recipe.sde_type,
                      prev_sample=prev_sample, noise=noise)
@@ -155,15 +159,19 @@ def sample(policy, cond, neg, generators: list[torch.Generator], recipe: Sampler
     start, end = latent_scales(policy, sigmas)
     if start != 1.0:
         x = x * start
-    stored_x, stored_next, stored_lp, stored_mean = [], [], [], []
+    stored_x, stored_next, stored_lp, stored_mean, stored_memory = [], [], [], [], []
     tail = tail_start(recipe)
     prev_x0 = None
-    first, x = _shared_prefix(policy, x, sigmas, timesteps, cond, neg, recipe, same_prefix, tail)
+    memory = memory_for(policy, recipe)
+    first, x = _shared_prefix(policy, x, sigmas, timesteps, cond, neg, recipe, same_prefix, tail, memory)
     for k in range(first, tail):
         noise = _step_noise(generators, shape) if recipe.is_sde(k) else None
-        out = denoise_step(policy, x, k, sigmas, timesteps, cond, neg, recipe, noise=noise)
+        before = memory.snapshot(x) if memory is not None and k in recipe.train_steps else None
+        out = denoise_step(policy, x, k, sigmas, timesteps, cond, neg, recipe, noise=noise, memory=memory)
         if k in recipe.train_steps:
             _check_stored(out, k, recipe)
+            if before is not None:
+                stored_memory.append(before.float())
             stored_x.append(x)
             stored_next.append(out.prev_sample)
             stored_lp.append(out.log_prob)
@@ -172,7 +180,7 @@ def sample(policy, cond, neg, generators: list[torch.Generator], recipe: Sampler
             prev_x0 = x.float() - float(sigmas[k]) * out.velocity
         x = out.prev_sample.float()
     if tail < recipe.steps:
-        x = _ode_tail(policy, x, tail, prev_x0, sigmas, timesteps, cond, neg, recipe)
+        x = _ode_tail(policy, x, tail, prev_x0, sigmas, timesteps, cond, neg, recipe, memory)
     finish = getattr(policy, "final_latents", None)  # what the family's pipeline does last (a held frame put back)
     if finish is not None:
         x = finish(x, cond)
@@ -186,17 +194,19 @@ def sample(policy, cond, neg, generators: list[torch.Generator], recipe: Sampler
         next_latents=torch.stack(stored_next, 1) if stored_next else empty,
         log_probs=torch.stack(stored_lp, 1) if stored_lp else torch.zeros((b, 0), device=x.device),
         means=torch.stack(stored_mean, 1) if stored_mean else empty,
-        sigmas=sigmas, timesteps=timesteps, stored_steps=list(recipe.train_steps))
+        sigmas=sigmas, timesteps=timesteps, stored_steps=list(recipe.train_steps),
+        memory=None if memory is None else torch.stack(stored_memory, 1) if stored_memory else empty)
 
 
 def _shared_prefix(policy, x, sigmas, timesteps, cond, neg, recipe: SamplerRecipe, same_prefix: list[int] | None,
-                   tail: int) -> tuple[int, torch.Tensor]:
+                   tail: int, memory: GuidanceMemory | None = None) -> tuple[int, torch.Tensor]:
     """(k, x_k): rows that start from one latent with one prompt agree until the first stochastic
     step, so those deterministic steps are taken once per such set, on its first row, and the
     result is given to each of its rows — TempFlow-GRPO's branch prefix, shared as its sampler
     shares it, and the ODE steps before MixGRPO's window. (0, x_0) when no row repeats another.
     (The velocity of a smaller batch can differ from the full batch's in the last bits; the
-    rollout stores x_k, and replay reads it, so the ratio stays exactly 1.)"""
+    rollout stores x_k, and replay reads it, so the ratio stays exactly 1.) A guider's `memory`
+    is carried through those steps and given to each row as its latent is."""
     first = next((k for k in range(tail) if recipe.is_sde(k)), 0)
     if same_prefix is None or first == 0 or min(recipe.train_steps, default=first) < first:
         return 0, x
@@ -204,10 +214,14 @@ def _shared_prefix(policy, x, sigmas, timesteps, cond, neg, recipe: SamplerRecip
     if len(reps) == len(same_prefix):
         return 0, x
     xs, cond_r, neg_r = x[reps], cond.select(reps), neg.select(reps) if neg is not None else None
+    mem_r = memory.select(reps) if memory is not None else None
     for k in range(first):
-        xs = denoise_step(policy, xs, k, sigmas, timesteps, cond_r, neg_r, recipe).prev_sample.float()
+        xs = denoise_step(policy, xs, k, sigmas, timesteps, cond_r, neg_r, recipe, memory=mem_r).prev_sample.float()
     at = {r: i for i, r in enumerate(reps)}
-    return first, xs[[at[r] for r in same_prefix]]
+    rows = [at[r] for r in same_prefix]
+    if memory is not None:
+        memory.value = mem_r.select(rows).value
+    return first, xs[rows]
 
 
 class UnstorableStep(ExpectedError, ValueError):
@@ -231,7 +245,8 @@ def grid_shift(config) -> float:
     return float(config.get("shift") or config.get("flow_shift") or 1.0)
 
 
-def _ode_tail(policy, x, first: int, prev_x0, sigmas, timesteps, cond, neg, recipe: SamplerRecipe) -> torch.Tensor:
+def _ode_tail(policy, x, first: int, prev_x0, sigmas, timesteps, cond, neg, recipe: SamplerRecipe,
+              memory: GuidanceMemory | None = None) -> torch.Tensor:
     """DPM-Solver++(2M) from step `first` to the grid's end (σ = 0; Cosmos-Predict2's σ_min): on
     the schedule's own points, or (Flash) on the compressed re-shifted grid, whose model timesteps
     are the family's of σ (`model_timesteps`)."""
@@ -245,7 +260,8 @@ def _ode_tail(policy, x, first: int, prev_x0, sigmas, timesteps, cond, neg, reci
         grid, steps = sigmas[first:], timesteps[first:]
     prev_sigma = float(sigmas[first - 1]) if first > 0 else None
     for i in range(len(grid) - 1):
-        v = policy.velocity(x.to(policy.dtype), steps[i:i + 1], cond, guidance_at(policy, recipe, first + i, steps[i]), neg)
+        v = policy.velocity(x.to(policy.dtype), steps[i:i + 1], cond, guidance_at(policy, recipe, first + i, steps[i]), neg,
+                            **memory_kwargs(policy, memory, first + i))
         sigma = float(grid[i])
         x, x0 = dpm_step(x, v, sigma, float(grid[i + 1]), prev_x0, prev_sigma)
         prev_x0, prev_sigma = x0, sigma
@@ -253,6 +269,13 @@ def _ode_tail(policy, x, first: int, prev_x0, sigmas, timesteps, cond, neg, reci
 
 
 def replay_step(policy, latents, next_latents, k: int, sigmas, timesteps, cond, neg,
-                recipe: SamplerRecipe) -> StepOut:
-    """log π_θ(x_{k+1} | x_k) for stored transitions of step k (gradient through the mean)."""
-    return denoise_step(policy, latents, k, sigmas, timesteps, cond, neg, recipe, prev_sample=next_latents)
+                recipe: SamplerRecipe, memory: torch.Tensor | None = None) -> StepOut:
+    """log π_θ(x_{k+1} | x_k) for stored transitions of step k (gradient through the mean);
+    `memory`: the guider's stored m_{k−1} of those transitions (a family with guidance_memory)."""
+    mem = memory_for(policy, recipe)
+    if mem is not None:
+        if memory is None:
+            raise ValueError("this family's guider keeps a memory across steps, and the stored transitions came "
+                             "without it (no guidance_memory column): replay rows its own rollout wrote")
+        mem.value = memory
+    return denoise_step(policy, latents, k, sigmas, timesteps, cond, neg, recipe, prev_sample=next_latents, memory=mem)

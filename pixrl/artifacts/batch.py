@@ -11,7 +11,7 @@ start as nulls).
 
 A field's `step` says which rollouts store it: denoise families the transitions and final
 latents, token families the sampled `tokens`; both the per-step `log_probs` (S = stored steps, or
-image tokens). Optional fields (`means`, `poster`, `source_image`) are only in a table whose run needs them. A
+image tokens). Optional fields (`means`, `guidance_memory`, `poster`, `source_image`) are only in a table whose run needs them. A
 denoise run that needs none gets exactly the first wave's table layout, so older tables, forks
 and DPO sources stay valid.
 """
@@ -75,6 +75,8 @@ TRAJECTORY_FIELDS: tuple[FieldSpec, ...] = (
     F("next_latents", pa.float32(), ("S", "*latent"), role="action", step="denoise"),
     F("log_probs", pa.float32(), ("S",), role="old_log_prob"),
     F("means", pa.float32(), ("S", "*latent"), role="mean", optional=True, step="denoise"),
+    # a stateful guider's memory before each stored step (APG's momentum buffer: algorithms/guidance_memory.py)
+    F("guidance_memory", pa.float32(), ("S", "*latent"), role="observation", optional=True, step="denoise"),
     F("noise_seed", pa.int64(), optional=True, step="denoise"),  # the initial latent's seed, when a group shares one
     F("final_latent", pa.float32(), ("*latent",), role="observation", step="denoise"),
     F("tokens", pa.int32(), ("S",), role="action", step="token"),  # the sampled image tokens
@@ -108,7 +110,7 @@ DECODE_INPUT = {"denoise": "final_latent", "token": "tokens"}
 
 #: a denoise rollout's stored transitions: absent from a table whose rollouts store none (S = 0,
 #: DiffusionNFT's final-latent-only rollouts), since an empty fixed-shape column cannot be stored
-TRANSITION_FIELDS = ("stored_steps", "latents", "next_latents", "log_probs", "means")
+TRANSITION_FIELDS = ("stored_steps", "latents", "next_latents", "log_probs", "means", "guidance_memory")
 
 
 def fields_for(optional: Iterable[str] = (), step: str = "denoise", transitions: bool = True) -> tuple[FieldSpec, ...]:

@@ -126,6 +126,8 @@ class LocalEngine:
         })
         if "means" in self.algorithm.needs:
             batch = batch.with_columns(means=cat("means"))
+        if trajs[0].memory is not None and steps:  # a stateful guider's memory before each stored step
+            batch = batch.with_columns(guidance_memory=cat("memory"))
         return batch, seconds
 
     def _sampler(self, policy: PolicySource):

@@ -98,8 +98,16 @@ class ReplayFactory:
         if isinstance(recipe, TokenRecipe):
             return TokenReplayPolicy(fam, self.reference, cond, recipe, fam.device)
         neg = self.negs[s].of([self.prompts[i] for i in rows]) if self.negs else None
-        return ReplayPolicy(fam, self.reference, cond, neg, self.sigmas,
-                            self.timesteps, recipe, fam.device, gen, self.sampler, self.trained_steps)
+        return ReplayPolicy(fam, self.reference, cond, neg, self.sigmas, self.timesteps, recipe, fam.device, gen,
+                            self.sampler, self.trained_steps, self._memory(rows))
+
+    def _memory(self, rows: list[int]) -> dict[int, torch.Tensor] | None:
+        """The guider's stored memory of the rows' transitions by grid step (guidance_memory), or None."""
+        if "guidance_memory" not in self.batch:
+            return None
+        stored, steps = np.asarray(self.batch["guidance_memory"])[rows], self.batch["stored_steps"][rows[0]]
+        return {int(k): torch.from_numpy(np.ascontiguousarray(stored[:, j])).to(self.fam.device)
+                for j, k in enumerate(steps) if k >= 0}
 
 
 def _aggregate(key: str, vals: list[float]) -> float:

@@ -188,7 +188,9 @@ def tiny_parts(build: Path, seed: int, **transformer) -> dict:
     further config), the Euler scheduler (shift 7) and a CFG guider (6)."""
     from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler,
                            HunyuanVideo15Transformer3DModel)
-    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    from .tiny_parts import byt5_glyph_encoder
 
     torch.manual_seed(seed)
     tok = template_tokenizer(build / "tokenizer")
@@ -197,11 +199,7 @@ def tiny_parts(build: Path, seed: int, **transformer) -> dict:
         num_key_value_heads=1, max_position_embeddings=2048, pad_token_id=tok.pad_token_id,
         bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}))
-    tok2 = ByT5Tokenizer()
-    glyph = T5EncoderModel(T5Config(vocab_size=len(tok2), d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
-                                    relative_attention_num_buckets=8, relative_attention_max_distance=32,
-                                    is_encoder_decoder=False, pad_token_id=tok2.pad_token_id,
-                                    eos_token_id=tok2.eos_token_id, decoder_start_token_id=0))
+    tok2, glyph = byt5_glyph_encoder()
     vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8, 8, 16, 16, 16), layers_per_block=1,
                                       spatial_compression_ratio=16, temporal_compression_ratio=4)
     dit = HunyuanVideo15Transformer3DModel(**{

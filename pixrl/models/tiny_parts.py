@@ -154,6 +154,19 @@ def qwen25_vl_text_encoder(tokenizer, hidden: int = 32, layers: int = 1, **token
     return Qwen2_5_VLForConditionalGeneration(cfg)
 
 
+def byt5_glyph_encoder(d_model: int = 16):
+    """(ByT5Tokenizer, a one-layer T5 encoder): the glyph tower of the HunyuanVideo-1.5 and
+    HunyuanImage-2.1 pipelines (the real one: ByT5-small's encoder, width 1472)."""
+    from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
+
+    tok = ByT5Tokenizer()
+    return tok, T5EncoderModel(T5Config(vocab_size=len(tok), d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=1,
+                                        num_heads=2, relative_attention_num_buckets=8,
+                                        relative_attention_max_distance=32, is_encoder_decoder=False,
+                                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                        decoder_start_token_id=0))
+
+
 def gemma_tokenizer(out_dir: Path, extra_words: list[str] = ()):
     """A Gemma BPE tokenizer (`GemmaTokenizer`: spaces as "▁", byte fallback, `<bos>` prepended,
     `<pad>` = 0) whose merges make each tiny-vocabulary word — and `extra_words`, e.g. a prompt

@@ -215,8 +215,9 @@ class OnlineStages(GenerateStage, DecodeScoreStages):
     def update_inputs(self, ref: TableRef, iteration: int, columns: list[str]):
         """(the iteration's rows with `columns` and what conditions their replay — prompts, source
         images, recipes, groups —, the replay recipe, each row's prompt set as the rollout encoded it)."""
-        images = ["source_image"] if "source_image" in self.table.dataset(ref.version).schema.names else []
-        cols = list(dict.fromkeys([*columns, "prompt", "recipe", "group_id", *images]))
+        names = self.table.dataset(ref.version).schema.names
+        stored = [c for c in ("source_image", "guidance_memory") if c in names]  # a source, a guider's memory
+        cols = list(dict.fromkeys([*columns, "prompt", "recipe", "group_id", *stored]))
         batch = RolloutBatch.from_arrow(self._read(ref, iteration, cols))
         return batch, replay_recipe(batch["recipe"], self.step_kind, self.cfg.algorithm.train_cfg), \
             self._rounds(batch["group_id"])
