@@ -77,7 +77,11 @@ images/s and peak memory.
 - `--family glm_image_ar`: GLM-Image's autoregressive model (GLM-4-9B's width, 2 of 40 layers)
   trained with Token-GRPO, full fine-tune; 512 tokens per 512² image, rendered by the 7B decoder
   at 10 steps.
-  Builders: benchmarks/real_shapes.py (video: real_shapes_video.py; Cosmos, GLM-Image: real_shapes_image.py).
+- `--family hunyuan_image`: HunyuanImage-2.1 — the real 17B DiT's width (20 + 40 blocks of
+  28×128 heads; `--layers N`: N + 2N), the ×32 VAE, Qwen2.5-VL-7B at its width with 2 of its 28
+  layers and ByT5-small's width; sampled under its APG guiders (CFG 3.5, APG after step 5, the
+  momentum stored with each transition); LoRA r64.
+  Builders: benchmarks/real_shapes.py (video: real_shapes_video.py; Cosmos, GLM-Image, HunyuanImage: real_shapes_image.py).
 
     python benchmarks/gpu_smoke.py [--family F]                       # the check a GPU machine runs
     python benchmarks/gpu_smoke.py --family F --tiny --device cpu     # the same path, tiny (tests run it)
@@ -181,6 +185,9 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
                               *([] if tiny else ["algorithm=flow_grpo_lora64"])],
     "glm_image": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=2048",
                                "sampling.guidance_scale=1.5", *([] if tiny else ["algorithm=flow_grpo_lora64"])],
+    "hunyuan_image": lambda tiny: [GC, "model.max_sequence_length=64" if tiny else "model.max_sequence_length=1000",
+                                   "sampling.guidance_scale=3.5",
+                                   *([] if tiny else ["algorithm=flow_grpo_lora64"])],
     "glm_image_ar": lambda tiny: ["algorithm=token_grpo", "sampling.guidance_scale=1.0",
                                   "model.max_sequence_length=64" if tiny else "model.max_sequence_length=2048",
                                   "model.decoder_steps=4" if tiny else "model.decoder_steps=10"],

@@ -1,4 +1,4 @@
-"""A random Cosmos-Predict2-2B (Text2Image, Video2World) and Cosmos-Predict2.5-2B of their real shapes for `gpu_smoke.py` (beside
+"""A random Cosmos-Predict2-2B (Text2Image, Video2World), Cosmos-Predict2.5-2B, GLM-Image and HunyuanImage-2.1 of their real shapes for `gpu_smoke.py` (beside
 real_shapes.py): nothing is downloaded; T5-11B keeps its real width with 2 of its 24 layers, as
 the other families' text encoders are shortened there."""
 
@@ -108,3 +108,31 @@ def glm_image_pipeline(layers: int | None, device: str, workdir: Path):
                                             use_dynamic_shifting=True, time_shift_type="linear")
     return GlmImagePipeline(tokenizer=tok, processor=proc, text_encoder=text, vision_language_encoder=ar, vae=vae,
                             transformer=transformer, scheduler=sched)
+
+
+def hunyuan_image_pipeline(layers: int | None, device: str, workdir: Path):
+    """HunyuanImage-2.1 of its real shapes: the 17B DiT (its diffusers defaults: 20 double- and 40
+    single-stream blocks of 28×128 heads over 64 latent channels, the token refiner) with the ByT5
+    projection (width 1472), the ×32 VAE (64 channels), Qwen2.5-VL-7B's language model at its width
+    (3584) with 2 of its 28 layers, ByT5-small's at its width with 2 layers, Qwen-Image's template
+    tokenizer (34 tokens dropped), the Euler scheduler (shift 5) and the checkpoint's APG guiders
+    (CFG 3.5, then APG 10 with momentum −0.5 after step 5). `--layers N`: N double-, 2N single-stream blocks."""
+    import torch
+    from diffusers import (AdaptiveProjectedMixGuidance, AutoencoderKLHunyuanImage, FlowMatchEulerDiscreteScheduler,
+                           HunyuanImagePipeline, HunyuanImageTransformer2DModel)
+    from real_shapes_video import byt5_small
+
+    from pixrl.models.tiny_parts import qwen2_tokenizer, qwen25_vl_text_encoder
+
+    tok = qwen2_tokenizer(workdir / "tokenizer")
+    tok2, glyph = byt5_small(2)
+    with torch.device(device):
+        transformer = HunyuanImageTransformer2DModel(num_layers=layers or 20, num_single_layers=40 if layers is None
+                                                     else 2 * layers, text_embed_2_dim=1472).to(torch.bfloat16)
+    vae = AutoencoderKLHunyuanImage(in_channels=3, out_channels=3, latent_channels=64, layers_per_block=2,
+                                    block_out_channels=(128, 256, 512, 512, 1024, 1024), spatial_compression_ratio=32,
+                                    sample_size=384, scaling_factor=0.75289)
+    return HunyuanImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), vae=vae, transformer=transformer,
+                                text_encoder=qwen25_vl_text_encoder(tok, hidden=3584, layers=2), tokenizer=tok,
+                                text_encoder_2=glyph, tokenizer_2=tok2, guider=AdaptiveProjectedMixGuidance(),
+                                ocr_guider=AdaptiveProjectedMixGuidance())

@@ -63,25 +63,33 @@ def hunyuan_video15_pipeline(layers: int | None, device: str, workdir: Path):
     import torch
     from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler,
                            HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel)
-    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
     from pixrl.models.hunyuan_video15 import template_tokenizer
 
-    tok, tok2 = template_tokenizer(workdir / "tokenizer"), ByT5Tokenizer()
+    tok, (tok2, glyph) = template_tokenizer(workdir / "tokenizer"), byt5_small(2)
     text = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
         vocab_size=len(tok), hidden_size=3584, intermediate_size=18944, num_hidden_layers=2, num_attention_heads=28,
         num_key_value_heads=4, max_position_embeddings=4096, pad_token_id=tok.pad_token_id,
         bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}))
-    glyph = T5EncoderModel(T5Config(vocab_size=len(tok2), d_model=1472, d_kv=64, d_ff=3584, num_layers=2,
-                                    num_heads=6, is_encoder_decoder=False, feed_forward_proj="gated-gelu",
-                                    pad_token_id=tok2.pad_token_id, eos_token_id=tok2.eos_token_id,
-                                    decoder_start_token_id=0))
     with torch.device(device):
         transformer = HunyuanVideo15Transformer3DModel(num_layers=layers or 54, task_type="t2v").to(torch.bfloat16)
     return HunyuanVideo15Pipeline(text_encoder=text, tokenizer=tok, transformer=transformer,
                                   vae=AutoencoderKLHunyuanVideo15(), scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
                                   text_encoder_2=glyph, tokenizer_2=tok2, guider=ClassifierFreeGuidance(guidance_scale=6.0))
+
+
+def byt5_small(layers: int):
+    """(ByT5Tokenizer, ByT5-small's encoder at its width — 1472, 6 heads of 64, gated-GELU FFN 3584 —
+    with `layers` of its 12 layers): the glyph tower of the HunyuanVideo-1.5 and HunyuanImage-2.1 pipelines."""
+    from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
+
+    tok = ByT5Tokenizer()
+    return tok, T5EncoderModel(T5Config(vocab_size=len(tok), d_model=1472, d_kv=64, d_ff=3584, num_layers=layers,
+                                        num_heads=6, is_encoder_decoder=False, feed_forward_proj="gated-gelu",
+                                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                        decoder_start_token_id=0))
 
 
 def hunyuan_video15_i2v_pipeline(layers: int | None, device: str, workdir: Path):

@@ -182,3 +182,17 @@ def test_two_rl_iterations_store_and_replay_the_memory(tiny_hy, tmp_path, prefec
 
     rep = CliRunner().invoke(app, ["replay", "hyimg", "--iteration", "1", "--workdir", str(tmp_path)])
     assert rep.exit_code == 0 and json.loads(rep.stdout.strip().splitlines()[-1])["equal"] is True, rep.output
+
+
+def test_full_fine_tuning_without_guidance_stores_no_memory(tiny_hy, tmp_path, prefect_harness):
+    _, t = two_iterations(tiny_hy, tmp_path, "hyimg_full", "full", "sampling.guidance_scale=1.0")
+    assert "guidance_memory" not in t.schema.names  # no CFG: the guiders keep nothing, the table has the usual layout
+
+
+def test_the_preset_samples_as_the_pipeline_does():
+    from pixrl.config.loader import load_config
+
+    cfg = load_config("hunyuan_image21_pickscore", ["model.path=/x"])
+    assert (cfg.model.family, cfg.model.resolution, cfg.model.max_sequence_length) == ("hunyuan_image", 2048, 1000)
+    assert cfg.sampling.guidance_scale == 3.5 and cfg.sampling.negative_prompt == "" and cfg.sampling.eval_steps == 50
+    assert cfg.algorithm.lora.rank == 64 and cfg.reward.weights == {"pickscore": 1.0}

@@ -92,16 +92,17 @@ class HunyuanImageFamily(PipelineFamily):
 
     def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: HunyuanImageConditioning,
                  guidance_scale: float = 1.0, neg: HunyuanImageConditioning | None = None,
-                 memory: GuidanceMemory | None = None, step: int | None = None) -> torch.Tensor:
-        """v_θ(x, t | c); guidance_scale > 1: each row's guider at step `step` of the grid, reading
-        APG's momentum from `memory` (m_{k−1}) and leaving m_k there."""
+                 memory: GuidanceMemory | None = None, step: int = 0) -> torch.Tensor:
+        """v_θ(x, t | c); guidance_scale > 1: each row's guider at step `step` of the grid (the
+        sampler gives it; a bare call is the grid's first step), reading APG's momentum from
+        `memory` (m_{k−1}; none: the buffer's initial 0) and leaving m_k there."""
         t = timestep.reshape(-1).to(x.device)
         t = t.expand(x.shape[0]) if t.numel() == 1 else t
         v = self._predict(x, t, cond)
         if guidance_scale <= 1.0:
             return v
-        if neg is None or step is None:
-            raise ValueError("guidance_scale > 1 needs the negative-prompt conditioning and the step index")
+        if neg is None:
+            raise ValueError("guidance_scale > 1 needs the negative-prompt conditioning")
         u = self._predict(x, t, neg)
         ocr = cond.glyph_mask.bool().any(dim=1)
         out, m_new = torch.empty_like(v), torch.empty_like(v)
