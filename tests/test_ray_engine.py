@@ -596,3 +596,31 @@ def test_a_family_that_decodes_with_its_prompts_on_the_ray_engine_equals_the_loc
     stored = np.stack([decode_media(b) for b in local["image"].to_pylist()[:2]])
     assert np.array_equal(fam.decode(tokens, prompts[:2]), stored)
     assert not np.array_equal(fam.decode(tokens, [other, other]), stored)
+
+
+def test_a_family_with_a_guidance_memory_on_the_ray_engine_equals_the_local_engine(ray_cluster, prefect_harness,
+                                                                                  tmp_path_factory, tmp_path):
+    """HunyuanImage-2.1 under its APG guiders: the rollout workers store each transition's momentum
+    (`guidance_memory`) in the fragments they write, and the two trainer ranks replay their rows
+    with it (a rank without it could not: replay refuses); the rows equal the local engine's bit
+    for bit, memory included, and the update published a version."""
+    from pixrl.models.hunyuan_image import HunyuanImageFamily
+
+    path = tmp_path_factory.mktemp("ckpt") / "tiny-hunyuan-image"
+    overrides = HunyuanImageFamily.write_tiny(path, seed=0)
+    extra = [f"{k}={v}" for k, v in overrides.items() if k != "model.path"]
+    runs = {}
+    for engine, args in (("local", ["run.threads=1"]), ("ray", RAY_RUN)):
+        res = CliRunner().invoke(app, ["train", "--iterations", "1", "--run", f"h_{engine}", "reward=jpeg_compressibility",
+                                       "sampling.guidance_scale=3.5", "sampling.steps=6", "sampling.prompts_per_iteration=4",
+                                       *tiny_overrides(path, tmp_path / engine), *extra, *args])
+        assert res.exit_code == 0, res.output + repr(res.exception)
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+        runs[engine] = lance.dataset(out["table_uri"]).to_table().sort_by([("sample_id", "ascending")])
+        versions = MlflowClient(f"sqlite:///{tmp_path / engine / 'mlflow.db'}").search_model_versions(
+            f"name='{out['model_name']}'")
+        assert [int(v.version) for v in versions] == [1], engine  # the update published its version
+    local, remote = runs["local"], runs["ray"]
+    for col in ("guidance_memory", "latents", "log_probs", "final_latent", "reward", "advantage"):
+        assert remote[col].combine_chunks().equals(local[col].combine_chunks()), col
+    assert np.abs(np.stack(remote["guidance_memory"].to_numpy(zero_copy_only=False))).sum() > 0
