@@ -26,14 +26,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..algorithms.guidance_memory import GuidanceMemory
 from .base import ModelLoadError
 from .hunyuan_video import shifted_linspace_grid
 from .hunyuan_video15 import HunyuanVideo15Conditioning as HunyuanImageConditioning
-from .pipelines import PipelineFamily, encodes_text, to_uint8
+from .pipelines import PipelineFamily, encodes_text
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -126,13 +125,6 @@ class HunyuanImageFamily(PipelineFamily):
                                 encoder_hidden_states=cond.prompt_embeds.to(dtype), encoder_attention_mask=cond.mask,
                                 encoder_hidden_states_2=cond.glyph_embeds.to(dtype),
                                 encoder_attention_mask_2=cond.glyph_mask, return_dict=False)[0]
-
-    # --- pixels -------------------------------------------------------------------------------
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """Final latents → uint8 [B, H, W, 3]: unscaled (no shift), decoded, the pipeline's postprocess."""
-        z = latents.to(self.vae.dtype) / self.vae.config.scaling_factor
-        return to_uint8(self.vae.decode(z, return_dict=False)[0])
 
     # --- a tiny random checkpoint in the real layout --------------------------------------------
     @classmethod

@@ -245,10 +245,10 @@ class PipelineFamily:
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """Final latents [B, C, H, W] → uint8 [B, H, W, 3]: an AutoencoderKL's scaling and shift,
-        decode, the pipelines' postprocess (SD3, FLUX.1)."""
+        """Final latents [B, C, H, W] → uint8 [B, H, W, 3]: an AutoencoderKL's scaling and shift
+        (none where its config has none: HunyuanImage-2.1), decode, the pipelines' postprocess (SD3, FLUX.1)."""
         cfg = self.vae.config
-        z = latents.to(self.vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)
+        z = latents.to(self.vae.dtype) / cfg.scaling_factor + (cfg.get("shift_factor") or 0.0)
         return to_uint8(self.vae.decode(z, return_dict=False)[0])
 
 
