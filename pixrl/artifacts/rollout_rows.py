@@ -28,8 +28,8 @@ def rows_table(batch: RolloutBatch, columns: dict[str, list], video: bool, step:
     """The rows of `batch` with the stage's per-row `columns`, as the table stores them."""
     batch = batch.with_columns(**columns)
     optional = ("poster",) if video else COT_FIELDS if "cot_tokens" in batch else ()
-    optional += tuple(f for f in ("means", "guidance_memory", "noise_seed", "cot_behavior_log_probs",
-                                                "source_image") if f in batch)
+    optional += tuple(f for f in ("means", "guidance_memory", "noise_seed", "cot_behavior_log_probs", "source_image")
+                      if f in batch)
     return batch.to_arrow(batch.dims(), optional=optional, step=step)
 
 
