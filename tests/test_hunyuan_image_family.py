@@ -13,7 +13,7 @@ from family_checks import assert_replay_is_on_policy, gens
 from pixrl.algorithms.guidance_memory import GuidanceMemory
 from pixrl.algorithms.sampling import SamplerRecipe, replay_step, sample
 from pixrl.models.base import ModelLoadError
-from pixrl.models.hunyuan_image import HunyuanImageFamily, apg_guided
+from pixrl.models.hunyuan_image import HunyuanImageFamily, apg_guided, guider_settings
 from pixrl.models.registry import family_of_directory, get_family
 
 PROMPTS = ["a red circle", "two blue squares in the sky"]
@@ -102,9 +102,7 @@ def test_apg_step_is_the_guiders(family):
     guider = AdaptiveProjectedMixGuidance(guidance_scale=4.0, adaptive_projected_guidance_scale=7.0,
                                           adaptive_projected_guidance_rescale=0.5, eta=0.3, guidance_rescale=0.2,
                                           adaptive_projected_guidance_start_step=1)
-    g = {k: guider.config[k] for k in ("adaptive_projected_guidance_momentum", "adaptive_projected_guidance_scale",
-                                       "adaptive_projected_guidance_rescale", "adaptive_projected_guidance_start_step",
-                                       "eta", "guidance_rescale")}
+    g = guider_settings("test", "guider", guider)
     gen, prev = torch.Generator().manual_seed(0), None
     for k in range(4):
         c, u = torch.randn(2, 4, 3, 3, generator=gen), torch.randn(2, 4, 3, 3, generator=gen)

@@ -36,7 +36,7 @@ from .pipelines import PipelineFamily, encodes_text
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
-__all__ = ["HunyuanImageConditioning", "HunyuanImageFamily", "apg_guided"]
+__all__ = ["HunyuanImageConditioning", "HunyuanImageFamily", "apg_guided", "guider_settings"]
 
 _GUIDERS = ("guider", "ocr_guider")
 
@@ -58,7 +58,7 @@ class HunyuanImageFamily(PipelineFamily):
         if cfg.get("use_meanflow", False) or cfg.get("guidance_embeds", False):
             raise ModelLoadError(f"{self.path!r} is a distilled HunyuanImage-2.1 (guidance embedding / MeanFlow's "
                                  "second timestep), which the family does not step; use the base checkpoint")
-        self.guiders = {name: _guider_settings(self.path, name, getattr(pipe, name, None)) for name in _GUIDERS}
+        self.guiders = {name: guider_settings(self.path, name, getattr(pipe, name, None)) for name in _GUIDERS}
         pipe.tokenizer_max_length = self.max_sequence_length  # the pipeline then encodes as the family does
 
     @property
@@ -171,7 +171,7 @@ def apg_guided(c: torch.Tensor, u: torch.Tensor, scale: float, g: dict, step: in
     return pred, m
 
 
-def _guider_settings(path: str, name: str, guider) -> dict | None:
+def guider_settings(path: str, name: str, guider) -> dict | None:
     """A guider's settings the family reads, after refusing what it does not model."""
     if guider is None:
         return None
