@@ -10,6 +10,25 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .sampling import T2I_R1_REASONING_PROMPT, SamplingConfig, _Section  # noqa: F401 - the config's home
 
 
+class AudioVideoGuidance(_Section):
+    """LTX-2's guidance terms beside CFG, per stream (models/ltx2.py); an unset one is the
+    pipeline's default (an unset or zero audio setting takes the video one, as the pipeline's)."""
+
+    audio_guidance_scale: float | None = Field(None, ge=1.0, description="CFG scale of the audio stream, applied "
+                                               "whenever CFG runs (sampling.guidance_scale > 1); None: 7")
+    guidance_rescale: float | None = Field(None, ge=0, le=1, description="x0 guidance rescale of the video stream; "
+                                           "None: 0.7")
+    audio_guidance_rescale: float | None = Field(None, ge=0, le=1, description="the audio stream's; None: 0.7")
+    stg_scale: float | None = Field(None, ge=0, description="spatio-temporal guidance of the video stream (a pass "
+                                    "with perturbed self-attention; 0: off); None: 1")
+    audio_stg_scale: float | None = Field(None, ge=0, description="the audio stream's; None: 1")
+    stg_blocks: list[int] | None = Field(None, description="the DiT blocks spatio-temporal guidance perturbs; "
+                                         "None: [28]")
+    modality_scale: float | None = Field(None, ge=1.0, description="modality-isolation guidance of the video stream "
+                                         "(a pass without audio-video cross-attention; 1: off); None: 3")
+    audio_modality_scale: float | None = Field(None, ge=1.0, description="the audio stream's; None: 3")
+
+
 class ModelConfig(_Section):
     family: str = "sd3"
     path: str = "builtin:mini_shapes"  # local diffusers-layout dir, or builtin:<name> for embedded models
@@ -54,6 +73,8 @@ class ModelConfig(_Section):
                                            "(prior tokens dropped in the unconditional pass); None: 1.5")
     decoder_seed: int | None = Field(None, ge=0, description="glm_image_ar: the seed from which each prompt's "
                                      "decoder noise is drawn (with a digest of the prompt); None: 0")
+    av_guidance: AudioVideoGuidance = Field(default_factory=AudioVideoGuidance,
+                                            description="LTX-2 (ltx2): its guidance terms beside CFG")
 
     def size(self) -> int | tuple[int | None, int | None] | None:
         """What a family loads with (`Family.load(resolution=...)`): model.resolution's square
@@ -68,7 +89,8 @@ class ModelConfig(_Section):
         keys = ("expert", "guidance_scale_2", "cfg_normalization", "shift", "frame_rate", "decode_timestep",
                 "decode_noise_scale", "prior_seed",
                 "decoder_steps", "decoder_guidance", "decoder_seed")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        out = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        return out | self.av_guidance.model_dump(exclude_none=True)
 
 
 class LoraConfig(_Section):

@@ -10,12 +10,12 @@ one flow-matching step — and one Gaussian log-prob — covers both, on the sch
 shares between them (`linspace(1, 1/T, T)` under the dynamic shift of the video tokens).
 
 Guidance is the pipeline's, in x₀-space (x₀ = x − σ·v), per stream with its own scales:
-classifier-free (`sampling.guidance_scale` for video, `model.audio_guidance_scale` for audio,
+classifier-free (`sampling.guidance_scale` for video, `model.av_guidance.audio_guidance_scale` for audio,
 both applied whenever the sampler batches the negative prompt), spatio-temporal guidance (a pass
-with self-attention perturbed in `model.stg_blocks`; skipped for a DiT without perturbable
+with self-attention perturbed in `stg_blocks`; skipped for a DiT without perturbable
 attention, LTX-2.0's, where the pipeline's pass equals the conditional one), modality-isolation
 guidance (a pass with the audio↔video cross-attention off) and the guidance rescale, then back
-to a velocity. The pipeline's defaults are the family's.
+to a velocity. The pipeline's defaults are the family's (`model.av_guidance` sets the others).
 
 Decode: the video stream as LTX-Video's (per clip, `decode_timestep`/`decode_noise_scale` for a
 timestep-conditioned VAE); the soundtrack with `decode_audio` (waveforms at the vocoder's rate).
@@ -105,16 +105,16 @@ class LTX2Family(LTXVideoFamily):
         super().__init__(pipe, *args, frame_rate=frame_rate, **kwargs)
         # the pipeline's rule: an unset (or zero) audio setting takes the video one
         self.video_guidance = StreamGuidance(1.0, float(stg_scale), float(modality_scale), float(guidance_rescale))
-        self.audio_guidance = StreamGuidance(float(audio_guidance_scale or 1.0), float(audio_stg_scale or stg_scale),
+        self.audio_guidance = StreamGuidance(float(audio_guidance_scale), float(audio_stg_scale or stg_scale),
                                              float(audio_modality_scale or modality_scale),
                                              float(audio_guidance_rescale or guidance_rescale))
         self.stg_blocks = [int(b) for b in (stg_blocks or ())]
         depth = len(self.transformer.transformer_blocks)
         if any(not 0 <= b < depth for b in self.stg_blocks):
-            raise ModelLoadError(f"model.stg_blocks={self.stg_blocks}: this DiT has blocks 0–{depth - 1}")
+            raise ModelLoadError(f"model.av_guidance.stg_blocks={self.stg_blocks}: this DiT has blocks 0–{depth - 1}")
         if (stg_scale > 0 or self.audio_guidance.stg > 0) and not self.stg_blocks:
-            raise ModelLoadError("model.stg_scale > 0 needs model.stg_blocks (the blocks whose self-attention it "
-                                 "perturbs), or set model.stg_scale=0 and model.audio_stg_scale=0")
+            raise ModelLoadError("model.av_guidance.stg_scale > 0 needs stg_blocks (the blocks whose self-attention "
+                                 "it perturbs), or set model.av_guidance.stg_scale=0 and audio_stg_scale=0")
         self._audio_shape()  # refuses streams of unequal width
 
     @staticmethod
@@ -277,4 +277,4 @@ class LTX2Family(LTXVideoFamily):
         LTX2Pipeline(**tiny_parts(build, seed, variant)).save_pretrained(str(out_dir), safe_serialization=True)
         shutil.rmtree(build, ignore_errors=True)
         return {"model.family": cls.name, "model.path": str(out_dir), "model.resolution": 64, "model.frames": 9,
-                "model.max_sequence_length": 32, "model.stg_blocks": [1]}
+                "model.max_sequence_length": 32, "model.av_guidance.stg_blocks": [1]}

@@ -1,0 +1,221 @@
+"""LTX-2 text-to-audio+video on tiny random checkpoints written by `pixrl tiny ltx2` in the
+diffusers layout (LTX-2.3's by default, LTX-2.0's beside it): the Gemma encoding through the
+connectors, the dynamic-shift σ grid of the video tokens, ODE latents of both streams equal to
+LTX2Pipeline's under every guidance term (CFG per stream, spatio-temporal guidance, modality
+isolation, rescale), the decoded frames and soundtrack equal to its output, replayed log-probs
+equal the stored ones, the refusals, and two RL iterations (LoRA and full) through the unchanged
+flow with the soundtrack in the rows' latents."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import two_iterations
+from family_checks import assert_replay_is_on_policy, gens
+from pixrl.algorithms.sampling import SamplerRecipe, initial_noise, sample
+from pixrl.artifacts.media import decode_media
+from pixrl.cli import app
+from pixrl.models.base import ModelLoadError
+from pixrl.models.ltx2 import LTX2Family
+from pixrl.models.registry import family_of_directory, get_family
+
+PROMPTS = ["a red circle", "two blue squares in the sky"]
+SIZE = dict(max_sequence_length=32, resolution=64, frames=9)
+NO_EXTRA_PASSES = dict(stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "tiny-ltx2"
+    return out, LTX2Family.write_tiny(out, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny20(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "tiny-ltx2-0"
+    return out, LTX2Family.write_tiny(out, seed=0, variant="2.0")
+
+
+def _load(path, **kw):
+    return LTX2Family.load(path, **SIZE, **{"stg_blocks": [1], **kw})
+
+
+@pytest.fixture(scope="module")
+def family(tiny):
+    return _load(tiny[0])
+
+
+def _pipeline(fam, x, cfg: float, negative: str | None = None, output_type: str = "latent", **terms):
+    """LTX2Pipeline from the joint initial latents `x` (its video tokens as packed latents; its
+    audio tokens un-normalised, as the pipeline normalises given audio latents); the pipeline's
+    defaults for every guidance term not in `terms`."""
+    xv, xa = fam.split(x)
+    avae = fam.pipe.audio_vae
+    return fam.pipe(prompt=PROMPTS, negative_prompt=negative, height=64, width=64, num_frames=9, num_inference_steps=6,
+                    guidance_scale=cfg, audio_guidance_scale=terms.pop("audio_guidance_scale", 7.0 if cfg > 1 else 1.0),
+                    latents=xv, audio_latents=xa * avae.latents_std + avae.latents_mean, max_sequence_length=32,
+                    frame_rate=fam.frame_rate, output_type=output_type, spatio_temporal_guidance_blocks=[1], **terms)
+
+
+def _ode(fam, cfg: float, negative: str | None = None, seeds=(3, 4)):
+    neg = fam.encode_negative(negative or "").expand(2) if cfg > 1 else None
+    return sample(fam, fam.encode_prompts(PROMPTS), neg, gens(seeds), SamplerRecipe(6, 0.0, guidance_scale=cfg,
+                                                                                   train_steps=()))
+
+
+def _streams(fam, final):
+    """Joint latents → (video [B, C, F, H, W], audio [B, C, L, M]) as the pipeline's latent output
+    holds them (the video normalised, the audio not)."""
+    avae = fam.pipe.audio_vae
+    length, _, mel = fam._audio_shape()
+    audio = fam.pipe._denormalize_audio_latents(fam.split(final)[1], avae.latents_mean, avae.latents_std)
+    return fam.video_latents(final), fam.pipe._unpack_audio_latents(audio, length, num_mel_bins=mel)
+
+
+def test_registered_and_found_from_its_layout(tiny, family):
+    assert get_family("ltx2") is LTX2Family and LTX2Family.video and LTX2Family.audio
+    assert family_of_directory(tiny[0]) == "ltx2"
+    assert family.latent_shape() == (3 * 4 * 4 + 9, 8)  # video tokens, then round(9/24 s × 25 per s) audio ones
+    names = [n for n, _ in family.transformer.named_modules()]
+    assert all(any(n.endswith(t) for n in names) for t in LTX2Family.lora_targets)
+    d = family.describe()
+    assert d["audio_tokens"] == 9 and d["stg_active"] and d["audio_guidance"]["cfg"] == 7.0
+
+
+def test_encoding_is_the_pipelines_through_its_connectors(family):
+    cond = family.encode_prompts(PROMPTS)
+    embeds, mask, _, _ = family.pipe.encode_prompt(PROMPTS, do_classifier_free_guidance=False, max_sequence_length=32,
+                                                   device="cpu")
+    video, audio, mask = family.pipe.connectors(embeds, mask, padding_side="left")
+    assert torch.equal(cond.video, video) and torch.equal(cond.audio, audio) and torch.equal(cond.mask, mask)
+    assert not torch.equal(cond.video[0], cond.video[1])
+
+
+def test_schedule_is_the_pipelines_shift_of_the_video_tokens(family):
+    from copy import deepcopy
+
+    from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
+
+    sigmas, timesteps = family.schedule(6)
+    sched = deepcopy(family.pipe.scheduler)
+    sched.set_timesteps(sigmas=np.linspace(1.0, 1 / 6, 6), mu=calculate_shift(48, 1024, 4096, 0.95, 2.05))
+    assert torch.equal(timesteps, sched.timesteps.float()) and torch.equal(sigmas, sched.sigmas.float())
+    assert sigmas[-1] == 0 and abs(float(sigmas[-2]) - 0.1) < 1e-6
+
+
+@pytest.mark.parametrize("cfg,negative,terms", [
+    (1.0, None, NO_EXTRA_PASSES),  # plain flow
+    (1.0, None, {}),  # spatio-temporal and modality-isolation guidance, rescaled, without CFG
+    (3.0, "worst quality, blurry", {}),  # every term: the pipeline's defaults
+    (4.0, None, dict(audio_guidance_scale=5.0, guidance_rescale=0.0, modality_scale=2.0, audio_modality_scale=1.5,
+                     stg_scale=0.5, audio_stg_scale=2.0)),
+])
+def test_ode_sampling_of_both_streams_equals_the_pipeline(tiny, cfg, negative, terms):
+    fam = _load(tiny[0], **terms)
+    traj = _ode(fam, cfg, negative)
+    ref = _pipeline(fam, initial_noise(gens([3, 4]), fam.latent_shape()), cfg, negative, **terms)
+    video, audio = _streams(fam, traj.final)
+    ref_video = fam.pipe._normalize_latents(ref.frames, fam.vae.latents_mean, fam.vae.latents_std)
+    assert video.shape == ref_video.shape == (2, 8, 3, 4, 4) and audio.shape == ref.audio.shape == (2, 2, 9, 4)
+    assert (video - ref_video).abs().max().item() <= 1e-5
+    assert (audio - ref.audio).abs().max().item() <= 1e-5
+
+
+def test_ltx20_without_perturbable_attention_equals_the_pipeline(tiny20):
+    """LTX-2.0's DiT ignores the perturbation: the family skips that pass, the pipeline's equals
+    its conditional one."""
+    fam = _load(tiny20[0])
+    assert not fam.describe()["stg_active"] and fam.transformer.config.use_prompt_embeddings
+    traj = _ode(fam, 3.0)
+    ref = _pipeline(fam, initial_noise(gens([3, 4]), fam.latent_shape()), 3.0)
+    video, audio = _streams(fam, traj.final)
+    assert (video - fam.pipe._normalize_latents(ref.frames, fam.vae.latents_mean, fam.vae.latents_std)).abs().max() <= 1e-5
+    assert (audio - ref.audio).abs().max().item() <= 1e-5
+
+
+def test_each_guidance_term_acts_on_its_stream(tiny, family):
+    """Controls: the perturbed and isolated passes change the velocity; the audio scales move
+    only the audio stream's velocity, the video ones only the video stream's."""
+    x = torch.randn(2, *family.latent_shape(), generator=torch.Generator().manual_seed(0))
+    t, cond, neg = torch.tensor([700.0]), family.encode_prompts(PROMPTS), family.encode_negative("").expand(2)
+    base = family.velocity(x, t, cond, 3.0, neg)
+    n_video = family.latent_shape()[0] - 9
+    for terms, moved in [(dict(stg_scale=0.0, audio_stg_scale=0.0), "both"), (dict(modality_scale=1.0, audio_modality_scale=1.0), "both"),
+                         (dict(audio_guidance_scale=2.0), "audio"), (dict(guidance_rescale=0.1), "video")]:
+        other = _load(tiny[0], **terms).velocity(x, t, cond, 3.0, neg)
+        dv = (other[:, :n_video] - base[:, :n_video]).abs().max().item()
+        da = (other[:, n_video:] - base[:, n_video:]).abs().max().item()
+        if moved == "both":
+            assert dv > 1e-4 and da > 1e-4, terms
+        else:
+            assert (dv > 1e-4) == (moved == "video") and (da > 1e-4) == (moved == "audio"), terms
+
+
+def test_decoded_frames_and_soundtrack_equal_the_pipelines_output(family):
+    x = initial_noise(gens([5, 6]), family.latent_shape())
+    ref = _pipeline(family, x, 3.0, output_type="np")
+    traj = _ode(family, 3.0, seeds=(5, 6))
+    clips = family.decode(traj.final)
+    assert clips.shape == (2, 9, 64, 64, 3) and clips.dtype == np.uint8
+    assert np.abs(clips.astype(int) - (np.asarray(ref.frames) * 255).round().astype(int)).max() <= 1
+    wave, rate = family.decode_audio(traj.final)
+    assert rate == 16000 and wave.shape == tuple(ref.audio.shape) and wave.shape[:2] == (2, 2)
+    assert np.abs(wave - ref.audio.float().numpy()).max() <= 1e-4 and np.abs(wave).max() > 1e-3
+
+
+@pytest.mark.parametrize("sde_type,window", [("sde", None), ("cps", None), ("sde", (1, 2))])
+def test_replayed_log_probs_equal_stored_with_every_guidance_term(family, sde_type, window):
+    recipe = SamplerRecipe(steps=4, noise_level=0.7, sde_type=sde_type, guidance_scale=3.0, sde_steps=window,
+                           train_steps=window or (0, 1, 2))
+    assert_replay_is_on_policy(family, family.encode_prompts(PROMPTS), family.encode_negative("").expand(2), recipe)
+
+
+def test_refusals_name_the_fix(tiny, tmp_path):
+    path = tiny[0]
+    with pytest.raises(ModelLoadError, match="model.frames=8.*4k\\+1 frames"):
+        LTX2Family.load(path, max_sequence_length=32, resolution=64, frames=8, stg_blocks=[1])
+    with pytest.raises(ModelLoadError, match="model.resolution=40.*multiple of 16"):
+        LTX2Family.load(path, max_sequence_length=32, resolution=40, frames=9, stg_blocks=[1])
+    with pytest.raises(ModelLoadError, match="stg_blocks=\\[2\\]: this DiT has blocks 0–1"):
+        _load(path, stg_blocks=[2])
+    with pytest.raises(ModelLoadError, match="stg_scale > 0 needs stg_blocks"):
+        _load(path, stg_blocks=[])
+    _load(path, stg_blocks=[], stg_scale=0.0, audio_stg_scale=0.0)  # no perturbation: no blocks needed
+    from diffusers import AutoencoderKLLTX2Audio, LTX2Pipeline
+
+    fam = _load(path)
+    wider = AutoencoderKLLTX2Audio.from_config({**fam.pipe.audio_vae.config, "latent_channels": 4, "base_channels": 16})
+    LTX2Pipeline(**{**fam.pipe.components, "audio_vae": wider}).save_pretrained(str(tmp_path / "uneven"))
+    with pytest.raises(ModelLoadError, match="video tokens have 8 features and its audio tokens 16"):
+        _load(tmp_path / "uneven")
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_two_rl_iterations_through_the_unchanged_flow(tiny, tmp_path, prefect_harness, mode):
+    """The rows keep each clip's soundtrack in their joint latents; full fine-tuning replays its
+    iteration bit for bit."""
+    out, t = two_iterations(tiny, tmp_path, f"ltx2-{mode}", mode, "sampling.guidance_scale=3.0",
+                            "sampling.negative_prompt='worst quality, blurry'")
+    assert decode_media(t["image"][0].as_py()).shape == (9, 64, 64, 3)
+    assert t["final_latent"].type.shape == [57, 8]
+    if mode == "full":
+        fam = _load(tiny[0])
+        final = torch.from_numpy(t["final_latent"].combine_chunks().to_numpy_ndarray()[:2]).float()
+        wave, _ = fam.decode_audio(final)
+        assert wave.shape[0] == 2 and np.isfinite(wave).all()
+        rep = CliRunner().invoke(app, ["replay", f"ltx2-{mode}", "--iteration", "1", "--workdir", str(tmp_path)])
+        assert rep.exit_code == 0 and json.loads(rep.stdout.strip().splitlines()[-1])["equal"] is True, rep.output
+
+
+def test_the_presets():
+    from pixrl.config.loader import load_config
+
+    cfg = load_config("ltx2_video", ["model.path=/x"])
+    m = cfg.model
+    assert (m.family, m.size(), m.frames, m.max_sequence_length) == ("ltx2", (512, 768), 49, 1024)
+    assert m.family_options() == {"frame_rate": 24.0, "stg_scale": 0.0, "audio_stg_scale": 0.0, "modality_scale": 1.0,
+                                  "audio_modality_scale": 1.0}
+    assert cfg.sampling.guidance_scale == 3.0 and cfg.algorithm.lora.enabled and m.offload_text_encoders
