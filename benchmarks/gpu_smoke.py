@@ -81,6 +81,10 @@ images/s and peak memory.
   28×128 heads; `--layers N`: N + 2N), the ×32 VAE, Qwen2.5-VL-7B at its width with 2 of its 28
   layers and ByT5-small's width; sampled under its APG guiders (CFG 3.5, APG after step 5, the
   momentum stored with each transition); LoRA r64.
+- `--family ltx2`: LTX-2 — the real 19B audio-video DiT (48 blocks; `--layers N` blocks), the
+  video VAE, audio VAE and vocoder, the text connectors, Gemma-3-12B at its width with 2 of its 48
+  layers; 49 frames at 512×768 with their soundtrack (one joint latent), CFG 3 (audio 7, rescaled
+  0.7) without spatio-temporal or modality guidance, as its preset; LoRA r32.
   Builders: benchmarks/real_shapes.py (video: real_shapes_video.py; Cosmos, GLM-Image, HunyuanImage: real_shapes_image.py).
 
     python benchmarks/gpu_smoke.py [--family F]                       # the check a GPU machine runs
@@ -158,6 +162,11 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
                                    "model.frames=9" if tiny else "model.frames=65", "sampling.guidance_scale=3.0",
                                    "model.decode_timestep=0.03", "model.decode_noise_scale=0.025",
                                    *([] if tiny else [GC, "algorithm=flow_grpo_wan"])],
+    "ltx2": lambda tiny: [GC, "model.max_sequence_length=32" if tiny else "model.max_sequence_length=1024",
+                          "model.frames=9" if tiny else "model.frames=49", "sampling.guidance_scale=3.0",
+                          "model.av_guidance.stg_scale=0", "model.av_guidance.audio_stg_scale=0",
+                          "model.av_guidance.modality_scale=1", "model.av_guidance.audio_modality_scale=1",
+                          *([] if tiny else ["algorithm=flow_grpo_wan"])],
     "mochi": lambda tiny: [GC, "model.max_sequence_length=32" if tiny else "model.max_sequence_length=256",
                            "model.frames=7" if tiny else "model.frames=19", "sampling.guidance_scale=4.5",
                            *([] if tiny else ["algorithm=flow_grpo_wan"])],

@@ -11,7 +11,7 @@ from real_shapes_image import (cosmos2_2b_pipeline, cosmos2_2b_v2w_pipeline, cos
                                hunyuan_image_pipeline)
 from real_shapes_edit import qwen_image21_pipeline, qwen_image_edit_pipeline, qwen_image_edit_plus_pipeline
 from real_shapes_video import (cogvideox15_i2v_pipeline, cogvideox_pipeline, hunyuan_video15_i2v_pipeline, hunyuan_video15_pipeline,
-                               hunyuan_video_pipeline, ltx_video_pipeline, mochi_pipeline, skyreels_i2v_pipeline,
+                               hunyuan_video_pipeline, ltx2_pipeline, ltx_video_pipeline, mochi_pipeline, skyreels_i2v_pipeline,
                                wan22_ti2v_5b_pipeline)
 
 
@@ -384,4 +384,5 @@ BUILDERS = {"sd15": sd15_pipeline, "sdxl": sdxl_pipeline, "flux1": flux1_dev_pip
             "ltx_video": ltx_video_pipeline, "ltx_video_i2v": ltx_video_pipeline, "mochi": mochi_pipeline, "cogvideox": cogvideox_pipeline, "cogvideox_i2v": cogvideox15_i2v_pipeline,
             "wan_ti2v": wan22_ti2v_5b_pipeline, "cosmos2": cosmos2_2b_pipeline,
             "cosmos2_v2w": cosmos2_2b_v2w_pipeline, "cosmos25": cosmos25_2b_pipeline,
-            "glm_image": glm_image_pipeline, "glm_image_ar": glm_image_pipeline, "hunyuan_image": hunyuan_image_pipeline}
+            "glm_image": glm_image_pipeline, "glm_image_ar": glm_image_pipeline, "hunyuan_image": hunyuan_image_pipeline,
+            "ltx2": ltx2_pipeline}

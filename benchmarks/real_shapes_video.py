@@ -215,3 +215,38 @@ def cogvideox15_i2v_pipeline(layers: int | None, device: str, workdir: Path):
             use_rotary_positional_embeddings=True).to(torch.bfloat16)
     parts["vae"] = AutoencoderKLCogVideoX(scaling_factor=0.7, invert_scale_latents=True)
     return CogVideoXImageToVideoPipeline(**parts)
+
+
+def ltx2_pipeline(layers: int | None, device: str, workdir: Path):
+    """A random LTX2Pipeline with LTX-2's (19B) shapes: the audio-video DiT (its diffusers defaults:
+    48 blocks, 32×128 video heads and 32×64 audio heads, 128 features a token in both streams),
+    the video VAE (×32 in space, ×8 in time: one spatial, one temporal and two spatio-temporal
+    downsamplings after a 4×4 patch), the audio VAE (8 channels over 64 mel bins, ×4) and
+    the vocoder at their defaults, the text connectors at their width (30×128), Gemma-3-12B at its
+    real width (3840) with 2 of its 48 layers (the connectors read its 3 states, not 49), LTX-2's
+    dynamic-shift scheduler. `--layers N`: N blocks."""
+    import torch
+    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2Pipeline, LTX2VideoTransformer3DModel
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    from pixrl.models.tiny_ltx2 import ltx2_scheduler
+    from pixrl.models.tiny_parts import gemma_tokenizer
+
+    tok = gemma_tokenizer(workdir / "tokenizer")
+    n = len(tok)
+    text = Gemma3TextConfig(vocab_size=n, hidden_size=3840, intermediate_size=15360, num_hidden_layers=2,
+                            num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+                            pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    encoder = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                                          image_token_index=n - 1, boi_token_index=n - 2,
+                                                          eoi_token_index=n - 3)).to(torch.bfloat16)
+    with torch.device(device):
+        transformer = LTX2VideoTransformer3DModel(num_layers=layers or 48).to(torch.bfloat16)
+    # the class's defaults are LTX-2's VAE, but its ratios must be given (the formula reads four scalings)
+    vae = AutoencoderKLLTX2Video(spatial_compression_ratio=32, temporal_compression_ratio=8)
+    return LTX2Pipeline(scheduler=ltx2_scheduler(), vae=vae, audio_vae=AutoencoderKLLTX2Audio(),
+                        text_encoder=encoder, tokenizer=tok, connectors=LTX2TextConnectors(text_proj_in_factor=3),
+                        transformer=transformer, vocoder=LTX2Vocoder())

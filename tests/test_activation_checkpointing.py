@@ -23,7 +23,7 @@ from pixrl.models.registry import get_family
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from activation_memory import trained_forward  # noqa: E402  (the update's forward, for every family)
 
-FAMILIES = ["sd3", "flux1", "flux2", "qwen_image", "sana", "wan", "janus_pro", "glm_image", "glm_image_ar", "hunyuan_image"]
+FAMILIES = ["sd3", "flux1", "flux2", "qwen_image", "sana", "wan", "janus_pro", "glm_image", "glm_image_ar", "hunyuan_image", "ltx2"]
 
 
 @pytest.fixture(scope="module")

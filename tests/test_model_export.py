@@ -94,7 +94,7 @@ def _velocities(fam, module):
 
 @pytest.mark.parametrize("family", ["sd3", "sd15", "sdxl", "flux1", "flux2", "qwen_image", "sana", "wan", "wan_a14b",
                                     "z_image", "hunyuan_video15", "flux2_klein", "lumina2",
-                                    "hunyuan_video", "ltx_video", "mochi", "cogvideox", "cosmos2", "cosmos25", "glm_image", "hunyuan_image"])
+                                    "hunyuan_video", "ltx_video", "mochi", "cogvideox", "cosmos2", "cosmos25", "glm_image", "hunyuan_image", "ltx2"])
 def test_a_lora_version_loads_into_the_diffusers_pipeline(family, tiny_dirs, tmp_path):
     overrides = tiny_dirs(family)
     ckpt = _trained(overrides, tmp_path, LORA)

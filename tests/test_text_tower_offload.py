@@ -14,7 +14,7 @@ from pixrl.engines.policy import TrainablePolicy
 from pixrl.models.registry import get_family
 from pixrl.stages.preflight import PreflightError, preflight
 
-PIPELINE_FAMILIES = ["sd3", "flux1", "flux2", "qwen_image", "sana", "wan", "z_image", "flux2_klein", "lumina2", "cosmos2", "cosmos25", "glm_image", "hunyuan_image"]
+PIPELINE_FAMILIES = ["sd3", "flux1", "flux2", "qwen_image", "sana", "wan", "z_image", "flux2_klein", "lumina2", "cosmos2", "cosmos25", "glm_image", "hunyuan_image", "ltx2"]
 PROMPTS = ["a red circle", "two blue squares in the sky"]
 
 

@@ -22,7 +22,7 @@ from pixrl.models.base import uses_negative_prompt
 from pixrl.models.registry import get_family
 
 PIPELINE_FAMILIES = ["sd3", "sd15", "sdxl", "flux1", "flux2", "qwen_image", "sana", "wan", "z_image", "hunyuan_video15",
-                     "flux2_klein", "lumina2", "hunyuan_video", "pixart_sigma", "ltx_video", "mochi", "cogvideox", "cosmos2", "cosmos25", "glm_image", "hunyuan_image"]
+                     "flux2_klein", "lumina2", "hunyuan_video", "pixart_sigma", "ltx_video", "mochi", "cogvideox", "cosmos2", "cosmos25", "glm_image", "hunyuan_image", "ltx2"]
 PROMPTS = ["a red circle", "two blue squares in the sky", "a red circle"]
 
 

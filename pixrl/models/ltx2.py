@@ -109,12 +109,15 @@ class LTX2Family(LTXVideoFamily):
                                              float(audio_modality_scale or modality_scale),
                                              float(audio_guidance_rescale or guidance_rescale))
         self.stg_blocks = [int(b) for b in (stg_blocks or ())]
-        depth = len(self.transformer.transformer_blocks)
-        if any(not 0 <= b < depth for b in self.stg_blocks):
-            raise ModelLoadError(f"model.av_guidance.stg_blocks={self.stg_blocks}: this DiT has blocks 0–{depth - 1}")
-        if (stg_scale > 0 or self.audio_guidance.stg > 0) and not self.stg_blocks:
-            raise ModelLoadError("model.av_guidance.stg_scale > 0 needs stg_blocks (the blocks whose self-attention "
-                                 "it perturbs), or set model.av_guidance.stg_scale=0 and audio_stg_scale=0")
+        if self.video_guidance.stg > 0 or self.audio_guidance.stg > 0:  # (blocks are not read otherwise)
+            depth = len(self.transformer.transformer_blocks)
+            if not self.stg_blocks:
+                raise ModelLoadError("model.av_guidance.stg_scale > 0 needs stg_blocks (the blocks whose "
+                                     "self-attention it perturbs), or set model.av_guidance.stg_scale=0 and "
+                                     "audio_stg_scale=0")
+            if any(not 0 <= b < depth for b in self.stg_blocks):
+                raise ModelLoadError(f"model.av_guidance.stg_blocks={self.stg_blocks}: this DiT has blocks "
+                                     f"0–{depth - 1}")
         self._audio_shape()  # refuses streams of unequal width
 
     @staticmethod
