@@ -6,7 +6,9 @@ isolation, rescale), the decoded frames and soundtrack equal to its output, repl
 equal the stored ones, the refusals, and two RL iterations (LoRA and full) through the unchanged
 flow with the soundtrack in the rows' latents."""
 
+import io
 import json
+import wave
 
 import numpy as np
 import pytest
@@ -161,9 +163,9 @@ def test_decoded_frames_and_soundtrack_equal_the_pipelines_output(family):
     clips = family.decode(traj.final)
     assert clips.shape == (2, 9, 64, 64, 3) and clips.dtype == np.uint8
     assert np.abs(clips.astype(int) - (np.asarray(ref.frames) * 255).round().astype(int)).max() <= 1
-    wave, rate = family.decode_audio(traj.final)
-    assert rate == 16000 and wave.shape == tuple(ref.audio.shape) and wave.shape[:2] == (2, 2)
-    assert np.abs(wave - ref.audio.float().numpy()).max() <= 1e-4 and np.abs(wave).max() > 1e-3
+    sound, rate = family.decode_audio(traj.final)
+    assert rate == 16000 and sound.shape == tuple(ref.audio.shape) and sound.shape[:2] == (2, 2)
+    assert np.abs(sound - ref.audio.float().numpy()).max() <= 1e-4 and np.abs(sound).max() > 1e-3
 
 
 @pytest.mark.parametrize("sde_type,window", [("sde", None), ("cps", None), ("sde", (1, 2))])
@@ -204,10 +206,27 @@ def test_two_rl_iterations_through_the_unchanged_flow(tiny, tmp_path, prefect_ha
     if mode == "full":
         fam = _load(tiny[0])
         final = torch.from_numpy(t["final_latent"].combine_chunks().to_numpy_ndarray()[:2]).float()
-        wave, _ = fam.decode_audio(final)
-        assert wave.shape[0] == 2 and np.isfinite(wave).all()
+        sound, _ = fam.decode_audio(final)
+        assert sound.shape[0] == 2 and np.isfinite(sound).all()
         rep = CliRunner().invoke(app, ["replay", f"ltx2-{mode}", "--iteration", "1", "--workdir", str(tmp_path)])
         assert rep.exit_code == 0 and json.loads(rep.stdout.strip().splitlines()[-1])["equal"] is True, rep.output
+        gen = CliRunner().invoke(app, ["generate", "--run", f"ltx2-{mode}", "--workdir", str(tmp_path), "--prompt",
+                                       "a red circle", "--out", str(tmp_path / "gen"), "--steps", "2"])
+        assert gen.exit_code == 0 and "clips with their soundtracks" in gen.output, gen.output
+        with wave.open(str(tmp_path / "gen" / "0000_00.wav")) as w:
+            assert (w.getnchannels(), w.getframerate(), w.getsampwidth()) == (2, 16000, 2) and w.getnframes() > 0
+
+
+def test_a_soundtrack_is_written_as_16_bit_pcm():
+    from pixrl.artifacts.media import wav_bytes
+
+    x = np.stack([np.linspace(-1.5, 1.5, 101), np.sin(np.arange(101) / 5.0)]).astype(np.float32)
+    with wave.open(io.BytesIO(wav_bytes(x, 24000))) as w:
+        assert (w.getnchannels(), w.getframerate(), w.getnframes()) == (2, 24000, 101)
+        pcm = np.frombuffer(w.readframes(101), "<i2").reshape(101, 2).T
+    assert np.array_equal(pcm, (np.clip(x, -1, 1) * 32767).round().astype(np.int16))  # clipped beyond ±1
+    with pytest.raises(ValueError, match="finite float waveform"):
+        wav_bytes(np.full((2, 4), np.nan, np.float32), 24000)
 
 
 def test_the_presets():

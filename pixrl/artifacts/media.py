@@ -130,3 +130,21 @@ def media_bytes(sample: np.ndarray) -> bytes:
 def clip_grid(clips: np.ndarray, cols: int, pad: int = 2, scale: int = 1) -> np.ndarray:
     """uint8 clips [N, F, H, W, 3] → one animated grid [F, GH, GW, 3] (frame f of every clip side by side)."""
     return np.stack([image_grid(clips[:, f], cols, pad, scale) for f in range(clips.shape[1])])
+
+
+def wav_bytes(wave: np.ndarray, rate: int) -> bytes:
+    """float waveform [channels, samples] in [-1, 1] → a 16-bit PCM WAV (what every player
+    reads); samples beyond ±1 are clipped, as any 16-bit export clips them."""
+    import io
+    import wave as wavefile
+
+    if wave.ndim != 2 or not np.isfinite(wave).all():
+        raise ValueError(f"a soundtrack is a finite float waveform [channels, samples]; got {wave.dtype} {wave.shape}")
+    pcm = (np.clip(wave, -1.0, 1.0) * 32767).round().astype("<i2").T  # interleaved frames
+    buf = io.BytesIO()
+    with wavefile.open(buf, "wb") as out:
+        out.setnchannels(wave.shape[0])
+        out.setsampwidth(2)
+        out.setframerate(int(rate))
+        out.writeframes(pcm.tobytes())
+    return buf.getvalue()

@@ -216,8 +216,9 @@ def generate(
     height: Optional[int] = typer.Option(None, "--height", help="image height in pixels (default: the model's size)"),
     width: Optional[int] = typer.Option(None, "--width", help="image width in pixels (default: the model's size)"),
 ) -> None:
-    """Write one PNG per prompt and sample — an animated PNG per clip for a video family — with
-    the prompt in a sidecar JSON, using the eval sampler. An editing family (flux1_kontext) edits
+    """Write one PNG per prompt and sample — an animated PNG per clip for a video family, with
+    its soundtrack as a WAV beside it where the family makes sound (ltx2) — with the prompt in a
+    sidecar JSON, using the eval sampler. An editing family (flux1_kontext) edits
     the --image given with each prompt. Images are also listed in `prompts.jsonl` (prompt, image):
     the folder is then a prompt set of source images (`dataset=edits dataset.path=OUT/prompts.jsonl`)
     — first frames for an image-to-video family, as DanceGRPO animates FLUX.1's images."""
@@ -229,7 +230,7 @@ def generate(
         texts += [ln.strip() for ln in p.read_text().splitlines() if ln.strip()]
     if not texts:
         _fail("no prompts: pass --prompt TEXT (repeatable) or --prompts FILE")
-    from ..artifacts.media import media_bytes
+    from ..artifacts.media import media_bytes, wav_bytes
     from ..datasets.shapes.evaluate import generate_images
 
     size = {k: v for k, v in (("height", height), ("width", width)) if v is not None}
@@ -237,21 +238,26 @@ def generate(
                                 model=size)
     sources = _source_images(policy.family, image, len(texts))
     pairs = [(t, seed * 1000 + i * samples + k) for i, t in enumerate(texts) for k in range(samples)]
+    sounds: list = []
     imgs = generate_images(policy.family, [t for t, _ in pairs], [s for _, s in pairs], recipe,
-                           images=None if sources is None else [sources[n // samples] for n in range(len(pairs))])
+                           images=None if sources is None else [sources[n // samples] for n in range(len(pairs))],
+                           soundtracks=sounds)
     od = Path(out)
     od.mkdir(parents=True, exist_ok=True)
     listed = []
     for n, ((text, s), img) in enumerate(zip(pairs, imgs)):
         stem = od / f"{n // samples:04d}_{n % samples:02d}"
         stem.with_suffix(".png").write_bytes(media_bytes(img))
+        if sounds:
+            stem.with_suffix(".wav").write_bytes(wav_bytes(*sounds[n]))
         stem.with_suffix(".json").write_text(json.dumps({"prompt": text, "seed": s, **recipe.to_dict()}))
         listed.append(json.dumps({"prompt": text, "image": stem.with_suffix(".png").name, "seed": s}))
     if imgs.ndim == 4:  # images, not clips: the folder as a prompt set of source images
         tmp = od / "prompts.jsonl.tmp"
         tmp.write_text("\n".join(listed) + "\n")
         tmp.replace(od / "prompts.jsonl")
-    console.print(f"wrote {len(pairs)} {'clips' if imgs.ndim == 5 else 'images'} to {od}")
+    what = "clips with their soundtracks" if sounds else "clips" if imgs.ndim == 5 else "images"
+    console.print(f"wrote {len(pairs)} {what} to {od}")
 
 
 def _source_images(family, paths: Optional[list[str]], n: int) -> Optional[list[bytes]]:

@@ -52,11 +52,13 @@ def bootstrap_interval(per_category: dict[str, list[float]], draws: int = BOOTST
 
 
 def generate_images(family, prompts: list[str], seeds: list[int], recipe: SamplerRecipe | TokenRecipe,
-                    batch: int = 64, encoded: dict | None = None, images: list[bytes] | None = None) -> np.ndarray:
+                    batch: int = 64, encoded: dict | None = None, images: list[bytes] | None = None,
+                    soundtracks: list | None = None) -> np.ndarray:
     """uint8 images for (prompt, seed) pairs with the shared sampler of the family's step kind
     (same as `pixrl generate`). `encoded`: `prompt_encodings` of these prompts from a process with
     the text towers, used instead of encoding here (the same bits). `images`: each prompt's
-    source image (an editing family)."""
+    source image (an editing family). `soundtracks`: a list that receives each clip's
+    (waveform [channels, samples], sample rate), for a family whose clips have sound (`audio`)."""
     if isinstance(recipe, TokenRecipe):
         return np.concatenate([
             decode_images(family, generate_tokens(family, prompts[s:s + batch], generators(seeds[s:s + batch],
@@ -72,7 +74,11 @@ def generate_images(family, prompts: list[str], seeds: list[int], recipe: Sample
         cond = on(encoded["batches"][k]) if encoded is not None else \
             family.encode_prompts(ps, images[s:s + batch]) if images is not None else family.encode_prompts(ps)
         gens = generators(seeds[s:s + batch], family.device)
-        imgs.append(decode_images(family, sample(family, cond, negs[k], gens, recipe).final, ps))
+        final = sample(family, cond, negs[k], gens, recipe).final
+        imgs.append(decode_images(family, final, ps))
+        if soundtracks is not None and getattr(family, "audio", False):
+            waves, rate = family.decode_audio(final)
+            soundtracks.extend((w, rate) for w in waves)
     return np.concatenate(imgs)
 
 
