@@ -222,7 +222,7 @@ class LTX2Family(LTXVideoFamily):
     def _predict(self, x: torch.Tensor, t: torch.Tensor, cond: LTX2Conditioning, stg_blocks=None,
                  isolate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One DiT pass on both streams' tokens → (video, audio) velocities in float32."""
-        pipe, dtype = self.pipe, self.transformer.dtype
+        dtype = self.transformer.dtype
         xv, xa = self.split(x)
         b = x.shape[0]
         f, h, w = self._video_grid()
