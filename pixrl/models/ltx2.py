@@ -126,7 +126,8 @@ class LTX2Family(LTXVideoFamily):
 
     def describe(self) -> dict:
         return {**super().describe(), "audio_tokens": self._audio_shape()[0], "stg_blocks": self.stg_blocks,
-                "stg_active": self._stg_active(), "video_guidance": vars(self.video_guidance),
+                "stg_active": self._stg_active(),  # the video stream's CFG scale is sampling.guidance_scale
+                "video_guidance": {k: v for k, v in vars(self.video_guidance).items() if k != "cfg"},
                 "audio_guidance": vars(self.audio_guidance)}
 
     # --- conditioning -------------------------------------------------------------------------
