@@ -228,21 +228,13 @@ def ltx2_pipeline(layers: int | None, device: str, workdir: Path):
     import torch
     from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2Pipeline, LTX2VideoTransformer3DModel
     from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
-    from pixrl.models.tiny_ltx2 import ltx2_scheduler
+    from pixrl.models.tiny_ltx2 import gemma3_text_encoder, ltx2_scheduler
     from pixrl.models.tiny_parts import gemma_tokenizer
 
     tok = gemma_tokenizer(workdir / "tokenizer")
-    n = len(tok)
-    text = Gemma3TextConfig(vocab_size=n, hidden_size=3840, intermediate_size=15360, num_hidden_layers=2,
-                            num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
-                            pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                image_size=28, patch_size=14)
-    encoder = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
-                                                          image_token_index=n - 1, boi_token_index=n - 2,
-                                                          eoi_token_index=n - 3)).to(torch.bfloat16)
+    encoder = gemma3_text_encoder(tok, hidden=3840, layers=2, heads=16, kv_heads=8, head_dim=256,
+                                  intermediate=15360).to(torch.bfloat16)  # Gemma-3-12B's widths
     with torch.device(device):
         transformer = LTX2VideoTransformer3DModel(num_layers=layers or 48).to(torch.bfloat16)
     # the class's defaults are LTX-2's VAE, but its ratios must be given (the formula reads four scalings)

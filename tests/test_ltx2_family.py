@@ -72,7 +72,7 @@ def _streams(fam, final):
     """Joint latents → (video [B, C, F, H, W], audio [B, C, L, M]) as the pipeline's latent output
     holds them (the video normalised, the audio not)."""
     avae = fam.pipe.audio_vae
-    length, _, mel = fam._audio_shape()
+    length, _, mel = fam.audio_shape
     audio = fam.pipe._denormalize_audio_latents(fam.split(final)[1], avae.latents_mean, avae.latents_std)
     return fam.video_latents(final), fam.pipe._unpack_audio_latents(audio, length, num_mel_bins=mel)
 

@@ -118,14 +118,18 @@ class LTX2Family(LTXVideoFamily):
             if any(not 0 <= b < depth for b in self.stg_blocks):
                 raise ModelLoadError(f"model.av_guidance.stg_blocks={self.stg_blocks}: this DiT has blocks "
                                      f"0–{depth - 1}")
-        self._audio_shape()  # refuses streams of unequal width
+        # the clip's token layout, fixed once loaded: read on every DiT pass
+        self.audio_shape = self._audio_shape()  # (latent length, channels, latent mel bins); refuses unequal widths
+        f, h, w = self._video_grid()
+        p, pt = pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size
+        self.video_tokens = (f // pt) * (h // p) * (w // p)
 
     @staticmethod
     def default_resolution(pipe) -> tuple[int, int]:
         return 512, 768  # the pipeline's default clip
 
     def describe(self) -> dict:
-        return {**super().describe(), "audio_tokens": self._audio_shape()[0], "stg_blocks": self.stg_blocks,
+        return {**super().describe(), "audio_tokens": self.audio_shape[0], "stg_blocks": self.stg_blocks,
                 "stg_active": self._stg_active(),  # the video stream's CFG scale is sampling.guidance_scale
                 "video_guidance": {k: v for k, v in vars(self.video_guidance).items() if k != "cfg"},
                 "audio_guidance": vars(self.audio_guidance)}
@@ -168,23 +172,19 @@ class LTX2Family(LTXVideoFamily):
         return length, cfg.latent_channels, mel
 
     def latent_shape(self) -> tuple[int, int]:
-        f, h, w = self._video_grid()
         p, pt = self.pipe.transformer_spatial_patch_size, self.pipe.transformer_temporal_patch_size
-        video_tokens = (f // pt) * (h // p) * (w // p)
-        return video_tokens + self._audio_shape()[0], self.transformer.config.in_channels * p * p * pt
+        return self.video_tokens + self.audio_shape[0], self.transformer.config.in_channels * p * p * pt
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Joint latents [B, N_video + N_audio, D] → (video tokens, audio tokens)."""
-        n_audio = self._audio_shape()[0]
-        return x[:, :-n_audio], x[:, -n_audio:]
+        return x[:, :self.video_tokens], x[:, self.video_tokens:]
 
     def _mu(self) -> float:
         """The dynamic shift's μ of the clip's video tokens, with LTX2Pipeline's defaults."""
         from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
 
         c = self.scheduler.config
-        tokens = self.latent_shape()[0] - self._audio_shape()[0]
-        return calculate_shift(tokens, c.get("base_image_seq_len", 1024), c.get("max_image_seq_len", 4096),
+        return calculate_shift(self.video_tokens, c.get("base_image_seq_len", 1024), c.get("max_image_seq_len", 4096),
                                c.get("base_shift", 0.95), c.get("max_shift", 2.05))
 
     # --- dynamics -----------------------------------------------------------------------------
@@ -206,36 +206,36 @@ class LTX2Family(LTXVideoFamily):
             raise ValueError("guidance_scale > 1 needs the negative-prompt conditioning")
         sigma = (t.float() / self.scheduler.config.num_train_timesteps).view(b, 1, 1)
         xv, xa = self.split(x)
+        f, h, w = self._video_grid()  # the positions every pass of this step reads
+        coords = (self.transformer.rope.prepare_video_coords(b, f, h, w, x.device, fps=self.frame_rate),
+                  self.transformer.audio_rope.prepare_audio_coords(b, xa.shape[1], x.device))
 
-        def x0(pred):  # the pipeline's `convert_velocity_to_x0`, per stream
-            return xv - pred[0] * sigma, xa - pred[1] * sigma
+        def x0(c_, **kw):  # one DiT pass, then the pipeline's `convert_velocity_to_x0` per stream
+            v, a = self._predict(xv, xa, t, c_, coords, **kw)
+            return xv - v * sigma, xa - a * sigma
 
-        c = x0(self._predict(x, t, cond))
-        u = x0(self._predict(x, t, neg)) if guidance_scale > 1.0 else (None, None)
-        stg = x0(self._predict(x, t, cond, stg_blocks=self.stg_blocks)) if self._stg_active() else (None, None)
+        c = x0(cond)
+        u = x0(neg) if guidance_scale > 1.0 else (None, None)
+        stg = x0(cond, stg_blocks=self.stg_blocks) if self._stg_active() else (None, None)
         modality = self.video_guidance.modality > 1 or self.audio_guidance.modality > 1
-        mod = x0(self._predict(x, t, cond, isolate=True)) if modality else (None, None)
+        mod = x0(cond, isolate=True) if modality else (None, None)
         video = replace(self.video_guidance, cfg=float(guidance_scale) if guidance_scale > 1.0 else 1.0)
         gv = video.combine(c[0], u[0], stg[0], mod[0])
         ga = self.audio_guidance.combine(c[1], u[1], stg[1], mod[1])
         return torch.cat([(xv - gv) / sigma, (xa - ga) / sigma], dim=1)
 
-    def _predict(self, x: torch.Tensor, t: torch.Tensor, cond: LTX2Conditioning, stg_blocks=None,
-                 isolate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """One DiT pass on both streams' tokens → (video, audio) velocities in float32."""
+    def _predict(self, xv: torch.Tensor, xa: torch.Tensor, t: torch.Tensor, cond: LTX2Conditioning, coords,
+                 stg_blocks=None, isolate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """One DiT pass on both streams' tokens (at their positions `coords`) → (video, audio)
+        velocities in float32."""
         dtype = self.transformer.dtype
-        xv, xa = self.split(x)
-        b = x.shape[0]
         f, h, w = self._video_grid()
-        n_audio = xa.shape[1]
-        video_coords = self.transformer.rope.prepare_video_coords(b, f, h, w, x.device, fps=self.frame_rate)
-        audio_coords = self.transformer.audio_rope.prepare_audio_coords(b, n_audio, x.device)
         v, a = self.transformer(
             hidden_states=xv.to(dtype), audio_hidden_states=xa.to(dtype),
             encoder_hidden_states=cond.video.to(dtype), audio_encoder_hidden_states=cond.audio.to(dtype),
             timestep=t, sigma=t, encoder_attention_mask=cond.mask, audio_encoder_attention_mask=cond.mask,
-            num_frames=f, height=h, width=w, fps=self.frame_rate, audio_num_frames=n_audio,
-            video_coords=video_coords, audio_coords=audio_coords, isolate_modalities=isolate,
+            num_frames=f, height=h, width=w, fps=self.frame_rate, audio_num_frames=xa.shape[1],
+            video_coords=coords[0], audio_coords=coords[1], isolate_modalities=isolate,
             spatio_temporal_guidance_blocks=stg_blocks, perturbation_mask=None, use_cross_timestep=True,
             return_dict=False)
         return v.float(), a.float()
@@ -258,7 +258,7 @@ class LTX2Family(LTXVideoFamily):
         stream un-normalised, unpacked to a latent spectrogram, the audio VAE's mel spectrogram,
         the vocoder — as the pipeline renders its `audio`."""
         pipe, avae = self.pipe, self.pipe.audio_vae
-        length, _, mel = self._audio_shape()
+        length, _, mel = self.audio_shape
         za = pipe._denormalize_audio_latents(self.split(latents)[1].float(), avae.latents_mean, avae.latents_std)
         za = pipe._unpack_audio_latents(za, length, num_mel_bins=mel)
         wave = pipe.vocoder(avae.decode(za.to(avae.dtype), return_dict=False)[0])

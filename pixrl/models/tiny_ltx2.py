@@ -19,17 +19,19 @@ VIDEO_CHANNELS = 8  # tiny VAE latent channels (LTX-2: 128)
 AUDIO_CHANNELS, MEL_BINS = 2, 16  # tiny audio latent channels and mel bins (LTX-2: 8 and 64; ×4 mel compression)
 
 
-def gemma3_text_encoder(tokenizer, hidden: int = 32, layers: int = 2):
-    """A tiny Gemma3ForConditionalGeneration (the LTX-2 text encoder class) whose special ids match
-    `tokenizer`; its vision tower is built but never read (prompts are text)."""
+def gemma3_text_encoder(tokenizer, hidden: int = 32, layers: int = 2, heads: int = 2, kv_heads: int = 1,
+                        head_dim: int | None = None, intermediate: int | None = None):
+    """A Gemma3ForConditionalGeneration (the LTX-2 text encoder class) of the given widths — tiny
+    by default — whose special ids match `tokenizer`; its vision tower is built tiny and never
+    read (prompts are text)."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
-    n = len(tokenizer)
-    text = Gemma3TextConfig(vocab_size=n, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                            num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
-                            query_pre_attn_scalar=hidden // 2, sliding_window=64, max_position_embeddings=2048,
-                            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                            eos_token_id=tokenizer.eos_token_id)
+    n, head_dim = len(tokenizer), head_dim or hidden // heads
+    text = Gemma3TextConfig(vocab_size=n, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+                            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                            head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=64,
+                            max_position_embeddings=2048, pad_token_id=tokenizer.pad_token_id,
+                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                 image_size=28, patch_size=14)
     return Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
