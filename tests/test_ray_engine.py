@@ -106,11 +106,11 @@ def test_sharded_rollout_decode_score_and_evaluate_equal_the_local_engine(ray_cl
                 "regime": ["full_sequence"] * len(PROMPTS), "step_kind": ["denoise"] * len(PROMPTS),
                 "recipe": ["{}"] * len(PROMPTS)}
         remote_store, local_store = TrajectoryStore(str(tmp_path / "ray.lance")), TrajectoryStore(str(tmp_path / "local.lance"))
-        sink = RowSink(remote_store.uri, cols, False, "denoise", create=True)
+        sink = RowSink(remote_store.uri, cols, (), "denoise", create=True)
         fragments, schema, _ = engine.rollout_to_store(PolicySource(), PROMPTS, seeds, RECIPE, sink=sink)
         assert len(fragments) == 2  # one per worker
         ref = remote_store.commit_appended(fragments, schema, True, "r", 0)
-        local_ref = local_store.append(rows_table(want, cols, False, "denoise"))
+        local_ref = local_store.append(rows_table(want, cols, (), "denoise"))
         assert ref.version == local_ref.version == 1
         assert remote_store.dataset().to_table().equals(local_store.dataset().to_table())
         with pytest.raises(StoreError, match="already holds rows"):

@@ -11,7 +11,8 @@ start as nulls).
 
 A field's `step` says which rollouts store it: denoise families the transitions and final
 latents, token families the sampled `tokens`; both the per-step `log_probs` (S = stored steps, or
-image tokens). Optional fields (`means`, `guidance_memory`, `poster`, `source_image`) are only in a table whose run needs them. A
+image tokens). Optional fields (`means`, `guidance_memory`, `poster`, `soundtrack`, `source_image`) are only in a table
+whose run needs them. A
 denoise run that needs none gets exactly the first wave's table layout, so older tables, forks
 and DPO sources stay valid.
 """
@@ -90,6 +91,8 @@ TRAJECTORY_FIELDS: tuple[FieldSpec, ...] = (
     F("cot_behavior_log_probs", pa.float32(), ("C",), role="meta", optional=True, step="token"),
     F("image", pa.binary(), role="observation", filled_by="decode"),  # PNG; a clip: MP4, lossless H.264 RGB
     F("poster", pa.binary(), role="observation", filled_by="decode", optional=True),  # a clip's first frame, PNG
+    # a sounding clip's soundtrack (a family with `audio`: LTX-2), 16-bit PCM WAV at the vocoder's rate
+    F("soundtrack", pa.binary(), role="observation", filled_by="decode", optional=True),
     F("rewards", pa.list_(REWARD_ITEM), role="reward", filled_by="score"),  # per component
     F("reward", pa.float32(), role="reward", filled_by="score"),  # weighted total
     F("advantage", pa.float32(), role="advantage", filled_by="replay"),

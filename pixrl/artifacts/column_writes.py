@@ -107,7 +107,8 @@ def discard_column_files(reads: list[RowsRead], files: list[ColumnFile]) -> int:
 
 # --- what decode writes and score reads: one definition for the stage and the workers ---------
 SCORE_INPUTS = ["sample_id", "prompt", "prompt_meta", "image"]
-SCORE_OPTIONAL = ["source_image"]  # an editing rollout's source: rewards receive it in the metadata
+# rewards receive these in the metadata: an editing rollout's source, a sounding clip's soundtrack
+SCORE_OPTIONAL = ["source_image", "soundtrack"]
 
 
 def score_columns(schema_names) -> list[str]:
@@ -115,13 +116,21 @@ def score_columns(schema_names) -> list[str]:
     return SCORE_INPUTS + [c for c in SCORE_OPTIONAL if c in schema_names]
 
 
-def image_columns(images: np.ndarray) -> dict[str, pa.Array]:
+def image_columns(images: np.ndarray, soundtracks: list[bytes] | None = None) -> dict[str, pa.Array]:
     """decode's columns for images [B, H, W, 3] (PNG) or clips [B, F, H, W, 3] (encoded clip +
-    PNG poster frame)."""
+    PNG poster frame), with the clips' soundtracks (WAV) where the family makes sound."""
     cols = {"image": pa.array([media_bytes(im) for im in images], pa.binary())}
     if images.ndim == 5:
         cols["poster"] = pa.array([png_bytes(clip[0]) for clip in images], pa.binary())
+    if soundtracks is not None:
+        cols["soundtrack"] = pa.array(soundtracks, pa.binary())
     return cols
+
+
+def decoded_columns(engine, decode_input: np.ndarray, prompts: list[str]) -> dict[str, pa.Array]:
+    """decode's columns for these rows' decode input, computed by `engine` (its `decode`, and its
+    `soundtracks` for a family whose clips have sound)."""
+    return image_columns(engine.decode(decode_input, prompts), engine.soundtracks(decode_input))
 
 
 def score_inputs(t: pa.Table, iteration: int) -> tuple[np.ndarray, list[str], list[dict], list[str]]:
@@ -133,12 +142,14 @@ def score_inputs(t: pa.Table, iteration: int) -> tuple[np.ndarray, list[str], li
 
 def score_metadata(t: pa.Table) -> list[dict]:
     """Each row's prompt metadata as rewards receive it: the stored JSON, plus an editing
-    prompt's source image bytes under "source_image" when the rows hold them."""
+    prompt's source image bytes under "source_image" and a sounding clip's soundtrack (WAV bytes)
+    under "soundtrack" when the rows hold them."""
     metas = [json.loads(m) for m in t["prompt_meta"].to_pylist()]
-    if "source_image" in t.column_names:
-        for meta, image in zip(metas, t["source_image"].to_pylist()):
-            if image is not None:
-                meta["source_image"] = image
+    for column in SCORE_OPTIONAL:
+        if column in t.column_names:
+            for meta, value in zip(metas, t[column].to_pylist()):
+                if value is not None:
+                    meta[column] = value
     return metas
 
 

@@ -148,3 +148,17 @@ def wav_bytes(wave: np.ndarray, rate: int) -> bytes:
         out.setframerate(int(rate))
         out.writeframes(pcm.tobytes())
     return buf.getvalue()
+
+
+def read_wav(data: bytes) -> tuple[np.ndarray, int]:
+    """A 16-bit PCM WAV (what `wav_bytes` writes) → (float32 waveform [channels, samples] in
+    [-1, 1], sample rate)."""
+    import io
+    import wave as wavefile
+
+    with wavefile.open(io.BytesIO(data), "rb") as inp:
+        if inp.getsampwidth() != 2:
+            raise ValueError(f"a soundtrack is 16-bit PCM WAV; this one has {8 * inp.getsampwidth()}-bit samples")
+        channels, rate = inp.getnchannels(), inp.getframerate()
+        pcm = np.frombuffer(inp.readframes(inp.getnframes()), "<i2")
+    return (pcm.reshape(-1, channels).T / 32767.0).astype(np.float32), rate

@@ -24,10 +24,17 @@ import pyarrow as pa
 from .batch import COT_FIELDS, RolloutBatch
 
 
-def rows_table(batch: RolloutBatch, columns: dict[str, list], video: bool, step: str) -> pa.Table:
-    """The rows of `batch` with the stage's per-row `columns`, as the table stores them."""
+def decoded_fields(info: dict) -> tuple[str, ...]:
+    """The optional columns decode fills for an engine that `describe`s itself so: a clip's
+    poster frame, a sounding clip's soundtrack."""
+    return ("poster",) * bool(info.get("video")) + ("soundtrack",) * bool(info.get("audio"))
+
+
+def rows_table(batch: RolloutBatch, columns: dict[str, list], decoded: tuple[str, ...], step: str) -> pa.Table:
+    """The rows of `batch` with the stage's per-row `columns`, as the table stores them, with
+    (null) room for the `decoded` optional columns (`decoded_fields`)."""
     batch = batch.with_columns(**columns)
-    optional = ("poster",) if video else COT_FIELDS if "cot_tokens" in batch else ()
+    optional = tuple(decoded) + (COT_FIELDS if "cot_tokens" in batch else ())
     optional += tuple(f for f in ("means", "guidance_memory", "noise_seed", "cot_behavior_log_probs", "source_image")
                       if f in batch)
     return batch.to_arrow(batch.dims(), optional=optional, step=step)
@@ -39,13 +46,13 @@ class RowSink:
 
     uri: str
     columns: dict[str, list]  # every row of the call, in order
-    video: bool
+    decoded: tuple[str, ...]  # the optional columns decode fills (`decoded_fields`)
     step: str
     create: bool  # the table does not exist yet: the commit creates it
 
     def rows(self, batch: RolloutBatch, lo: int, hi: int) -> pa.Table:
         """Rows [lo, hi) of the call, `batch` holding just those."""
-        return rows_table(batch, {k: v[lo:hi] for k, v in self.columns.items()}, self.video, self.step)
+        return rows_table(batch, {k: v[lo:hi] for k, v in self.columns.items()}, self.decoded, self.step)
 
     def write(self, table: pa.Table) -> list:
         """Uncommitted fragments holding `table` (FragmentMetadata, picklable)."""

@@ -155,12 +155,19 @@ class Tracker:
     def log_image(self, run_id: str, image: np.ndarray, key: str, step: int) -> None:
         self.client.log_image(run_id, image, key=key, step=step)
 
-    def log_png_file(self, run_id: str, png: bytes, artifact_file: str) -> None:
-        """Encoded PNG bytes at a fixed artifact path (what Prefect artifacts and docs link to)."""
+    def log_file_bytes(self, run_id: str, data: bytes, artifact_file: str) -> None:
+        """Encoded bytes (a PNG, a WAV) at a fixed artifact path (what Prefect artifacts and docs link to)."""
         with tempfile.TemporaryDirectory() as d:
             path = Path(d) / Path(artifact_file).name
-            path.write_bytes(png)
+            path.write_bytes(data)
             self.client.log_artifact(run_id, str(path), str(Path(artifact_file).parent) or None)
+
+    def log_folder_bytes(self, run_id: str, files: dict[str, bytes], artifact_dir: str) -> None:
+        """Named encoded files (WAVs, …) in one artifact folder, logged in one call."""
+        with tempfile.TemporaryDirectory() as d:
+            for name, data in files.items():
+                (Path(d) / name).write_bytes(data)
+            self.client.log_artifacts(run_id, d, artifact_dir)
 
     def artifact_uri(self, run_id: str, path: str = "") -> str:
         base = self.client.get_run(run_id).info.artifact_uri

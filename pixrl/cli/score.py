@@ -1,6 +1,7 @@
 """`pixrl score`: score a folder of images (or clips) with any registered rewards before
 training with them — one JSON line per file with every component, the prompt taken from
---prompt or from each file's sidecar JSON (as `pixrl generate` writes them). `pixrl
+--prompt or from each file's sidecar JSON (as `pixrl generate` writes them), a clip's soundtrack
+from the WAV beside it. `pixrl
 reward-serve`: the same reward sets behind HTTP, for runs with reward=remote."""
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def score(
         sample = decode_media(data) if path.suffix.lower() in {".png", ".mp4"} else _read_image(path)
         if (rate := clip_rate(data)) is not None:
             meta = {**meta, "fps": rate}  # the rate it plays at: a video reward reads frames per second of it
+        if (sound := path.with_suffix(".wav")).is_file():  # its soundtrack (`pixrl generate` writes it beside)
+            meta = {**meta, "soundtrack": sound.read_bytes()}
         samples.append((path.name, text, meta, sample))
     # a group reward compares the files with the same prompt: the folder is scored at once
     batches = [samples] if rewards.groupwise else [[s] for s in samples]

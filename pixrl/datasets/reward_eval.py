@@ -8,9 +8,12 @@ prompts are cycled in file order up to `per_category` samples, with seeds that d
 category and the sample's index, so every evaluation of a run — and of every run on the same
 set — judges the same (prompt, seed) pairs. `accuracy`, the headline every evaluator returns, is
 here the mean total reward over categories; the per-category and per-component means beside it.
-An editing set's samples edit their own source images."""
+An editing set's samples edit their own source images; a sounding family's clips are scored with
+their soundtracks (`SoundingClips`), as rollouts are."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,6 +32,22 @@ def reward_eval_pairs(items: list[PromptItem], per_category: int) -> list[tuple[
     return out
 
 
+@dataclass
+class SoundingClips:
+    """Clips [N, F, H, W, 3] with each one's soundtrack as the rows store it (16-bit WAV): what a
+    family whose clips have sound (`audio`) makes for an evaluation."""
+
+    frames: np.ndarray
+    soundtracks: list[bytes]
+
+
+def join_samples(parts: list):
+    """The shards of an evaluation's samples (image arrays, or SoundingClips) in order, as one."""
+    if parts and isinstance(parts[0], SoundingClips):
+        return SoundingClips(np.concatenate([p.frames for p in parts]), [s for p in parts for s in p.soundtracks])
+    return np.concatenate(parts)
+
+
 class RewardEvaluator:
     """The run's rewards as an evaluator, in the shapes evaluator's three parts — pairs, images
     (shardable over rollout workers in whole generation batches of `batch`: the images one process
@@ -43,10 +62,15 @@ class RewardEvaluator:
     def pairs(self, items: list[PromptItem], per_category: int) -> list[tuple[PromptItem, int]]:
         return reward_eval_pairs(items, per_category)
 
-    def images(self, family, pairs, sampling, encoded: dict | None = None) -> np.ndarray:
+    def images(self, family, pairs, sampling, encoded: dict | None = None):
+        """The pairs' images (clips), or SoundingClips for a family whose clips have sound."""
+        from ..artifacts.media import wav_bytes
+
         recipe = eval_recipe(sampling, family.semantics.step.value)
-        return generate_images(family, [it.prompt for it, _ in pairs], [s for _, s in pairs], recipe, self.batch,
-                               encoded, images=_sources(pairs))
+        sounds: list | None = [] if getattr(family, "audio", False) else None
+        imgs = generate_images(family, [it.prompt for it, _ in pairs], [s for _, s in pairs], recipe, self.batch,
+                               encoded, images=_sources(pairs), soundtracks=sounds)
+        return imgs if sounds is None else SoundingClips(imgs, [wav_bytes(w, rate) for w, rate in sounds])
 
     def encodings(self, family, pairs, sampling) -> dict | None:
         """The prompt (and source image) encodings `images` makes, for a worker without text towers."""
@@ -57,10 +81,13 @@ class RewardEvaluator:
             return None
         return prompt_encodings(family, [it.prompt for it, _ in pairs], recipe, self.batch, images=_sources(pairs))
 
-    def aggregate(self, pairs, images: np.ndarray) -> dict:
-        """The images scored, summarised: mean total reward per category and over categories
-        (`accuracy`), each component's mean, the sample count."""
+    def aggregate(self, pairs, images) -> dict:
+        """The images (SoundingClips) scored, summarised: mean total reward per category and over
+        categories (`accuracy`), each component's mean, the sample count."""
         metas = [{**it.meta, **({"source_image": it.image} if it.image is not None else {})} for it, _ in pairs]
+        if isinstance(images, SoundingClips):
+            metas = [{**m, "soundtrack": s} for m, s in zip(metas, images.soundtracks)]
+            images = images.frames
         scores = self.score(images, [it.prompt for it, _ in pairs], metas, [f"eval-{it.prompt_id}-{s}" for it, s in pairs])
         cats = [it.meta.get("category", "") for it, _ in pairs]
         total = np.asarray(scores["reward"], np.float64)

@@ -71,6 +71,9 @@ class Engine(Protocol):
         """uint8 images [B, H, W, 3] (video [B, F, H, W, 3]); `prompts`: the rows' prompts, which a
         family whose decoder reads them needs (models/base.decode_images)."""
 
+    def soundtracks(self, final_latents: np.ndarray) -> list[bytes] | None:
+        """Each clip's soundtrack (16-bit WAV) for a family whose clips have sound; None otherwise."""
+
     def score(self, images: np.ndarray, prompts: list[str], metadata: list[dict],
               sample_ids: list[str]) -> dict[str, np.ndarray]:
         """{'reward': total, '<name>': component, …}; raises ScoringError (never zeroes)."""

@@ -19,6 +19,7 @@ from ..algorithms.sampling import SamplerRecipe, generators, sample
 from ..algorithms.token_sampling import TokenRecipe, sample_tokens, sample_with_cot
 from ..artifacts.batch import RolloutBatch
 from ..artifacts.checkpoints import check_trained_part, load_weights
+from ..artifacts.media import wav_bytes
 from ..config.schema import ExperimentConfig
 from ..datasets.registry import evaluate_split, evaluator_of
 from ..models.base import decode_images, negative_prompt_of
@@ -64,7 +65,8 @@ class LocalEngine:
     def describe(self) -> dict:
         fam = self.policy.family
         return {"family": fam.name, "semantics": fam.semantics, "latent_shape": tuple(fam.latent_shape()),
-                "video": bool(getattr(fam, "video", False)), "engine": "local", "torch": torch.__version__,
+                "video": bool(getattr(fam, "video", False)), "audio": bool(getattr(fam, "audio", False)),
+                "engine": "local", "torch": torch.__version__,
                 **fam.describe()}
 
     def use(self, policy: PolicySource) -> None:
@@ -196,6 +198,19 @@ class LocalEngine:
         n = getattr(fam, "decode_batch", 64)  # a video VAE decodes a few clips at a time
         return np.concatenate([decode_images(fam, lat[i:i + n], None if prompts is None else prompts[i:i + n])
                                for i in range(0, len(lat), n)])
+
+    def soundtracks(self, final_latents: np.ndarray) -> list[bytes] | None:
+        """Each clip's soundtrack as a 16-bit WAV, for a family whose clips have sound (`audio`:
+        its `decode_audio`); None for a silent family."""
+        fam = self.policy.family
+        if not getattr(fam, "audio", False):
+            return None
+        lat = torch.from_numpy(np.array(final_latents)).to(fam.device)
+        n, out = getattr(fam, "decode_batch", 64), []
+        for i in range(0, len(lat), n):
+            waves, rate = fam.decode_audio(lat[i:i + n])
+            out += [wav_bytes(w, rate) for w in waves]
+        return out
 
     def score(self, images: np.ndarray, prompts: list[str], metadata: list[dict],
               sample_ids: list[str]) -> dict[str, np.ndarray]:

@@ -220,14 +220,26 @@ class RayEngine:
                                       undo=undo)
         return [f for frags, _, _ in parts for f in frags], parts[0][1], max(sec for _, _, sec in parts)
 
-    def decode(self, final_latents: np.ndarray, prompts: list[str] | None = None) -> np.ndarray:
+    def _decode_shards(self, n: int) -> list[tuple[int, int]]:
+        """The rollout workers' shares of n rows to decode: whole decode batches of the family."""
         if self._decode_batch is None:
             self._decode_batch = self._get([self.rollout_workers[0].decode_batch.remote()], "decode",
                                            self.rollout_workers)[0]
-        shards = _shards(len(final_latents), self._decode_batch, len(self.rollout_workers))
+        return _shards(n, self._decode_batch, len(self.rollout_workers))
+
+    def decode(self, final_latents: np.ndarray, prompts: list[str] | None = None) -> np.ndarray:
+        shards = self._decode_shards(len(final_latents))
         refs = [w.decode.remote(final_latents[lo:hi], None if prompts is None else prompts[lo:hi])
                 for w, (lo, hi) in zip(self.rollout_workers, shards)]
         return np.concatenate(self._get(refs, "decode", self.rollout_workers))
+
+    def soundtracks(self, final_latents: np.ndarray) -> list[bytes] | None:
+        """`decode`'s clips' soundtracks (WAV), in the same shards over the rollout workers."""
+        if not self.describe().get("audio"):
+            return None
+        shards = self._decode_shards(len(final_latents))
+        refs = [w.soundtracks.remote(final_latents[lo:hi]) for w, (lo, hi) in zip(self.rollout_workers, shards)]
+        return [s for part in self._get(refs, "decode", self.rollout_workers) for s in part]
 
     def decode_to_store(self, reads: list[RowsRead], field: str) -> tuple[list[ColumnFile], float]:
         """Each rollout worker decodes whole fragments of the iteration (`reads`) and writes their
@@ -346,6 +358,7 @@ class RayEngine:
         split runs whole on worker 0."""
         from ..datasets.prompts import split_items
         from ..datasets.registry import evaluator_of
+        from ..datasets.reward_eval import join_samples
 
         ev = evaluator_of(dataset, self.score)  # a dataset without its own: the run's rewards, on the reward workers
         needs = ("pairs", "images", "aggregate", *(("encodings",) if self._shares_encodings else ()))
@@ -361,7 +374,7 @@ class RayEngine:
                                     "rollout", [first] * (len(shards) - 1))
         refs = [w.eval_images.remote(policy, dataset, pairs[lo:hi], enc)
                 for w, (lo, hi), enc in zip(self.rollout_workers, shards, encoded)]
-        return ev.aggregate(pairs, np.concatenate(self._get(refs, "rollout", self.rollout_workers)))
+        return ev.aggregate(pairs, join_samples(self._get(refs, "rollout", self.rollout_workers)))
 
     def close(self) -> None:
         """Stop this engine's workers (and the local Ray it started)."""

@@ -100,23 +100,27 @@ class RolloutWorker(_Worker):
         worker_fault_point(self.kind, self.index)
         return self.engine.decode(final_latents, prompts)
 
+    def soundtracks(self, final_latents):
+        worker_fault_point(self.kind, self.index)
+        return self.engine.soundtracks(final_latents)
+
     def decode_rows(self, reads, field: str) -> tuple[list, float]:
-        """Whole fragments' rows decoded, their image columns written as uncommitted files:
+        """Whole fragments' rows decoded, their image (and soundtrack) columns written as uncommitted files:
         (one ColumnFile per fragment, seconds of decoding and encoding)."""
         import time
 
         import pyarrow as pa
 
         from ..artifacts.batch import RolloutBatch
-        from ..artifacts.column_writes import image_columns
+        from ..artifacts.column_writes import decoded_columns
 
         worker_fault_point(self.kind, self.index)
         files, seconds = [], 0.0
         for r in reads:
             t = r.read([field, "prompt"])
             t0 = time.perf_counter()
-            cols = image_columns(self.engine.decode(RolloutBatch.from_arrow(t.select([field]))[field],
-                                                    t["prompt"].to_pylist()))
+            cols = decoded_columns(self.engine, RolloutBatch.from_arrow(t.select([field]))[field],
+                                   t["prompt"].to_pylist())
             seconds += time.perf_counter() - t0
             files.append(r.write_columns(pa.table({"_rowid": t["_rowid"], **cols})))
         return files, seconds

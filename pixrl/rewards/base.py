@@ -7,7 +7,10 @@ NaN, a missing key or a wrong length is a ScoringError naming the sample and the
 
 Video goes through the same contract: an image reward (`takes = "image"`) scores every frame of
 clips [B, F, H, W, 3] and the clip's score is the mean over its frames (RewardSet does this); a
-clip reward (`takes = "clip"`, e.g. temporal consistency) receives the clips whole.
+clip reward (`takes = "clip"`, e.g. temporal consistency) receives the clips whole. Sound too: a
+soundtrack reward (`takes = "soundtrack"`, e.g. CLAP's text–audio score) receives the clips whole
+with each sample's soundtrack in its metadata (`soundtrack`: the 16-bit WAV bytes decode stores;
+`artifacts.media.read_wav`), and is refused before a run on a family whose clips are silent.
 
 A group reward (`groupwise = True`, e.g. Pref-GRPO's pairwise win rate) scores each sample against
 the others of its group, and receives `groups=` (one key per sample, `group_keys`); the stages
@@ -39,7 +42,9 @@ class Reward(ABC):
     higher_is_better: bool = True
     device: str = "cpu"
     ready: bool = False
-    takes: str = "image"  # "image": frame-wise on clips (mean over frames); "clip": whole clips only
+    # "image": frame-wise on clips (mean over frames); "clip": whole clips only; "soundtrack": whole
+    # clips with their soundtracks (metadata "soundtrack")
+    takes: str = "image"
     groupwise: bool = False  # scores samples against their group's others: score(..., groups=keys)
     #: the parts it also stores as `<name>.<part>` that reward.advantage_weights may weigh apart
     components: tuple[str, ...] = ()
@@ -89,7 +94,7 @@ def group_keys(prompts: list[str], sample_ids: list[str]) -> list[str]:
 
 
 def _builtin() -> None:
-    from . import (aesthetic, brisque, clip_score, diversity, editreward, hpsv2, hpsv3, image_similarity,  # noqa: F401
+    from . import (aesthetic, brisque, clap, clip_score, diversity, editreward, hpsv2, hpsv3, image_similarity,  # noqa: F401
                    imagereward, jpeg, nsfw, ocr, pairwise_judge, people, pickscore, remote, shapes, temporal,
                    unified_reward, videoalign, vlm_judge)
 

@@ -89,12 +89,17 @@ class RewardSet:
                              f"{', '.join(sorted(stored))} — add its reward to reward.weights (weight 0 stores it "
                              f"without adding it to the total)")
 
-    def check_media(self, video: bool) -> None:
-        """Refuse, before a run starts, a clip-only reward on a family that makes images."""
+    def check_media(self, video: bool, audio: bool = False) -> None:
+        """Refuse, before a run starts, a clip-only reward on a family that makes images, a
+        soundtrack reward on a family whose clips are silent, a group reward on clips."""
         clip_only = [n for n, r in self.rewards.items() if r.takes == "clip"]
         if clip_only and not video:
             raise ValueError(f"reward(s) {clip_only} score clips, and this model family makes images; remove them "
                              "from reward.weights or choose a video family")
+        hearing = [n for n, r in self.rewards.items() if r.takes == "soundtrack"]
+        if hearing and not audio:
+            raise ValueError(f"reward(s) {hearing} score a clip's soundtrack, and this model family makes no sound; "
+                             "remove them from reward.weights or choose a family whose clips have sound (ltx2)")
         paired = [n for n, r in self.rewards.items() if r.groupwise]
         if paired and video:
             raise ValueError(f"reward(s) {paired} compare the images of a group, and this model family makes clips; "
@@ -103,8 +108,9 @@ class RewardSet:
     @staticmethod
     def _score_one(reward: Reward, images: np.ndarray, prompts: list[str], metadata: list[dict],
                    groups: list[str] | None = None) -> dict:
-        """One reward's scores: clips go whole to a clip reward; an image reward scores every frame
-        and each key is averaged over the clip's frames; a group reward gets the groups."""
+        """One reward's scores: clips go whole to a clip reward and to a soundtrack reward (whose
+        samples' metadata must hold their `soundtrack`); an image reward scores every frame and each
+        key is averaged over the clip's frames; a group reward gets the groups."""
         if reward.groupwise:
             if images.ndim != 4:
                 raise ScoringError(f"scorer {reward.name!r} compares images [B, H, W, 3]; got {images.shape}")
@@ -116,6 +122,13 @@ class RewardSet:
                                   groups=[groups[i] for i in order])
             back = np.argsort(order)
             return {k: np.asarray(v)[back] if np.ndim(v) == 1 and len(v) == len(order) else v for k, v in scores.items()}
+        if reward.takes == "soundtrack":
+            silent = [i for i, m in enumerate(metadata) if not m.get("soundtrack")]
+            if silent:
+                raise ScoringError(f"scorer {reward.name!r} scores soundtracks, and {len(silent)} sample(s) have none "
+                                   f"(prompt {prompts[silent[0]]!r}); decode writes them for a family whose clips "
+                                   f"have sound (ltx2)")
+            return reward.score(images, prompts, metadata)
         if images.ndim == 4 or reward.takes == "clip":
             if images.ndim == 4 and reward.takes == "clip":
                 raise ScoringError(f"scorer {reward.name!r} scores clips [B, F, H, W, 3]; got images {images.shape}")

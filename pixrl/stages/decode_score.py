@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..artifacts.batch import DECODE_INPUT, RolloutBatch
-from ..artifacts.column_writes import check_decoded, image_columns, score_columns, score_inputs, score_metadata
+from ..artifacts.column_writes import check_decoded, decoded_columns, score_columns, score_inputs, score_metadata
 from ..artifacts.trajectories import TableRef, rewards_column
 from .overlap import Chunk, decode_chunk, generation_order, merge_scores, score_chunk
 
@@ -43,7 +43,7 @@ class DecodeScoreStages:
         t = self._read(ref, iteration, ["run_id", "iteration", "sample_id", "prompt", field], where=scope)
         batch = RolloutBatch.from_arrow(t.select([field]))
         t0 = time.perf_counter()  # images [B, H, W, 3] or clips [B, F, H, W, 3]
-        cols = image_columns(self.engine.decode(batch[field], t["prompt"].to_pylist()))
+        cols = decoded_columns(self.engine, batch[field], t["prompt"].to_pylist())
         seconds = time.perf_counter() - t0  # the sample grid is logged by the iteration's report
         upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"], **cols})
         metrics = self._commit_record("decode", iteration, rnd, {"decode_compute_s": seconds})
@@ -69,9 +69,10 @@ class DecodeScoreStages:
             chunks, metrics["overlap/decode_wait_s"] = got
         blob = {s: b for ch in chunks for s, b in zip(ch.sample_ids, ch.blobs)}
         cols = {"image": pa.array([blob[s] for s in sids], pa.binary())}
-        if chunks and chunks[0].posters is not None:
-            poster = {s: b for ch in chunks for s, b in zip(ch.sample_ids, ch.posters)}
-            cols["poster"] = pa.array([poster[s] for s in sids], pa.binary())
+        for column in ("posters", "soundtracks"):  # a clip's poster frame, a sounding clip's soundtrack
+            if chunks and getattr(chunks[0], column) is not None:
+                got = {s: b for ch in chunks for s, b in zip(ch.sample_ids, getattr(ch, column))}
+                cols[column[:-1]] = pa.array([got[s] for s in sids], pa.binary())
         metrics["decode_compute_s"] = sum(ch.decode_s for ch in chunks)
         upd = pa.table({k: t[k] for k in keys} | cols)
         metrics = self._commit_record("decode", iteration, rnd, metrics)

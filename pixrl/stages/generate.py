@@ -16,7 +16,7 @@ import numpy as np
 
 from ..algorithms.recipe import with_guidance
 from ..algorithms.token_sampling import behavior_gap
-from ..artifacts.rollout_rows import discard_fragments, rows_table
+from ..artifacts.rollout_rows import decoded_fields, discard_fragments, rows_table
 from ..artifacts.store_maintenance import maintain_store
 from ..artifacts.tracking import PolicyRef
 from ..artifacts.trajectories import TableRef, meta_json
@@ -66,14 +66,14 @@ class GenerateStage:
             return self.stores.latest(), None
         if self.table.exists() and rnd == 0:  # index new fragments, drop stale versions: stage cost stays flat
             maintain_store(self.table, iteration)
-        rows, columns, call, video = self._rollout_call(iteration, policy, rnd)
+        rows, columns, call, decoded = self._rollout_call(iteration, policy, rnd)
         scope = self.stores.round_scope(rnd)
         to_store = getattr(self.engine, "rollout_to_store", None)  # workers write their rows themselves
         in_process = self.overlap is not None or to_store is None  # this process stores the rows
         extra = {}
         if in_process:
             batch, seconds = self._rollout_here((iteration, rnd), call, columns)
-            table = rows_table(batch, columns, video, self.step_kind)
+            table = rows_table(batch, columns, decoded, self.step_kind)
             if "cot_behavior_log_probs" in batch:  # the text came from a server: how far it is from the policy
                 extra = behavior_gap(batch["cot_log_probs"], batch["cot_behavior_log_probs"], batch["cot_mask"])
         else:
@@ -82,7 +82,7 @@ class GenerateStage:
             if fetched is not None:  # begun during the previous iteration: what was left of it
                 extra = {"prefetch/wait_s": time.perf_counter() - t0}
             else:
-                fetched = self._rollout_to_store(iteration, rnd, call, columns, video, to_store)
+                fetched = self._rollout_to_store(iteration, rnd, call, columns, decoded, to_store)
             fragments, schema, seconds, create = fetched
         try:
             metrics = self._commit_record("generate", iteration, rnd,
@@ -101,8 +101,9 @@ class GenerateStage:
         return ref, metrics
 
     def _rollout_call(self, iteration: int, policy: PolicyRef, rnd: int):
-        """(rows, their columns, the engine calls, whether video) of a sampling round's rollout:
-        a function of the run seed, the iteration, the round and the policy version alone."""
+        """(rows, their columns, the engine calls, the optional columns decode fills) of a sampling
+        round's rollout: a function of the run seed, the iteration, the round and the policy version
+        alone."""
         prompts, parts = self._draws(iteration, rnd)
         rows, calls = self._layout(rnd, prompts, parts)
         seeds = [seed_of(self.cfg.run.seed, iteration, 1, slot, g) for slot, g, _ in rows]
@@ -115,14 +116,14 @@ class GenerateStage:
         if images is not None:  # an editing dataset: each row keeps the source image it was conditioned on
             columns["source_image"] = images
         call = RolloutCalls(self.source(policy), [p.prompt for _, _, p in rows], seeds, noise_seeds, images, calls)
-        return rows, columns, call, bool(info.get("video"))
+        return rows, columns, call, decoded_fields(info)
 
-    def _rollout_to_store(self, iteration: int, rnd: int, call: RolloutCalls, columns: dict, video: bool,
+    def _rollout_to_store(self, iteration: int, rnd: int, call: RolloutCalls, columns: dict, decoded: tuple,
                           to_store) -> tuple[list, object, float, bool]:
         """The engine's workers write the round's rows as uncommitted fragments."""
         self.table.ensure_absent(self.spec.run_id, iteration, self.stores.round_scope(rnd))  # before any worker writes
         create = not self.table.exists()
-        return (*call.to_store(to_store, self.table.uri, columns, video, self.step_kind, create), create)
+        return (*call.to_store(to_store, self.table.uri, columns, decoded, self.step_kind, create), create)
 
     def _prefetch_key(self, iteration: int, policy: PolicyRef) -> tuple:
         return iteration, policy.model_name, policy.version
@@ -136,9 +137,9 @@ class GenerateStage:
         if to_store is None or self.overlap is not None or self.stores.complete("generate", iteration, 0):
             return
         self._warm_update(iteration - 1)
-        _, columns, call, video = self._rollout_call(iteration, policy, 0)
+        _, columns, call, decoded = self._rollout_call(iteration, policy, 0)
         self.prefetch.begin(self._prefetch_key(iteration, policy),
-                            lambda: self._rollout_to_store(iteration, 0, call, columns, video, to_store),
+                            lambda: self._rollout_to_store(iteration, 0, call, columns, decoded, to_store),
                             discard=lambda fetched: discard_fragments(self.table.uri, fetched[0]))
 
     def _warm_update(self, iteration: int) -> None:

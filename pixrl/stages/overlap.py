@@ -34,21 +34,25 @@ class Chunk:
     decode_s: float
     scores: dict[str, np.ndarray] | BaseException | None = None  # an exception: the score stage raises it
     score_s: float = 0.0
+    soundtracks: list[bytes] | None = None  # a sounding clip's soundtrack (WAV)
 
 
 def decode_chunk(engine, decode_input: np.ndarray, sample_ids: list[str], prompts: list[str]) -> Chunk:
-    """Images (clips) of one micro-batch as the trajectory row stores them."""
+    """Images (clips, with their soundtracks) of one micro-batch as the trajectory row stores them."""
     t0 = time.perf_counter()
     imgs = engine.decode(decode_input, prompts)
     blobs = [media_bytes(im) for im in imgs]
     posters = [png_bytes(clip[0]) for clip in imgs] if imgs.ndim == 5 else None
-    return Chunk(list(sample_ids), blobs, posters, time.perf_counter() - t0)
+    sounds = engine.soundtracks(decode_input)
+    return Chunk(list(sample_ids), blobs, posters, time.perf_counter() - t0, soundtracks=sounds)
 
 
 def score_chunk(engine, blobs: list[bytes], prompts: list[str], metadata: list[dict],
-                sample_ids: list[str]) -> tuple[dict[str, np.ndarray], float]:
+                sample_ids: list[str], soundtracks: list[bytes] | None = None) -> tuple[dict[str, np.ndarray], float]:
     """One micro-batch's rewards, from the pixels read back from its stored bytes (what the score
-    stage reads: a clip's MP4 frames, not the decoder's)."""
+    stage reads: a clip's MP4 frames, not the decoder's), and the soundtracks it stores."""
+    if soundtracks is not None:
+        metadata = [{**m, "soundtrack": s} for m, s in zip(metadata, soundtracks)]
     imgs = np.stack([decode_media(b) for b in blobs])
     t0 = time.perf_counter()
     scores = engine.score(imgs, prompts, metadata, sample_ids)
@@ -105,7 +109,7 @@ class ScoringOverlap:
             ch = decode_chunk(self.engine, decode_input, sample_ids[lo:hi], prompts[lo:hi])
             try:
                 ch.scores, ch.score_s = score_chunk(self.engine, ch.blobs, prompts[lo:hi], metadata[lo:hi],
-                                                    sample_ids[lo:hi])
+                                                    sample_ids[lo:hi], ch.soundtracks)
             except BaseException as exc:  # decode's bytes still commit; the score stage fails with this
                 ch.scores = exc
             return ch

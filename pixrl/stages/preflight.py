@@ -78,7 +78,7 @@ def check_rewards(cfg: ExperimentConfig, family, algo, items) -> None:
     storing every score the algorithm and reward.advantage_weights read, whole groups for a group
     reward (in rollouts and in the held-out evaluation)."""
     rewards = RewardSet(cfg.reward.weights, cfg.reward.options)
-    rewards.check_media(getattr(family, "video", False))
+    rewards.check_media(getattr(family, "video", False), getattr(family, "audio", False))
     if rewards.groupwise:
         check_group_scoring(cfg, [n for n, r in rewards.rewards.items() if r.groupwise])
         check_group_evaluation(cfg, [n for n, r in rewards.rewards.items() if r.groupwise])

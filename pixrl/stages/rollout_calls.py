@@ -44,12 +44,12 @@ class RolloutCalls:
             seconds += took
         return (batches[0] if len(batches) == 1 else RolloutBatch.concat(batches)), seconds
 
-    def to_store(self, rollout_to_store, uri: str, columns: dict, video: bool, step: str,
+    def to_store(self, rollout_to_store, uri: str, columns: dict, decoded: tuple[str, ...], step: str,
                  create: bool) -> tuple[list, object, float]:
         """Every part written by the engine's workers as uncommitted fragments (one commit later)."""
         fragments, schema, seconds = [], None, 0.0
         for recipe, lo, hi in self.parts:
-            sink = RowSink(uri, {k: v[lo:hi] for k, v in columns.items()}, video, step, create=create)
+            sink = RowSink(uri, {k: v[lo:hi] for k, v in columns.items()}, decoded, step, create=create)
             written, schema, took = rollout_to_store(self.source, self.prompts[lo:hi], self.seeds[lo:hi], recipe,
                                                      sink=sink, **self._kwargs(lo, hi))
             fragments += list(written)
