@@ -38,6 +38,7 @@ def heldout_reward(cfg_overrides: list[str], run: str | None, workdir: Path) -> 
     prompts × seeds with the eval (ODE) sampler: the base checkpoint (`run` None) or the run's
     newest published version."""
     from pixrl.algorithms.recipe import eval_recipe
+    from pixrl.artifacts.media import wav_bytes
     from pixrl.config.loader import load_config
     from pixrl.datasets.shapes.evaluate import generate_images
     from pixrl.engines.policy import TrainablePolicy
@@ -54,8 +55,10 @@ def heldout_reward(cfg_overrides: list[str], run: str | None, workdir: Path) -> 
     prompts = [p for p, _ in items for _ in SEEDS]
     seeds = [10_000 + s for _ in items for s in SEEDS]
     sources = [im for _, im in items for _ in SEEDS] if getattr(policy.family, "needs_images", False) else None
-    imgs = generate_images(policy.family, prompts, seeds, recipe, images=sources)
-    scores = RewardSet(cfg.reward.weights, cfg.reward.options).score(imgs, prompts, [{}] * len(prompts),
+    sounds: list | None = [] if getattr(policy.family, "audio", False) else None
+    imgs = generate_images(policy.family, prompts, seeds, recipe, images=sources, soundtracks=sounds)
+    metas = [{} for _ in prompts] if sounds is None else [{"soundtrack": wav_bytes(w, r)} for w, r in sounds]
+    scores = RewardSet(cfg.reward.weights, cfg.reward.options).score(imgs, prompts, metas,
                                                                      [f"h{i}" for i in range(len(prompts))])
     return float(np.mean(scores["reward"]))
 
@@ -95,7 +98,7 @@ def weight_change(workdir: Path, run: str, base: dict) -> float:
 def reward_overrides(reward: str, work: Path) -> list[str]:
     """The overrides that score with `reward`; a model reward gets a tiny random checkpoint of its
     released layout under `work` (videoalign: `write_tiny_videoalign`, its visual-quality head —
-    DanceGRPO's video reward)."""
+    DanceGRPO's video reward; clap_score: `write_tiny_clap`, the soundtrack against the prompt)."""
     if reward == "jpeg_compressibility":
         return [f"reward={reward}"]
     if reward == "videoalign":
@@ -104,7 +107,11 @@ def reward_overrides(reward: str, work: Path) -> list[str]:
         root, base = write_tiny_videoalign(work / "reward")
         return ["reward=videoalign", f"reward.options.videoalign.path={root}", f"reward.options.videoalign.base={base}",
                 "reward.options.videoalign.dtype=float32", "reward.options.videoalign.dimensions=[VQ]"]
-    sys.exit(f"--reward {reward}: the script records jpeg_compressibility or videoalign")
+    if reward == "clap_score":
+        from pixrl.rewards.clap_tiny import write_tiny_clap
+
+        return ["reward=clap", f"reward.options.clap_score.path={write_tiny_clap(work / 'reward')}"]
+    sys.exit(f"--reward {reward}: the script records jpeg_compressibility, videoalign or clap_score")
 
 
 def plot(points: list[tuple[int, float]], out: Path, title: str, ylabel: str = "JPEG compressibility") -> None:
@@ -135,8 +142,9 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--two-experts", action="store_true", help="wan: the Wan2.2-A14B layout (`pixrl tiny wan "
                                                                 "--two-experts`); model.expert picks the trained one")
-    ap.add_argument("--reward", default="jpeg_compressibility", help="jpeg_compressibility, or videoalign (a tiny "
-                                                                      "random VideoAlign, its VQ head; clips)")
+    ap.add_argument("--reward", default="jpeg_compressibility", help="jpeg_compressibility, videoalign (a tiny "
+                                                                      "random VideoAlign, its VQ head; clips) or "
+                                                                      "clap_score (a tiny random CLAP; soundtracks)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     from pixrl.config.environment import apply_defaults
@@ -231,6 +239,9 @@ def readme(name: str, args, s: dict) -> str:
 def reward_text(reward: str) -> str:
     if reward == "jpeg_compressibility":
         return "the JPEG-compressibility\nreward"
+    if reward == "clap_score":
+        return ("a tiny random CLAP (`write_tiny_clap`: a ClapModel and its processor in the released layout,\n"
+                "random weights) scoring each clip's soundtrack against its prompt — the soundtrack alone")
     return ("a tiny random VideoAlign (`write_tiny_videoalign`: the released layout — a Qwen2-VL base, LoRA, the\n"
             "head at three reward tokens — random weights) scoring whole clips by its visual-quality head as\n"
             "DanceGRPO's video recipe does (`dimensions=[VQ]`, z-normalised)")

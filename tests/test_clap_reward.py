@@ -137,3 +137,10 @@ def test_pixrl_score_reads_the_wav_beside_each_clip(tiny_clap, tmp_path):
     res = CliRunner().invoke(app, ["score", "--reward", "clap_score", "--images", str(tmp_path),
                                    f"clap_score.path={tiny_clap}"])
     assert res.exit_code != 0 and "1.mp4" in res.output and "have none" in res.output
+
+
+def test_a_run_of_a_silent_family_with_clap_is_refused_before_anything_is_written(tiny_clap, tmp_path):
+    res = CliRunner().invoke(app, ["train", "--iterations", "1", "--run", "silent", f"run.workdir={tmp_path}",
+                                   "reward.weights.clap_score=1.0", f"reward.options.clap_score.path={tiny_clap}"])
+    assert res.exit_code != 0 and "makes no sound" in res.output and "ltx2" in res.output, res.output
+    assert not list(tmp_path.rglob("*.lance"))

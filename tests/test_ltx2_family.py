@@ -4,7 +4,7 @@ connectors, the dynamic-shift σ grid of the video tokens, ODE latents of both s
 LTX2Pipeline's under every guidance term (CFG per stream, spatio-temporal guidance, modality
 isolation, rescale), the decoded frames and soundtrack equal to its output, replayed log-probs
 equal the stored ones, the refusals, and two RL iterations (LoRA and full) through the unchanged
-flow with the soundtrack in the rows' latents."""
+flow with each clip's soundtrack stored beside it and rewarded by CLAP."""
 
 import io
 import json
@@ -195,19 +195,49 @@ def test_refusals_name_the_fix(tiny, tmp_path):
         _load(tmp_path / "uneven")
 
 
+@pytest.fixture(scope="module")
+def tiny_clap(tmp_path_factory):
+    from pixrl.rewards.clap_tiny import write_tiny_clap
+
+    return write_tiny_clap(tmp_path_factory.mktemp("clap") / "clap", seed=0)
+
+
+def _wavs(fam, t):
+    """The rows' soundtracks as decode renders them from their stored joint latents."""
+    from pixrl.artifacts.media import wav_bytes
+
+    final = torch.from_numpy(np.array(t["final_latent"].combine_chunks().to_numpy_ndarray())).float()
+    waves, rate = fam.decode_audio(final)
+    return [wav_bytes(w, rate) for w in waves]
+
+
 @pytest.mark.parametrize("mode", ["lora", "full"])
-def test_two_rl_iterations_through_the_unchanged_flow(tiny, tmp_path, prefect_harness, mode):
-    """The rows keep each clip's soundtrack in their joint latents; full fine-tuning replays its
-    iteration bit for bit."""
+def test_two_rl_iterations_through_the_unchanged_flow(tiny, tiny_clap, tmp_path, prefect_harness, mode):
+    """Rewarded on the frames (JPEG) and the soundtrack (CLAP): each row stores its clip's
+    soundtrack as decode renders it from the joint latent — in process (full) and from the
+    background decode of reward.overlap (LoRA) —, the CLAP reward scores the stored WAV, the
+    MLflow grid has a WAV per cell; full fine-tuning replays its iteration bit for bit."""
+    from mlflow.tracking import MlflowClient
+
+    from pixrl.rewards.compose import RewardSet
+
+    overlap = ["reward.overlap=true"] if mode == "lora" else []
     out, t = two_iterations(tiny, tmp_path, f"ltx2-{mode}", mode, "sampling.guidance_scale=3.0",
-                            "sampling.negative_prompt='worst quality, blurry'")
+                            "sampling.negative_prompt='worst quality, blurry'", "reward.weights.clap_score=0.5",
+                            f"reward.options.clap_score.path={tiny_clap}", *overlap)
     assert decode_media(t["image"][0].as_py()).shape == (9, 64, 64, 3)
     assert t["final_latent"].type.shape == [57, 8]
+    fam = _load(tiny[0])
+    assert t["soundtrack"].null_count == 0 and t["soundtrack"].to_pylist() == _wavs(fam, t)
+    clap = [{r["name"]: r["value"] for r in row}["clap_score"] for row in t["rewards"].to_pylist()]
+    clips = np.stack([decode_media(b) for b in t["image"].to_pylist()])
+    again = RewardSet({"clap_score": 1.0}, {"clap_score": {"path": str(tiny_clap)}}).score(
+        clips, t["prompt"].to_pylist(), [{"soundtrack": w} for w in t["soundtrack"].to_pylist()],
+        t["sample_id"].to_pylist())["clap_score"]
+    assert np.allclose(clap, again, atol=1e-6)
+    logged = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").list_artifacts(out["run_id"], "samples/it_0001_sound")
+    assert sorted(a.path.rsplit("/", 1)[1] for a in logged) == [f"r{r}_c{c}.wav" for r in range(2) for c in range(4)]
     if mode == "full":
-        fam = _load(tiny[0])
-        final = torch.from_numpy(t["final_latent"].combine_chunks().to_numpy_ndarray()[:2]).float()
-        sound, _ = fam.decode_audio(final)
-        assert sound.shape[0] == 2 and np.isfinite(sound).all()
         rep = CliRunner().invoke(app, ["replay", f"ltx2-{mode}", "--iteration", "1", "--workdir", str(tmp_path)])
         assert rep.exit_code == 0 and json.loads(rep.stdout.strip().splitlines()[-1])["equal"] is True, rep.output
         gen = CliRunner().invoke(app, ["generate", "--run", f"ltx2-{mode}", "--workdir", str(tmp_path), "--prompt",
@@ -215,6 +245,59 @@ def test_two_rl_iterations_through_the_unchanged_flow(tiny, tmp_path, prefect_ha
         assert gen.exit_code == 0 and "clips with their soundtracks" in gen.output, gen.output
         with wave.open(str(tmp_path / "gen" / "0000_00.wav")) as w:
             assert (w.getnchannels(), w.getframerate(), w.getsampwidth()) == (2, 16000, 2) and w.getnframes() > 0
+        _ray_worker_decode_writes_the_same_columns(out, tmp_path)
+
+
+def test_held_out_evaluation_scores_each_clip_with_its_soundtrack(family, tiny_clap):
+    """The run's rewards as its held-out evaluation: CLAP hears the soundtrack each clip was
+    sampled with (the same WAV a rollout row would store), split in shards or not."""
+    from pixrl.artifacts.media import wav_bytes
+    from pixrl.config.schema import SamplingConfig
+    from pixrl.datasets.prompts import PromptItem
+    from pixrl.datasets.reward_eval import RewardEvaluator, SoundingClips, join_samples
+    from pixrl.datasets.shapes.evaluate import generate_images
+    from pixrl.algorithms.recipe import eval_recipe
+    from pixrl.rewards.compose import RewardSet
+
+    rewards = RewardSet({"clap_score": 1.0}, {"clap_score": {"path": str(tiny_clap)}})
+    items = [PromptItem(str(i), p, {}) for i, p in enumerate(PROMPTS)]
+    sampling = SamplingConfig(eval_steps=2)
+    ev = RewardEvaluator(rewards.score)
+    ev.batch = 1  # a generation batch per clip: shards of whole batches are what one process makes
+    pairs = ev.pairs(items, 2)
+    media = ev.images(family, pairs, sampling)
+    assert isinstance(media, SoundingClips) and media.frames.shape == (2, 9, 64, 64, 3)
+    sounds = []
+    generate_images(family, [it.prompt for it, _ in pairs], [s for _, s in pairs],
+                    eval_recipe(sampling, family.semantics.step.value), batch=1, soundtracks=sounds)
+    assert media.soundtracks == [wav_bytes(w, r) for w, r in sounds]
+    halves = join_samples([ev.images(family, pairs[:1], sampling), ev.images(family, pairs[1:], sampling)])
+    assert halves.soundtracks == media.soundtracks and np.array_equal(halves.frames, media.frames)
+    got = ev.aggregate(pairs, media)
+    want = rewards.score(media.frames, [it.prompt for it, _ in pairs], [{"soundtrack": w} for w in media.soundtracks],
+                         ["a", "b"])
+    assert got["n"] == 2 and abs(got["reward/clap_score"] - float(want["clap_score"].mean())) < 1e-6
+
+
+def _ray_worker_decode_writes_the_same_columns(out, workdir):
+    """A Ray rollout worker's decode (`decode_rows`, here called in this process: the actor's own
+    code) writes the iteration's image, poster and soundtrack column files; committed, they equal
+    what the in-process decode stored."""
+    import lance
+
+    from pixrl.artifacts.trajectories import TableRef, TrajectoryStore
+    from pixrl.engines.ray_workers import RolloutWorker
+    from pixrl.stages.inference import load_policy
+
+    _, cfg = load_policy(None, "ltx2-full", str(workdir))
+    store = TrajectoryStore(out["table_uri"])
+    ref = TableRef(store.uri, store.latest_version())
+    cols = ["sample_id", "image", "poster", "soundtrack"]
+    before = store.read(ref, out["run_id"], 1, cols)
+    reads = store.fragment_reads(ref, out["run_id"], 1)
+    files, _ = RolloutWorker(cfg.model_dump(mode="json"), 0, 1).decode_rows(reads, "final_latent")
+    after = store.read(store.commit_columns(reads, files), out["run_id"], 1, cols)
+    assert lance.dataset(out["table_uri"]).version > ref.version and after.equals(before)
 
 
 def test_a_soundtrack_is_written_as_16_bit_pcm():
@@ -238,3 +321,6 @@ def test_the_presets():
     assert m.family_options() == {"frame_rate": 24.0, "stg_scale": 0.0, "audio_stg_scale": 0.0, "modality_scale": 1.0,
                                   "audio_modality_scale": 1.0}
     assert cfg.sampling.guidance_scale == 3.0 and cfg.algorithm.lora.enabled and m.offload_text_encoders
+    av = load_config("ltx2_av", ["model.path=/x", "dataset.path=/p.txt"])
+    assert av.model.family == "ltx2" and av.reward.weights == {"hpsv2": 1.0, "temporal_consistency": 0.5,
+                                                                "clap_score": 1.0}

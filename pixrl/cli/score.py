@@ -31,7 +31,6 @@ def score(
     reward (pairwise_judge) compares the files that share a prompt with each other."""
     import numpy as np
 
-    from ..artifacts.media import clip_rate, decode_media
     from ..rewards.base import ScoringError
     from ..rewards.compose import RewardSet
 
@@ -53,18 +52,7 @@ def score(
         parse = prompt_parser(dataset)
         if parse is None:
             _fail(f"dataset {dataset!r} has no prompt-metadata parser")
-    samples = []
-    for path in files:
-        text, meta = _prompt_of(path, prompt)
-        if parse is not None and not meta:
-            meta = parse(text)
-        data = path.read_bytes()
-        sample = decode_media(data) if path.suffix.lower() in {".png", ".mp4"} else _read_image(path)
-        if (rate := clip_rate(data)) is not None:
-            meta = {**meta, "fps": rate}  # the rate it plays at: a video reward reads frames per second of it
-        if (sound := path.with_suffix(".wav")).is_file():  # its soundtrack (`pixrl generate` writes it beside)
-            meta = {**meta, "soundtrack": sound.read_bytes()}
-        samples.append((path.name, text, meta, sample))
+    samples = [_sample(path, prompt, parse) for path in files]
     # a group reward compares the files with the same prompt: the folder is scored at once
     batches = [samples] if rewards.groupwise else [[s] for s in samples]
     for batch in batches:
@@ -80,6 +68,23 @@ def score(
         for i, (name, text, _, _) in enumerate(batch):
             print(json.dumps({"file": name, "prompt": text,
                               **{k: float(np.asarray(v)[i]) for k, v in scores.items() if k != "reward"}}))
+
+
+def _sample(path: Path, prompt: str | None, parse) -> tuple:
+    """(file name, prompt, metadata, pixels) of one file: the metadata its sidecar JSON (or
+    `parse`) gives, with a clip's playing rate and the soundtrack in the WAV beside it."""
+    from ..artifacts.media import clip_rate, decode_media
+
+    text, meta = _prompt_of(path, prompt)
+    if parse is not None and not meta:
+        meta = parse(text)
+    data = path.read_bytes()
+    sample = decode_media(data) if path.suffix.lower() in {".png", ".mp4"} else _read_image(path)
+    if (rate := clip_rate(data)) is not None:
+        meta = {**meta, "fps": rate}  # the rate it plays at: a video reward reads frames per second of it
+    if (sound := path.with_suffix(".wav")).is_file():  # its soundtrack (`pixrl generate` writes it beside)
+        meta = {**meta, "soundtrack": sound.read_bytes()}
+    return path.name, text, meta, sample
 
 
 def _prompt_of(path: Path, prompt: str | None) -> tuple[str, dict]:
