@@ -100,6 +100,7 @@ CHECKS = {
     # new since: HunyuanImage-2.1 (8 + 16 of its 20 + 40 blocks at the real width) under its APG guiders
     "hunyuan_image": ([SMOKE, "--family", "hunyuan_image", "--layers", "8"], 240, None),
     "ltx2": ([SMOKE, "--family", "ltx2", "--layers", "8"], 240, "video"),  # LTX-2's audio-video DiT
+    "ltx2_i2v": ([SMOKE, "--family", "ltx2_i2v", "--layers", "8"], 240, "video"),  # its image-to-audio+video
     # passed there: sd3 (issue 14's line) 144 s, sana 68 s, qwen_image (12 blocks) 79 s
     "sd3": ([SMOKE, "--family", "sd3"], 240, None),
     # new since: SD1.5's UNet with DDPO's recipe (860M, every step of DDIM-η stored)

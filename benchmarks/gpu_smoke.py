@@ -85,6 +85,8 @@ images/s and peak memory.
   video VAE, audio VAE and vocoder, the text connectors, Gemma-3-12B at its width with 2 of its 48
   layers; 49 frames at 512×768 with their soundtrack (one joint latent), CFG 3 (audio 7, rescaled
   0.7) without spatio-temporal or modality guidance, as its preset; LoRA r32.
+- `--family ltx2_i2v`: its image-to-audio+video — the same shapes animating 8 random first frames
+  (re-compressed at CRF 33, held clean) with their soundtracks.
   Builders: benchmarks/real_shapes.py (video: real_shapes_video.py; Cosmos, GLM-Image, HunyuanImage: real_shapes_image.py).
 
     python benchmarks/gpu_smoke.py [--family F]                       # the check a GPU machine runs
@@ -167,6 +169,7 @@ FAMILY_OVERRIDES = {  # what each family's smoke sets beyond the common settings
                           "model.av_guidance.stg_scale=0", "model.av_guidance.audio_stg_scale=0",
                           "model.av_guidance.modality_scale=1", "model.av_guidance.audio_modality_scale=1",
                           *([] if tiny else ["algorithm=flow_grpo_wan"])],
+    "ltx2_i2v": lambda tiny: FAMILY_OVERRIDES["ltx2"](tiny),
     "mochi": lambda tiny: [GC, "model.max_sequence_length=32" if tiny else "model.max_sequence_length=256",
                            "model.frames=7" if tiny else "model.frames=19", "sampling.guidance_scale=4.5",
                            *([] if tiny else ["algorithm=flow_grpo_wan"])],

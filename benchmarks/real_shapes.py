@@ -385,4 +385,4 @@ BUILDERS = {"sd15": sd15_pipeline, "sdxl": sdxl_pipeline, "flux1": flux1_dev_pip
             "wan_ti2v": wan22_ti2v_5b_pipeline, "cosmos2": cosmos2_2b_pipeline,
             "cosmos2_v2w": cosmos2_2b_v2w_pipeline, "cosmos25": cosmos25_2b_pipeline,
             "glm_image": glm_image_pipeline, "glm_image_ar": glm_image_pipeline, "hunyuan_image": hunyuan_image_pipeline,
-            "ltx2": ltx2_pipeline}
+            "ltx2": ltx2_pipeline, "ltx2_i2v": ltx2_pipeline}

@@ -19,7 +19,7 @@ def _load_script():
 
 
 @pytest.mark.parametrize("family", ["sd3", "sd15", "sdxl", "flux1", "flux1_kontext", "qwen_image", "sana", "flux2", "wan",
-                                    "wan_a14b", "wan_i2v", "z_image", "hunyuan_video", "skyreels_i2v", "pixart_sigma", "qwen_image_edit", "qwen_image_edit_plus", "qwen_image21", "hunyuan_video15", "hunyuan_video15_i2v", "ltx_video", "mochi", "cogvideox", "wan_ti2v", "ltx_video_i2v", "cogvideox_i2v", "cosmos2", "cosmos2_v2w", "cosmos25", "glm_image", "glm_image_ar", "hunyuan_image", "ltx2",
+                                    "wan_a14b", "wan_i2v", "z_image", "hunyuan_video", "skyreels_i2v", "pixart_sigma", "qwen_image_edit", "qwen_image_edit_plus", "qwen_image21", "hunyuan_video15", "hunyuan_video15_i2v", "ltx_video", "mochi", "cogvideox", "wan_ti2v", "ltx_video_i2v", "cogvideox_i2v", "cosmos2", "cosmos2_v2w", "cosmos25", "glm_image", "glm_image_ar", "hunyuan_image", "ltx2", "ltx2_i2v",
                                     "janus_pro", "janus_pro+cot"])
 def test_gpu_smoke_runs_one_real_iteration_on_cpu(family, tmp_path, prefect_harness):
     smoke = _load_script()

@@ -199,19 +199,31 @@ class LTX2Family(LTXVideoFamily):
         """v_θ(x, t | c) of the joint latents; the pipeline's guidance in x₀-space (module docstring):
         CFG when guidance_scale > 1 (its negative conditioning given), STG and modality isolation
         when their scales are on, each stream rescaled, then back to a velocity."""
+        t = self.row_timesteps(x, timestep, guidance_scale, neg)
+        return torch.cat(self.guided(*self.split(x), t, cond, guidance_scale, neg), dim=1)
+
+    def row_timesteps(self, x: torch.Tensor, timestep: torch.Tensor, guidance_scale: float, neg) -> torch.Tensor:
+        """Each row's timestep [B], after the check every velocity makes (a negative for CFG)."""
         b = x.shape[0]
         t = timestep.reshape(-1).to(x.device)
-        t = t.expand(b) if t.numel() == 1 else t
         if guidance_scale > 1.0 and neg is None:
             raise ValueError("guidance_scale > 1 needs the negative-prompt conditioning")
+        return t.expand(b) if t.numel() == 1 else t
+
+    def guided(self, xv: torch.Tensor, xa: torch.Tensor, t: torch.Tensor, cond: LTX2Conditioning,
+               guidance_scale: float, neg: LTX2Conditioning | None,
+               video_t: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(video, audio) velocities of the streams' tokens with every guidance term, from x₀ =
+        x − σ·v at the rows' σ; `video_t`: per-token timesteps of the video stream (a held first
+        frame's at 0; the audio stream's are then `t`)."""
+        b = xv.shape[0]
         sigma = (t.float() / self.scheduler.config.num_train_timesteps).view(b, 1, 1)
-        xv, xa = self.split(x)
         f, h, w = self._video_grid()  # the positions every pass of this step reads
-        coords = (self.transformer.rope.prepare_video_coords(b, f, h, w, x.device, fps=self.frame_rate),
-                  self.transformer.audio_rope.prepare_audio_coords(b, xa.shape[1], x.device))
+        coords = (self.transformer.rope.prepare_video_coords(b, f, h, w, xv.device, fps=self.frame_rate),
+                  self.transformer.audio_rope.prepare_audio_coords(b, xa.shape[1], xv.device))
 
         def x0(c_, **kw):  # one DiT pass, then the pipeline's `convert_velocity_to_x0` per stream
-            v, a = self._predict(xv, xa, t, c_, coords, **kw)
+            v, a = self._predict(xv, xa, t, c_, coords, video_t=video_t, **kw)
             return xv - v * sigma, xa - a * sigma
 
         c = x0(cond)
@@ -222,10 +234,11 @@ class LTX2Family(LTXVideoFamily):
         video = replace(self.video_guidance, cfg=float(guidance_scale) if guidance_scale > 1.0 else 1.0)
         gv = video.combine(c[0], u[0], stg[0], mod[0])
         ga = self.audio_guidance.combine(c[1], u[1], stg[1], mod[1])
-        return torch.cat([(xv - gv) / sigma, (xa - ga) / sigma], dim=1)
+        return (xv - gv) / sigma, (xa - ga) / sigma
 
     def _predict(self, xv: torch.Tensor, xa: torch.Tensor, t: torch.Tensor, cond: LTX2Conditioning, coords,
-                 stg_blocks=None, isolate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 stg_blocks=None, isolate: bool = False,
+                 video_t: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One DiT pass on both streams' tokens (at their positions `coords`) → (video, audio)
         velocities in float32."""
         dtype = self.transformer.dtype
@@ -233,7 +246,8 @@ class LTX2Family(LTXVideoFamily):
         v, a = self.transformer(
             hidden_states=xv.to(dtype), audio_hidden_states=xa.to(dtype),
             encoder_hidden_states=cond.video.to(dtype), audio_encoder_hidden_states=cond.audio.to(dtype),
-            timestep=t, sigma=t, encoder_attention_mask=cond.mask, audio_encoder_attention_mask=cond.mask,
+            timestep=t if video_t is None else video_t, audio_timestep=None if video_t is None else t, sigma=t,
+            encoder_attention_mask=cond.mask, audio_encoder_attention_mask=cond.mask,
             num_frames=f, height=h, width=w, fps=self.frame_rate, audio_num_frames=xa.shape[1],
             video_coords=coords[0], audio_coords=coords[1], isolate_modalities=isolate,
             spatio_temporal_guidance_blocks=stg_blocks, perturbation_mask=None, use_cross_timestep=True,

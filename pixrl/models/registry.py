@@ -7,7 +7,7 @@ from ..config.registry import Registry, UnknownNameError
 
 def _builtin() -> None:
     from . import (cosmos2, cosmos2_v2w, cosmos25, flux, flux2, flux2_klein, flux_kontext, hunyuan_image, hunyuan_video, hunyuan_video15, hunyuan_video15_i2v,  # noqa: F401
-                   cogvideox, cogvideox_i2v, glm_image, glm_image_ar, janus, ltx2, ltx_video, ltx_video_i2v, lumina2, mochi, pixart_sigma, qwen_image, qwen_image21, qwen_image_edit, qwen_image_edit_plus, sana, sd3, sd15, sdxl, skyreels_i2v, wan, wan_i2v, wan_ti2v, z_image)  # (register each by its name)
+                   cogvideox, cogvideox_i2v, glm_image, glm_image_ar, janus, ltx2, ltx2_i2v, ltx_video, ltx_video_i2v, lumina2, mochi, pixart_sigma, qwen_image, qwen_image21, qwen_image_edit, qwen_image_edit_plus, sana, sd3, sd15, sdxl, skyreels_i2v, wan, wan_i2v, wan_ti2v, z_image)  # (register each by its name)
 
 
 FAMILIES: Registry[type] = Registry("model family", "families", _builtin)
