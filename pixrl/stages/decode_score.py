@@ -32,6 +32,7 @@ class DecodeScoreStages:
             return self.stores.latest(), None
         field = DECODE_INPUT[self.step_kind]  # final latents, or a token family's image tokens
         scope = self.stores.round_scope(rnd)
+        self._check_soundtrack_column(ref)
         if self.overlap is not None:
             return self._decode_chunked(iteration, ref, rnd, field, scope)
         to_store = getattr(self.engine, "decode_to_store", None)  # workers write the image columns themselves
@@ -48,6 +49,13 @@ class DecodeScoreStages:
         upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"], **cols})
         metrics = self._commit_record("decode", iteration, rnd, {"decode_compute_s": seconds})
         return self.table.merge(upd, where=scope), metrics
+
+    def _check_soundtrack_column(self, ref: TableRef) -> None:
+        """A family whose clips have sound stores them: refuse a table made before soundtracks
+        were stored (no `soundtrack` column), before anything is decoded."""
+        if self.engine.describe().get("audio") and "soundtrack" not in self.table.dataset(ref.version).schema.names:
+            raise RuntimeError(f"{self.table.uri} has no `soundtrack` column for this run's sounding clips (it was "
+                               "made by a pixrl that kept soundtracks only in the latents); start a new run (`pixrl train --run NEW`)")
 
     ORDER = ["group_id", "sample_index"]  # with sample_id: generation order (reward.overlap)
 
