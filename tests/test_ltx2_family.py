@@ -114,6 +114,7 @@ def test_schedule_is_the_pipelines_shift_of_the_video_tokens(family):
     (3.0, "worst quality, blurry", {}),  # every term: the pipeline's defaults
     (4.0, None, dict(audio_guidance_scale=5.0, guidance_rescale=0.0, modality_scale=2.0, audio_modality_scale=1.5,
                      stg_scale=0.5, audio_stg_scale=2.0)),
+    (1.0, None, {**NO_EXTRA_PASSES, "motion_speed": 0.5}),  # the rotary time axis at frame_rate / motion_speed
 ])
 def test_ode_sampling_of_both_streams_equals_the_pipeline(tiny, cfg, negative, terms):
     fam = _load(tiny[0], **terms)
@@ -139,14 +140,15 @@ def test_ltx20_without_perturbable_attention_equals_the_pipeline(tiny20):
 
 
 def test_each_guidance_term_acts_on_its_stream(tiny, family):
-    """Controls: the perturbed and isolated passes change the velocity; the audio scales move
-    only the audio stream's velocity, the video ones only the video stream's."""
+    """Controls: the perturbed and isolated passes and the motion speed change the velocity; the
+    audio scales move only the audio stream's velocity, the video ones only the video stream's."""
     x = torch.randn(2, *family.latent_shape(), generator=torch.Generator().manual_seed(0))
     t, cond, neg = torch.tensor([700.0]), family.encode_prompts(PROMPTS), family.encode_negative("").expand(2)
     base = family.velocity(x, t, cond, 3.0, neg)
     n_video = family.latent_shape()[0] - 9
     for terms, moved in [(dict(stg_scale=0.0, audio_stg_scale=0.0), "both"), (dict(modality_scale=1.0, audio_modality_scale=1.0), "both"),
-                         (dict(audio_guidance_scale=2.0), "audio"), (dict(guidance_rescale=0.1), "video")]:
+                         (dict(audio_guidance_scale=2.0), "audio"), (dict(guidance_rescale=0.1), "video"),
+                         (dict(motion_speed=0.5), "both")]:
         other = _load(tiny[0], **terms).velocity(x, t, cond, 3.0, neg)
         dv = (other[:, :n_video] - base[:, :n_video]).abs().max().item()
         da = (other[:, n_video:] - base[:, n_video:]).abs().max().item()

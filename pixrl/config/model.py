@@ -73,6 +73,9 @@ class ModelConfig(_Section):
                                            "(prior tokens dropped in the unconditional pass); None: 1.5")
     decoder_seed: int | None = Field(None, ge=0, description="glm_image_ar: the seed from which each prompt's "
                                      "decoder noise is drawn (with a digest of the prompt); None: 0")
+    motion_speed: float | None = Field(None, gt=0, description="LTX-2 (ltx2, ltx2_i2v): the speed of the motion "
+                                       "relative to real time — the rotary time axis reads frame_rate / motion_speed "
+                                       "(0.2: 5× slow motion, as the Slow-Motion-Control LoRA); None: 1")
     image_crf: int | None = Field(None, ge=0, le=51, description="LTX-2 image-to-video (ltx2_i2v): the H.264 CRF "
                                   "the source is re-compressed at before it is encoded, as LTX-2 was trained; "
                                   "0: not re-compressed; None: the pipeline's (33 for Gemma-3 checkpoints)")
@@ -91,6 +94,6 @@ class ModelConfig(_Section):
         """The settings only some families read, as `Family.load` keywords: those that are set."""
         keys = ("expert", "guidance_scale_2", "cfg_normalization", "shift", "frame_rate", "decode_timestep",
                 "decode_noise_scale", "prior_seed",
-                "decoder_steps", "decoder_guidance", "decoder_seed", "image_crf")
+                "decoder_steps", "decoder_guidance", "decoder_seed", "image_crf", "motion_speed")
         out = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
         return out | self.av_guidance.model_dump(exclude_none=True)

@@ -19,8 +19,9 @@ to a velocity. The pipeline's defaults are the family's (`model.av_guidance` set
 
 Decode: the video stream as LTX-Video's (per clip, `decode_timestep`/`decode_noise_scale` for a
 timestep-conditioned VAE); the soundtrack with `decode_audio` (waveforms at the vocoder's rate).
-The clip's frame rate sets the soundtrack's length and the rotary time axis (`model.frame_rate`,
-the pipeline's 24; its `motion_speed` is 1 here).
+The clip's frame rate sets the soundtrack's length and, divided by `model.motion_speed` (the
+pipeline's conditioning frame rate: below 1 conditions on a higher rate, so motion plays slower —
+0.2 for the Slow-Motion-Control LoRA), the rotary time axis (`model.frame_rate`, the pipeline's 24).
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ class LTX2Family(LTXVideoFamily):
     options = {**LTXVideoFamily.options,
                "frame_rate": "frames per second of the clip: its soundtrack's length and the rotary time axis "
                              "(the pipeline's 24)",
+               "motion_speed": "speed of the motion relative to real time: the rotary time axis reads frame_rate / "
+                               "motion_speed (the pipeline's 1)",
                "audio_guidance_scale": "CFG scale of the audio stream when CFG runs (the pipeline's 7)",
                "guidance_rescale": "x0 guidance rescale of the video stream (the pipeline's 0.7)",
                "audio_guidance_rescale": "x0 guidance rescale of the audio stream (the pipeline's 0.7)",
@@ -98,11 +101,15 @@ class LTX2Family(LTXVideoFamily):
                "modality_scale": "modality-isolation guidance scale of the video stream (the pipeline's 3; 1: off)",
                "audio_modality_scale": "modality-isolation guidance scale of the audio stream (the pipeline's 3)"}
 
-    def __init__(self, pipe, *args, frame_rate: float = 24.0, audio_guidance_scale: float = 7.0,
-                 guidance_rescale: float = 0.7, audio_guidance_rescale: float = 0.7, stg_scale: float = 1.0,
-                 audio_stg_scale: float = 1.0, stg_blocks=(28,), modality_scale: float = 3.0,
+    def __init__(self, pipe, *args, frame_rate: float = 24.0, motion_speed: float = 1.0,
+                 audio_guidance_scale: float = 7.0, guidance_rescale: float = 0.7, audio_guidance_rescale: float = 0.7,
+                 stg_scale: float = 1.0, audio_stg_scale: float = 1.0, stg_blocks=(28,), modality_scale: float = 3.0,
                  audio_modality_scale: float = 3.0, **kwargs):
         super().__init__(pipe, *args, frame_rate=frame_rate, **kwargs)
+        if motion_speed <= 0:
+            raise ModelLoadError(f"model.motion_speed={motion_speed}: must be positive (1: real time; 0.2: 5× slow motion)")
+        self.motion_speed = float(motion_speed)
+        self.rope_fps = self.frame_rate / self.motion_speed  # the pipeline's conditioning frame rate
         # the pipeline's rule: an unset (or zero) audio setting takes the video one
         self.video_guidance = StreamGuidance(1.0, float(stg_scale), float(modality_scale), float(guidance_rescale))
         self.audio_guidance = StreamGuidance(float(audio_guidance_scale), float(audio_stg_scale or stg_scale),
@@ -129,7 +136,8 @@ class LTX2Family(LTXVideoFamily):
         return 512, 768  # the pipeline's default clip
 
     def describe(self) -> dict:
-        return {**super().describe(), "audio_tokens": self.audio_shape[0], "stg_blocks": self.stg_blocks,
+        return {**super().describe(), "audio_tokens": self.audio_shape[0], "motion_speed": self.motion_speed,
+                "stg_blocks": self.stg_blocks,
                 "stg_active": self._stg_active(),  # the video stream's CFG scale is sampling.guidance_scale
                 "video_guidance": {k: v for k, v in vars(self.video_guidance).items() if k != "cfg"},
                 "audio_guidance": vars(self.audio_guidance)}
@@ -219,7 +227,7 @@ class LTX2Family(LTXVideoFamily):
         b = xv.shape[0]
         sigma = (t.float() / self.scheduler.config.num_train_timesteps).view(b, 1, 1)
         f, h, w = self._video_grid()  # the positions every pass of this step reads
-        coords = (self.transformer.rope.prepare_video_coords(b, f, h, w, xv.device, fps=self.frame_rate),
+        coords = (self.transformer.rope.prepare_video_coords(b, f, h, w, xv.device, fps=self.rope_fps),
                   self.transformer.audio_rope.prepare_audio_coords(b, xa.shape[1], xv.device))
 
         def x0(c_, **kw):  # one DiT pass, then the pipeline's `convert_velocity_to_x0` per stream
@@ -248,7 +256,7 @@ class LTX2Family(LTXVideoFamily):
             encoder_hidden_states=cond.video.to(dtype), audio_encoder_hidden_states=cond.audio.to(dtype),
             timestep=t if video_t is None else video_t, audio_timestep=None if video_t is None else t, sigma=t,
             encoder_attention_mask=cond.mask, audio_encoder_attention_mask=cond.mask,
-            num_frames=f, height=h, width=w, fps=self.frame_rate, audio_num_frames=xa.shape[1],
+            num_frames=f, height=h, width=w, fps=self.rope_fps, audio_num_frames=xa.shape[1],
             video_coords=coords[0], audio_coords=coords[1], isolate_modalities=isolate,
             spatio_temporal_guidance_blocks=stg_blocks, perturbation_mask=None, use_cross_timestep=True,
             return_dict=False)
