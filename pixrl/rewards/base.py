@@ -94,7 +94,7 @@ def group_keys(prompts: list[str], sample_ids: list[str]) -> list[str]:
 
 
 def _builtin() -> None:
-    from . import (aesthetic, brisque, clap, clip_score, diversity, editreward, hpsv2, hpsv3, image_similarity,  # noqa: F401
+    from . import (aesthetic, audiobox_aesthetics, brisque, clap, clip_score, diversity, editreward, hpsv2, hpsv3, image_similarity,  # noqa: F401
                    imagereward, jpeg, nsfw, ocr, pairwise_judge, people, pickscore, remote, shapes, temporal,
                    unified_reward, videoalign, vlm_judge)
 
