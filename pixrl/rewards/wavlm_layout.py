@@ -1,4 +1,4 @@
-"""Audiobox Aesthetics' released checkpoint (facebook/audiobox-aesthetics: `config.json` + 
+"""Audiobox Aesthetics' released checkpoint (facebook/audiobox-aesthetics: `config.json` +
 `model.safetensors` as its `AesMultiOutput` saves them) read into transformers' WavLMModel: its
 encoder is the original WavLM Base+ implementation (fairseq names), which transformers' WavLM
 ports layer for layer — the key renames below, the same weights. The heads (one MLP per axis and a
