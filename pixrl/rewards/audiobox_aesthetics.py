@@ -122,19 +122,25 @@ class AudioboxAesthetics(Reward):
         self.layer_weights = {a: torch.softmax(layer_weights[a].float(), -1).to(device) for a in AXES}
 
     def score(self, images, prompts, metadata):
-        per_clip = [self.clip_axes(*read_wav(m["soundtrack"])) for m in metadata]
-        out = {f"{self.name}.{a.lower()}": np.array([c[a] for c in per_clip], np.float32) for a in AXES}
-        out[self.name] = np.mean([out[f"{self.name}.{a.lower()}"] for a in self.axes], axis=0).astype(np.float32)
-        return out
-
-    def clip_axes(self, wave: np.ndarray, rate: int) -> dict[str, float]:
-        """One soundtrack's four axes: its windows' predictions weighted by their unpadded share."""
-        wins, masks, shares = windows(to_mono_at(wave, rate, RATE))
+        """Every clip's windows in batches of `batch_size` windows (across clips), then each clip's
+        axes as its windows' mean weighted by their unpadded share."""
+        parts = [windows(to_mono_at(*read_wav(m["soundtrack"]), RATE)) for m in metadata]
+        wins = np.concatenate([p[0] for p in parts])
+        masks = np.concatenate([p[1] for p in parts])
+        owner = np.concatenate([np.full(len(p[0]), i) for i, p in enumerate(parts)])
+        shares = np.concatenate([p[2] for p in parts])
         preds = {a: [] for a in AXES}
         for s in range(0, len(wins), self.batch_size):
             for a, v in self.predict(wins[s:s + self.batch_size], masks[s:s + self.batch_size]).items():
                 preds[a].append(v)
-        return {a: float(np.sum(np.concatenate(preds[a]) * shares) / shares.sum()) for a in AXES}
+        out = {}
+        for a in AXES:
+            v = np.concatenate(preds[a]) * shares
+            per_clip = np.bincount(owner, weights=v, minlength=len(parts)) / np.bincount(owner, weights=shares,
+                                                                                           minlength=len(parts))
+            out[f"{self.name}.{a.lower()}"] = per_clip.astype(np.float32)
+        out[self.name] = np.mean([out[f"{self.name}.{a.lower()}"] for a in self.axes], axis=0).astype(np.float32)
+        return out
 
     @torch.no_grad()
     def predict(self, wins: np.ndarray, masks: np.ndarray) -> dict[str, np.ndarray]:
