@@ -54,6 +54,7 @@ def test_registered_and_selected_by_name(tiny, family):
     assert get_family("ltx2_i2v") is LTX2I2VFamily and LTX2I2VFamily.needs_images
     assert family_of_directory(tiny[0]) == "ltx2"  # the released layout: text-to-video by default
     assert family.frame_tokens == 16 and family.image_crf == 33  # a Gemma-3 checkpoint: the pipeline's CRF
+    assert _load(tiny[0], text_towers=False).image_crf == 33  # a trainer rank reads it from the checkpoint
 
 
 def test_first_frame_tokens_are_the_pipelines_encoding_of_the_recompressed_source(family, frames):

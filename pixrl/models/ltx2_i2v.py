@@ -66,10 +66,21 @@ class LTX2I2VFamily(LTX2Family):
         from diffusers.pipelines.ltx2.utils import resolve_default_image_crf
 
         super().__init__(pipe, *args, **kwargs)
-        self.image_crf = int(resolve_default_image_crf(pipe.text_encoder) if image_crf is None else image_crf)
+        encoder = pipe.text_encoder or self._text_encoder_config()  # (a rank loaded without its text towers)
+        self.image_crf = int(resolve_default_image_crf(encoder) if image_crf is None else image_crf)
         _, h, w = self._video_grid()
         p = pipe.transformer_spatial_patch_size
         self.frame_tokens = (h // p) * (w // p) * pipe.transformer_temporal_patch_size  # tokens of one latent frame
+
+    def _text_encoder_config(self):
+        """The checkpoint's text-encoder config as an object with `config.model_type` (what the
+        pipeline's CRF default reads), from its config.json."""
+        import json
+        from types import SimpleNamespace
+
+        cfg = Path(self.path) / "text_encoder" / "config.json"
+        model_type = json.loads(cfg.read_text()).get("model_type") if cfg.is_file() else None
+        return SimpleNamespace(config=SimpleNamespace(model_type=model_type))
 
     def describe(self) -> dict:
         return {**super().describe(), "image_crf": self.image_crf}
