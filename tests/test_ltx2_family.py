@@ -297,7 +297,8 @@ def _ray_worker_decode_writes_the_same_columns(out, workdir):
     cols = ["sample_id", "image", "poster", "soundtrack"]
     before = store.read(ref, out["run_id"], 1, cols)
     reads = store.fragment_reads(ref, out["run_id"], 1)
-    files, _ = RolloutWorker(cfg.model_dump(mode="json"), 0, 1).decode_rows(reads, "final_latent")
+    worker = RolloutWorker(cfg.model_dump(mode="json"), 0, torch.get_num_threads())  # (it sets this process's threads)
+    files, _ = worker.decode_rows(reads, "final_latent")
     after = store.read(store.commit_columns(reads, files), out["run_id"], 1, cols)
     assert lance.dataset(out["table_uri"]).version > ref.version and after.equals(before)
 
