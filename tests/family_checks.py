@@ -4,6 +4,7 @@ on-policy replay check (stored log-probs reproduced exactly, gradients reaching 
 
 from contextlib import contextmanager
 
+import pytest
 import torch
 
 from pixrl.algorithms.sampling import SamplerRecipe, replay_step, sample
@@ -153,3 +154,15 @@ def assert_final_frame_is_the_condition(family, cond, neg, scale: float) -> None
     assert (traj.next_latents[:, -1, :, :1] - cond.condition).abs().max().item() > 1e-3
     assert torch.equal(traj.final[:, :, :1], cond.condition.to(traj.final.dtype))
     assert torch.equal(traj.final[:, :, 1:], traj.next_latents[:, -1, :, 1:])
+
+
+def assert_needs_its_source_images(family, prompts: list[str], timestep: float) -> None:
+    """An image-conditioned family refuses prompts without a source image each, and a velocity
+    from prompts encoded without them, naming what it needs."""
+    from pixrl.models.source_images import SourceImageError
+
+    with pytest.raises(SourceImageError, match="every prompt needs a source image"):
+        family.encode_prompts(prompts, [None] * len(prompts))
+    with pytest.raises(SourceImageError, match="encoded without source images"):
+        family.velocity(torch.zeros((1, *family.latent_shape())), torch.tensor([timestep]),
+                        family.encode_prompts(prompts[:1]))

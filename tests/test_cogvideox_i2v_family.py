@@ -13,14 +13,14 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from conftest import two_iterations
-from family_checks import assert_replay_is_on_policy, gens
+from family_checks import assert_needs_its_source_images, assert_replay_is_on_policy, gens
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.artifacts.media import decode_media
 from pixrl.cli import app
 from pixrl.models.base import ModelLoadError
 from pixrl.models.cogvideox_i2v import CogVideoXI2VFamily
 from pixrl.models.registry import family_of_directory, get_family
-from pixrl.models.source_images import SourceImageError, source_pixels
+from pixrl.models.source_images import source_pixels
 
 PROMPTS = ["the red circle drifts to the right", "the camera zooms in"]
 
@@ -95,10 +95,7 @@ def test_replayed_log_probs_equal_stored_with_cfg(family, frames, sde_type, wind
 
 
 def test_refusals_name_the_fix(family, tmp_path):
-    with pytest.raises(SourceImageError, match="every prompt needs a source image"):
-        family.encode_prompts(PROMPTS, [None, None])
-    with pytest.raises(SourceImageError, match="encoded without source images"):
-        family.velocity(torch.zeros((1, *family.latent_shape())), torch.tensor([999.0]), family.encode_prompts(PROMPTS[:1]))
+    assert_needs_its_source_images(family, PROMPTS, 999.0)
 
 
 def test_a_learned_positions_checkpoint_runs_at_its_own_size(family, frames, posterior_mode, tmp_path):

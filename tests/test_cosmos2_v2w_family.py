@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from conftest import two_iterations
-from family_checks import (PassingGuardrail, assert_held_frame_is_parameter_free, assert_replay_is_on_policy,
+from family_checks import (assert_needs_its_source_images, PassingGuardrail, assert_held_frame_is_parameter_free, assert_replay_is_on_policy,
                            assert_rows_keep_their_frames_and_replay, gens, wide)
 from pixrl.algorithms.sampling import SamplerRecipe, initial_noise, sample
 from pixrl.artifacts.media import decode_media
 from pixrl.models.cosmos2_v2w import Cosmos2Video2WorldFamily
 from pixrl.models.registry import family_of_directory, get_family
-from pixrl.models.source_images import SourceImageError, source_pixels
+from pixrl.models.source_images import source_pixels
 
 PROMPTS = ["the red circle drifts to the right", "the camera zooms in"]
 
@@ -116,10 +116,7 @@ def test_replayed_log_probs_equal_stored_with_cfg(family, frames, sde_type, wind
 
 
 def test_refusals_name_the_fix(family):
-    with pytest.raises(SourceImageError, match="every prompt needs a source image"):
-        family.encode_prompts(PROMPTS, [None, None])
-    with pytest.raises(SourceImageError, match="encoded without source images"):
-        family.velocity(torch.zeros((1, *family.latent_shape())), torch.tensor([0.9]), family.encode_prompts(PROMPTS[:1]))
+    assert_needs_its_source_images(family, PROMPTS, 0.9)
 
 
 def test_two_rl_iterations_through_the_unchanged_flow(tiny_v2w, tmp_path, prefect_harness):

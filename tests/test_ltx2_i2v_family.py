@@ -12,12 +12,12 @@ import torch
 from PIL import Image
 
 from conftest import two_iterations
-from family_checks import assert_replay_is_on_policy, assert_rows_keep_their_frames_and_replay, gens
+from family_checks import assert_needs_its_source_images, assert_replay_is_on_policy, assert_rows_keep_their_frames_and_replay, gens
 from pixrl.algorithms.sampling import SamplerRecipe, initial_noise, sample
 from pixrl.artifacts.media import decode_media
 from pixrl.models.ltx2_i2v import LTX2I2VFamily
 from pixrl.models.registry import family_of_directory, get_family
-from pixrl.models.source_images import SourceImageError, source_pixels
+from pixrl.models.source_images import source_pixels
 
 PROMPTS = ["the red circle drifts to the right", "the camera zooms in"]
 
@@ -145,11 +145,7 @@ def test_replayed_log_probs_equal_stored_with_every_guidance_term(family, frames
 
 
 def test_refusals_name_the_fix(family):
-    with pytest.raises(SourceImageError, match="every prompt needs a source image"):
-        family.encode_prompts(PROMPTS, [None, None])
-    with pytest.raises(SourceImageError, match="encoded without source images"):
-        family.velocity(torch.zeros((1, *family.latent_shape())), torch.tensor([900.0]),
-                        family.encode_prompts(PROMPTS[:1]))
+    assert_needs_its_source_images(family, PROMPTS, 900.0)
 
 
 def test_two_rl_iterations_through_the_unchanged_flow(tiny, tmp_path, prefect_harness):

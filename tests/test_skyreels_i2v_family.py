@@ -13,14 +13,14 @@ import torch
 from PIL import Image
 
 from conftest import two_iterations
-from family_checks import assert_replay_is_on_policy, gens, wide
+from family_checks import assert_needs_its_source_images, assert_replay_is_on_policy, gens, wide
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.artifacts.media import decode_media
 from pixrl.engines.prompt_cache import PromptCache
 from pixrl.models.base import ModelLoadError
 from pixrl.models.registry import family_of_directory, get_family
 from pixrl.models.skyreels_i2v import SkyReelsI2VFamily
-from pixrl.models.source_images import SourceImageError, condition_keys, source_pixels
+from pixrl.models.source_images import condition_keys, source_pixels
 
 PROMPTS = ["the red circle drifts to the right", "the camera zooms in"]
 PIPELINE_MODULE = "diffusers.pipelines.hunyuan_video.pipeline_hunyuan_skyreels_image2video"
@@ -127,11 +127,7 @@ def test_a_trainer_rank_without_towers_replays_with_the_rollouts_encodings(tiny_
 
 
 def test_refusals_name_the_fix(family, tmp_path):
-    with pytest.raises(SourceImageError, match="every prompt needs a source image"):
-        family.encode_prompts(PROMPTS, [None, None])
-    with pytest.raises(SourceImageError, match="encoded without source images"):
-        family.velocity(torch.zeros((1, *family.latent_shape())), torch.tensor([900.0]),
-                        family.encode_prompts(PROMPTS[:1]))
+    assert_needs_its_source_images(family, PROMPTS, 900.0)
     from diffusers import HunyuanSkyreelsImageToVideoPipeline, HunyuanVideoTransformer3DModel
 
     t2v = HunyuanVideoTransformer3DModel.from_config({**family.transformer.config, "in_channels": 4})

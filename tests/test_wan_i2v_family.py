@@ -9,21 +9,20 @@ iterations through the unchanged flow (rows keep their first frames; `pixrl repl
 import io
 import json
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 from typer.testing import CliRunner
 
 from conftest import two_iterations
-from family_checks import assert_replay_is_on_policy, euler, gens, wide
+from family_checks import assert_needs_its_source_images, assert_replay_is_on_policy, euler, gens, wide
 from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.artifacts.media import decode_media
 from pixrl.cli import app
 from pixrl.engines.prompt_cache import PromptCache
 from pixrl.models.base import ModelLoadError
 from pixrl.models.registry import family_of_directory, get_family
-from pixrl.models.source_images import SourceImageError, condition_keys, source_pixels
+from pixrl.models.source_images import condition_keys, source_pixels
 from pixrl.models.wan_i2v import WanI2VFamily
 
 PROMPTS = ["the red circle drifts to the right", "the camera zooms in"]
@@ -127,11 +126,7 @@ def test_a_trainer_rank_without_towers_replays_with_the_rollouts_encodings(tiny_
 
 
 def test_refusals_name_the_fix(tiny_i2v, family, tiny_wan, tmp_path):
-    with pytest.raises(SourceImageError, match="every prompt needs a source image"):
-        family.encode_prompts(PROMPTS, [None, None])
-    x = torch.zeros((1, *family.latent_shape()))
-    with pytest.raises(SourceImageError, match="encoded without source images"):
-        family.velocity(x, torch.tensor([900.0]), family.encode_prompts(PROMPTS[:1]))
+    assert_needs_its_source_images(family, PROMPTS, 900.0)
     with pytest.raises(ModelLoadError, match="holds a WanPipeline, not a WanImageToVideoPipeline"):
         WanI2VFamily.load(tiny_wan[0], max_sequence_length=64, resolution=32, frames=5)
     family.pipe.register_to_config(expand_timesteps=True)  # Wan2.2-TI2V-5B's image-to-video

@@ -15,14 +15,14 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from conftest import two_iterations
-from family_checks import (assert_final_frame_is_the_condition, assert_held_frame_is_parameter_free,
+from family_checks import (assert_needs_its_source_images, assert_final_frame_is_the_condition, assert_held_frame_is_parameter_free,
                            assert_replay_is_on_policy, euler, gens, wide)
-from pixrl.algorithms.sampling import SamplerRecipe, replay_step, sample
+from pixrl.algorithms.sampling import SamplerRecipe, sample
 from pixrl.artifacts.media import decode_media
 from pixrl.cli import app
 from pixrl.models.base import ModelLoadError
 from pixrl.models.registry import family_of_directory, get_family
-from pixrl.models.source_images import SourceImageError, source_pixels
+from pixrl.models.source_images import source_pixels
 from pixrl.models.wan import WanFamily
 from pixrl.models.wan_ti2v import WanTI2VFamily
 
@@ -141,11 +141,7 @@ def test_replayed_log_probs_equal_stored_with_cfg(family, frames, sde_type, wind
 
 
 def test_refusals_name_the_fix(family, tmp_path_factory):
-    with pytest.raises(SourceImageError, match="every prompt needs a source image"):
-        family.encode_prompts(PROMPTS, [None, None])
-    x = torch.zeros((1, *family.latent_shape()))
-    with pytest.raises(SourceImageError, match="encoded without source images"):
-        family.velocity(x, torch.tensor([900.0]), family.encode_prompts(PROMPTS[:1]))
+    assert_needs_its_source_images(family, PROMPTS, 900.0)
     t2v = tmp_path_factory.mktemp("ckpt") / "wan21"
     WanFamily.write_tiny(t2v, seed=0)
     with pytest.raises(ModelLoadError, match="Wan2.2-TI2V-5B.*model.family=wan.*model.family=wan_i2v"):

@@ -190,14 +190,20 @@ class LocalEngine:
         return self._cot_server
 
     # --- decode and score ---------------------------------------------------------------------
+    def _decode_batches(self, final_latents: np.ndarray):
+        """(first row, latents on the family's device) of each decode batch (a video VAE decodes a
+        few clips at a time: `decode_batch`)."""
+        fam = self.policy.family
+        lat = torch.from_numpy(np.array(final_latents)).to(fam.device)
+        n = getattr(fam, "decode_batch", 64)
+        return [(i, lat[i:i + n]) for i in range(0, len(lat), n)]
+
     def decode(self, final_latents: np.ndarray, prompts: list[str] | None = None) -> np.ndarray:
         """Final latents (or a token family's image tokens) → uint8 images/clips; `prompts` for a
         family whose decoder reads them."""
         fam = self.policy.family
-        lat = torch.from_numpy(np.array(final_latents)).to(fam.device)
-        n = getattr(fam, "decode_batch", 64)  # a video VAE decodes a few clips at a time
-        return np.concatenate([decode_images(fam, lat[i:i + n], None if prompts is None else prompts[i:i + n])
-                               for i in range(0, len(lat), n)])
+        return np.concatenate([decode_images(fam, lat, None if prompts is None else prompts[i:i + len(lat)])
+                               for i, lat in self._decode_batches(final_latents)])
 
     def soundtracks(self, final_latents: np.ndarray) -> list[bytes] | None:
         """Each clip's soundtrack as a 16-bit WAV, for a family whose clips have sound (`audio`:
@@ -205,10 +211,9 @@ class LocalEngine:
         fam = self.policy.family
         if not getattr(fam, "audio", False):
             return None
-        lat = torch.from_numpy(np.array(final_latents)).to(fam.device)
-        n, out = getattr(fam, "decode_batch", 64), []
-        for i in range(0, len(lat), n):
-            waves, rate = fam.decode_audio(lat[i:i + n])
+        out = []
+        for _, lat in self._decode_batches(final_latents):
+            waves, rate = fam.decode_audio(lat)
             out += [wav_bytes(w, rate) for w in waves]
         return out
 
