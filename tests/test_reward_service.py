@@ -84,7 +84,9 @@ def test_served_scores_equal_in_process_scores(server, batch):
         assert np.array_equal(remote[f"remote.{key}"], local[key])
     import httpx
 
-    assert httpx.get(f"{server}/health").json() == {"status": "ok", "rewards": {"shapes": 1.0, "jpeg_compressibility": 0.5}}
+    health = httpx.get(f"{server}/health").json()
+    assert health["rewards"] == {"shapes": 1.0, "jpeg_compressibility": 0.5}
+    assert health["takes"] == {"shapes": "image", "jpeg_compressibility": "image"} and health["groupwise"] == []
     raw = _remote(server, batch=3, payload="npz").score(images, prompts, meta)  # raw arrays: lossless too
     assert all(np.array_equal(raw[k], remote[k]) for k in remote)
 

@@ -43,7 +43,8 @@ class Reward(ABC):
     device: str = "cpu"
     ready: bool = False
     # "image": frame-wise on clips (mean over frames); "clip": whole clips only; "soundtrack": whole
-    # clips with their soundtracks (metadata "soundtrack")
+    # clips with their soundtracks (metadata "soundtrack"); "media": whatever the family makes,
+    # whole (a reward served elsewhere, whose own RewardSet splits clips per reward)
     takes: str = "image"
     groupwise: bool = False  # scores samples against their group's others: score(..., groups=keys)
     #: the parts it also stores as `<name>.<part>` that reward.advantage_weights may weigh apart
@@ -65,6 +66,16 @@ class Reward(ABC):
         except ImportError as exc:
             raise ScoringError(f"the {self.name} reward needs {', '.join(self.requires)} ({exc.name} is missing); "
                                f"install them with `pip install 'pixrl[{self.extra}]'`") from None
+
+    def connect(self) -> None:
+        """Learn, before a run starts, what a reward scored elsewhere does (`scorers`, `components`,
+        `groupwise`); ValueError naming the server and the fix when it cannot. Nothing to learn for a
+        reward scored here."""
+
+    def scorers(self) -> dict[str, str]:
+        """{name: takes} of what scores under this reward: itself (a served set: each served
+        reward, as `<name>.<served>`, once `connect` has learnt them)."""
+        return {self.name: self.takes}
 
     def setup(self, device: str = "cpu") -> None:
         """Load whatever the scorer needs onto `device` (rule-based scorers need nothing)."""

@@ -61,6 +61,12 @@ class RewardSet:
         out["reward"] = total
         return out
 
+    def connect(self) -> None:
+        """Before a run starts: what every reward scored elsewhere (`remote`) scores, from its
+        server — so the checks below see the served rewards, not the client."""
+        for r in self.rewards.values():
+            r.connect()
+
     def check_installed(self) -> None:
         """Refuse, before a run starts, a reward whose scorer's packages are not installed."""
         import importlib.util
@@ -91,12 +97,14 @@ class RewardSet:
 
     def check_media(self, video: bool, audio: bool = False) -> None:
         """Refuse, before a run starts, a clip-only reward on a family that makes images, a
-        soundtrack reward on a family whose clips are silent, a group reward on clips."""
-        clip_only = [n for n, r in self.rewards.items() if r.takes == "clip"]
+        soundtrack reward on a family whose clips are silent, a group reward on clips (served
+        rewards by their own names, after `connect`)."""
+        takes = {n: t for r in self.rewards.values() for n, t in r.scorers().items()}
+        clip_only = [n for n, t in takes.items() if t == "clip"]
         if clip_only and not video:
             raise ValueError(f"reward(s) {clip_only} score clips, and this model family makes images; remove them "
                              "from reward.weights or choose a video family")
-        hearing = [n for n, r in self.rewards.items() if r.takes == "soundtrack"]
+        hearing = [n for n, t in takes.items() if t == "soundtrack"]
         if hearing and not audio:
             raise ValueError(f"reward(s) {hearing} score a clip's soundtrack, and this model family makes no sound; "
                              "remove them from reward.weights or choose a family whose clips have sound (ltx2)")
@@ -109,8 +117,9 @@ class RewardSet:
     def _score_one(reward: Reward, images: np.ndarray, prompts: list[str], metadata: list[dict],
                    groups: list[str] | None = None) -> dict:
         """One reward's scores: clips go whole to a clip reward and to a soundtrack reward (whose
-        samples' metadata must hold their `soundtrack`); an image reward scores every frame and each
-        key is averaged over the clip's frames; a group reward gets the groups."""
+        samples' metadata must hold their `soundtrack`) and to a served set (`media`); an image reward
+        scores every frame and each key is averaged over the clip's frames; a group reward gets the
+        groups."""
         if reward.groupwise:
             if images.ndim != 4:
                 raise ScoringError(f"scorer {reward.name!r} compares images [B, H, W, 3]; got {images.shape}")
@@ -129,7 +138,7 @@ class RewardSet:
                                    f"(prompt {prompts[silent[0]]!r}); decode writes them for a family whose clips "
                                    f"have sound (ltx2)")
             return reward.score(images, prompts, metadata)
-        if images.ndim == 4 or reward.takes == "clip":
+        if images.ndim == 4 or reward.takes in ("clip", "media"):
             if images.ndim == 4 and reward.takes == "clip":
                 raise ScoringError(f"scorer {reward.name!r} scores clips [B, F, H, W, 3]; got images {images.shape}")
             return reward.score(images, prompts, metadata)

@@ -6,6 +6,14 @@ ScoringError names the URL and the cause, and the score stage writes nothing.
 
 `groups=true`: the served set holds a group reward (`pairwise_judge`): requests carry whole groups
 and each sample's group key, and the stages hand this reward whole groups.
+
+It takes whatever the family makes, whole (`takes = "media"`): images, or clips with their
+soundtracks in the metadata — the service's own RewardSet scores a clip frame-wise for an image
+reward, whole for a clip or soundtrack reward, exactly as in process. Before a run (`connect`) it
+asks the service's /health what each served reward takes, which components it stores and whether
+one is a group reward, so preflight refuses a served clip reward on an image family, a served
+soundtrack reward on a silent one, `groups` that disagree with the served set, and
+reward.advantage_weights naming a score the service does not store — before anything is written.
 """
 
 from __future__ import annotations
@@ -15,12 +23,14 @@ import os
 import numpy as np
 
 from .base import Reward, ScoringError, register_reward
-from .http_post import post_json
+from .http_post import detail, post_json
 from .wire import encode_batch
 
 
 @register_reward("remote")
 class RemoteReward(Reward):
+    takes = "media"
+
     def __init__(self, url: str = "", token: str = "", token_env: str = "PIXRL_REWARD_TOKEN", timeout: float = 300.0,
                  retries: int = 4, backoff: float = 1.0, batch: int = 32, payload: str = "png", groups: bool = False):
         if not url.startswith(("http://", "https://")):
@@ -34,6 +44,40 @@ class RemoteReward(Reward):
         self.groupwise = bool(groups)
         self.token = token or os.environ.get(token_env, "")
         self.client = None
+        self.served: dict[str, str] = {}  # served reward → what it takes, once connected
+
+    def connect(self) -> None:
+        health = self._health()
+        if not isinstance(health.get("takes"), dict):
+            raise ValueError(f"reward remote: the service at {self.url} does not say what its rewards take (an older "
+                             f"`pixrl reward-serve`); restart it with this version of pixrl")
+        self.served = {str(n): str(t) for n, t in health["takes"].items()}
+        self.components = tuple(self.served) + tuple(f"{n}.{c}" for n, cs in health.get("components", {}).items()
+                                                     for c in cs)
+        paired = list(health.get("groupwise", []))
+        if paired and not self.groupwise:
+            raise ValueError(f"reward remote: the service at {self.url} serves group reward(s) {paired}, which compare "
+                             f"the samples of a group; set reward.options.remote.groups=true so requests carry whole "
+                             f"groups")
+        if self.groupwise and not paired:
+            raise ValueError(f"reward remote: groups=true, and the service at {self.url} serves no group reward "
+                             f"({', '.join(self.served)}); unset reward.options.remote.groups")
+
+    def _health(self) -> dict:
+        import httpx
+
+        fix = "start it with `pixrl reward-serve`, or fix reward.options.remote.url"
+        try:
+            r = httpx.get(f"{self.url}/health", timeout=min(self.timeout, 30.0))
+        except httpx.TransportError as exc:
+            raise ValueError(f"reward remote: no reward service answers at {self.url} ({type(exc).__name__}: "
+                             f"{exc}); {fix}") from None
+        if r.status_code != 200:
+            raise ValueError(f"reward remote: {self.url}/health answered HTTP {r.status_code} {detail(r)}; {fix}")
+        return r.json()
+
+    def scorers(self) -> dict[str, str]:
+        return {f"{self.name}.{n}": t for n, t in self.served.items()} or super().scorers()
 
     def setup(self, device: str = "cpu") -> None:
         import httpx

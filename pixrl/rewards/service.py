@@ -1,6 +1,8 @@
 """`pixrl reward-serve`: a reward set behind HTTP, so that model-based scorers live in their own
 process (or on their own GPU, or machine) and every run reaches them — as every seed system
-serves rewards. `GET /health` names the rewards; `POST /score` takes the wire format of
+serves rewards. `GET /health` names the rewards with their weights, what each takes (image,
+clip, soundtrack), the components each stores and the group rewards — what a client's preflight
+checks a run against; `POST /score` takes the wire format of
 rewards/wire.py and returns every component, exactly what RewardSet.score returns in process.
 
 A bearer token (when set) guards /score (401 without it); a body over the size limit is refused
@@ -154,7 +156,9 @@ def build_app(rewards: RewardSet, token: str | None = None, max_bytes: int = 64 
 
     @app.get("/health")
     def health() -> dict:
-        return {"status": "ok", "rewards": rewards.weights}
+        return {"status": "ok", "rewards": rewards.weights, "takes": {n: r.takes for n, r in rewards.rewards.items()},
+                "components": {n: list(r.components) for n, r in rewards.rewards.items()},
+                "groupwise": [n for n, r in rewards.rewards.items() if r.groupwise]}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     def metrics() -> str:

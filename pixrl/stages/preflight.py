@@ -74,10 +74,12 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
 
 
 def check_rewards(cfg: ExperimentConfig, family, algo, items) -> None:
-    """The configured rewards: installed, able to score this family's media and these prompts,
-    storing every score the algorithm and reward.advantage_weights read, whole groups for a group
-    reward (in rollouts and in the held-out evaluation)."""
+    """The configured rewards (a served set's as its server describes it): installed, able to score
+    this family's media and these prompts, storing every score the algorithm and
+    reward.advantage_weights read, whole groups for a group reward (in rollouts and in the
+    held-out evaluation)."""
     rewards = RewardSet(cfg.reward.weights, cfg.reward.options)
+    rewards.connect()
     rewards.check_media(getattr(family, "video", False), getattr(family, "audio", False))
     if rewards.groupwise:
         check_group_scoring(cfg, [n for n, r in rewards.rewards.items() if r.groupwise])
