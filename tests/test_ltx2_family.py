@@ -50,13 +50,13 @@ def family(tiny):
     return _load(tiny[0])
 
 
-def _pipeline(fam, x, cfg: float, negative: str | None = None, output_type: str = "latent", **terms):
+def _pipeline(fam, x, cfg: float, negative: str | None = None, output_type: str = "latent", steps: int = 6, **terms):
     """LTX2Pipeline from the joint initial latents `x` (its video tokens as packed latents; its
     audio tokens un-normalised, as the pipeline normalises given audio latents); the pipeline's
     defaults for every guidance term not in `terms`."""
     xv, xa = fam.split(x)
     avae = fam.pipe.audio_vae
-    return fam.pipe(prompt=PROMPTS, negative_prompt=negative, height=64, width=64, num_frames=9, num_inference_steps=6,
+    return fam.pipe(prompt=PROMPTS, negative_prompt=negative, height=64, width=64, num_frames=9, num_inference_steps=steps,
                     guidance_scale=cfg, audio_guidance_scale=terms.pop("audio_guidance_scale", 7.0 if cfg > 1 else 1.0),
                     latents=xv, audio_latents=xa * avae.latents_std + avae.latents_mean, max_sequence_length=32,
                     frame_rate=fam.frame_rate, output_type=output_type, spatio_temporal_guidance_blocks=[1], **terms)
@@ -125,6 +125,24 @@ def test_ode_sampling_of_both_streams_equals_the_pipeline(tiny, cfg, negative, t
     assert video.shape == ref_video.shape == (2, 8, 3, 4, 4) and audio.shape == ref.audio.shape == (2, 2, 9, 4)
     assert (video - ref_video).abs().max().item() <= 1e-5
     assert (audio - ref.audio).abs().max().item() <= 1e-5
+
+
+def test_the_distilled_sampling_equals_the_pipeline_given_its_sigmas(tiny):
+    """LTX-2 distilled as its makers sample it: 8 steps on DISTILLED_SIGMA_VALUES, one DiT pass a
+    step (no CFG on either stream, no extra guidance pass) — model/ltx2_19b_distilled."""
+    from diffusers.pipelines.ltx2.utils import DISTILLED_SIGMA_VALUES
+
+    terms = {**NO_EXTRA_PASSES, "audio_guidance_scale": 1.0}
+    fam = _load(tiny[0], sigmas=DISTILLED_SIGMA_VALUES, **terms)
+    traj = sample(fam, fam.encode_prompts(PROMPTS), None, gens((3, 4)), SamplerRecipe(8, 0.0, train_steps=()))
+    ref = _pipeline(fam, initial_noise(gens([3, 4]), fam.latent_shape()), 1.0, steps=8, sigmas=DISTILLED_SIGMA_VALUES,
+                    **terms)
+    video, audio = _streams(fam, traj.final)
+    ref_video = fam.pipe._normalize_latents(ref.frames, fam.vae.latents_mean, fam.vae.latents_std)
+    assert (video - ref_video).abs().max().item() <= 1e-5 and (audio - ref.audio).abs().max().item() <= 1e-5
+    plain = sample(_load(tiny[0], **terms), fam.encode_prompts(PROMPTS), None, gens((3, 4)),
+                   SamplerRecipe(8, 0.0, train_steps=()))  # the pipeline's linspace grid at 8 steps
+    assert (plain.final - traj.final).abs().max().item() > 1e-3
 
 
 def test_ltx20_without_perturbable_attention_equals_the_pipeline(tiny20):
@@ -324,6 +342,9 @@ def test_the_presets():
     assert m.family_options() == {"frame_rate": 24.0, "stg_scale": 0.0, "audio_stg_scale": 0.0, "modality_scale": 1.0,
                                   "audio_modality_scale": 1.0}
     assert cfg.sampling.guidance_scale == 3.0 and cfg.algorithm.lora.enabled and m.offload_text_encoders
+    distilled = load_config("ltx2_distilled_video", ["model.path=/x"])
+    assert len(distilled.model.sigmas) == distilled.sampling.steps == distilled.sampling.eval_steps == 8
+    assert distilled.sampling.guidance_scale == 1.0 and distilled.model.family_options()["audio_guidance_scale"] == 1.0
     av = load_config("ltx2_av", ["model.path=/x", "dataset.path=/p.txt"])
     assert av.model.family == "ltx2" and av.reward.weights == {"hpsv2": 1.0, "temporal_consistency": 0.5,
                                                                 "clap_score": 1.0}

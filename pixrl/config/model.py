@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from .sampling import _Section
 
@@ -81,6 +81,18 @@ class ModelConfig(_Section):
                                   "0: not re-compressed; None: the pipeline's (33 for Gemma-3 checkpoints)")
     av_guidance: AudioVideoGuidance = Field(default_factory=AudioVideoGuidance,
                                             description="LTX-2 (ltx2, ltx2_i2v): its guidance terms beside CFG")
+    sigmas: list[float] | None = Field(None, min_length=1, description="the sampling grid's noise levels before the "
+                                       "scheduler's shift, as the pipeline's `sigmas=` takes them — a distilled "
+                                       "checkpoint's schedule (LTX-2's 8 DISTILLED_SIGMA_VALUES); sampling.steps and "
+                                       "sampling.eval_steps equal its length; None: the pipeline's linspace(1, 1/T, T)")
+
+    @field_validator("sigmas")
+    @classmethod
+    def _decreasing_noise_levels(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and (any(not 0 < s <= 1 for s in v) or any(a <= b for a, b in zip(v, v[1:]))):
+            raise ValueError(f"model.sigmas={v}: noise levels in (0, 1], strictly decreasing (the grid ends at 0 "
+                             f"by itself), e.g. [1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875]")
+        return v
 
     def size(self) -> int | tuple[int | None, int | None] | None:
         """What a family loads with (`Family.load(resolution=...)`): model.resolution's square
@@ -94,6 +106,6 @@ class ModelConfig(_Section):
         """The settings only some families read, as `Family.load` keywords: those that are set."""
         keys = ("expert", "guidance_scale_2", "cfg_normalization", "shift", "frame_rate", "decode_timestep",
                 "decode_noise_scale", "prior_seed",
-                "decoder_steps", "decoder_guidance", "decoder_seed", "image_crf", "motion_speed")
+                "decoder_steps", "decoder_guidance", "decoder_seed", "image_crf", "motion_speed", "sigmas")
         out = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
         return out | self.av_guidance.model_dump(exclude_none=True)

@@ -67,7 +67,7 @@ class LocalEngine:
         return {"family": fam.name, "semantics": fam.semantics, "latent_shape": tuple(fam.latent_shape()),
                 "video": bool(getattr(fam, "video", False)), "audio": bool(getattr(fam, "audio", False)),
                 "engine": "local", "torch": torch.__version__,
-                **fam.describe()}
+                **({"sigmas": fam.sigmas} if getattr(fam, "sigmas", None) is not None else {}), **fam.describe()}
 
     def use(self, policy: PolicySource) -> None:
         self.policy.load_version(policy.checkpoint_dir, policy.checkpoint_id, policy.ema)

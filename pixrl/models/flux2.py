@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .pipelines import PipelineFamily, encodes_text, to_uint8
+from .pipelines import SIGMAS_OPTION, PipelineFamily, encodes_text, to_uint8
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -59,6 +59,7 @@ class Flux2Conditioning:
 @register_family("flux2")
 class Flux2Family(PipelineFamily):
     name = "flux2"
+    options = SIGMAS_OPTION
     pipeline_class = "Flux2Pipeline"
     semantics = PolicySemantics(regime=Regime.full_sequence, step=PolicyStep.denoise, action=Action.continuous)
     guidance = "embedded"  # the scale is a transformer input; no negative prompt is encoded
@@ -132,7 +133,7 @@ class Flux2Family(PipelineFamily):
 
         _, h, w = self.latent_shape()
         sched = deepcopy(self.scheduler)
-        sigmas = None if sched.config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
+        sigmas = None if sched.config.get("use_flow_sigmas") else self.grid_sigmas(steps, np.linspace(1.0, 1 / steps, steps))
         sched.set_timesteps(steps, device=self.device, sigmas=sigmas, mu=compute_empirical_mu(h * w, steps))
         return sched.sigmas.float().clone(), sched.timesteps.float().clone()
 

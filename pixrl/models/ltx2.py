@@ -34,7 +34,7 @@ import torch
 
 from .base import ModelLoadError
 from .ltx_video import LTXVideoFamily
-from .pipelines import encodes_text
+from .pipelines import SIGMAS_OPTION, encodes_text
 from .registry import register_family
 
 __all__ = ["LTX2Conditioning", "LTX2Family", "StreamGuidance"]
@@ -86,7 +86,7 @@ class LTX2Family(LTXVideoFamily):
     unread_components = ("processor", "prompt_enhancer", "duration_head")
     audio = True  # the latent carries a soundtrack (`decode_audio`)
 
-    options = {**LTXVideoFamily.options,
+    options = {**LTXVideoFamily.options, **SIGMAS_OPTION,
                "frame_rate": "frames per second of the clip: its soundtrack's length and the rotary time axis "
                              "(the pipeline's 24)",
                "motion_speed": "speed of the motion relative to real time: the rotary time axis reads frame_rate / "

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .pipelines import PipelineFamily, dynamic_shift_mu, encodes_text, packed_grid
+from .pipelines import SIGMAS_OPTION, PipelineFamily, dynamic_shift_mu, encodes_text, packed_grid
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -56,7 +56,8 @@ class Lumina2Family(PipelineFamily):
     guidance = "cfg"
     cfg_truncation_by = "step"  # sampling.cfg_truncation as Lumina2Pipeline's cfg_trunc_ratio: (k + 1)/steps
     text_tokens = (1, 1024)  # the pipeline's 256 by default
-    options = {"cfg_normalization": "rescale the guided output to the conditional output's norm (the pipeline's "
+    options = {**SIGMAS_OPTION,
+               "cfg_normalization": "rescale the guided output to the conditional output's norm (the pipeline's "
                                     "default: true)"}
     # diffusers' Lumina2 LoRA training targets (train_dreambooth_lora_lumina2.py)
     lora_targets = ["to_k", "to_q", "to_v", "to_out.0"]
@@ -97,7 +98,8 @@ class Lumina2Family(PipelineFamily):
         from copy import deepcopy
 
         sched = deepcopy(self.scheduler)
-        sched.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), device=self.device, mu=self._mu())
+        sigmas = self.grid_sigmas(steps, np.linspace(1.0, 1 / steps, steps))
+        sched.set_timesteps(sigmas=sigmas, device=self.device, mu=self._mu())
         return sched.sigmas.float().clone(), sched.timesteps.float().clone()
 
     def velocity(self, x: torch.Tensor, timestep: torch.Tensor, cond: Lumina2Conditioning,

@@ -16,6 +16,11 @@ import torch
 from .base import ModelLoadError, check_layout, size_setting, torch_dtype
 
 
+#: `model.sigmas`, for the families whose pipeline takes `sigmas=` (declared in their `options`)
+SIGMAS_OPTION = {"sigmas": "the sampling grid's noise levels before the scheduler's shift, as the pipeline's "
+                           "`sigmas=` takes them (a distilled checkpoint's schedule)"}
+
+
 class PipelineFamily:
     """Base of the diffusers families: the loaded pipeline and its transformer, VAE and scheduler."""
 
@@ -44,9 +49,15 @@ class PipelineFamily:
     unread_components: tuple[str, ...] = ()
 
     def __init__(self, pipe, path: str, dtype: torch.dtype, max_sequence_length: int = 0,
-                 resolution: int | tuple[int | None, int | None] | None = None, frames: int | None = None):
-        """`resolution`: a square side, or (height, width) — an unset one the checkpoint's default."""
+                 resolution: int | tuple[int | None, int | None] | None = None, frames: int | None = None,
+                 sigmas: list[float] | None = None):
+        """`resolution`: a square side, or (height, width) — an unset one the checkpoint's default.
+        `sigmas`: model.sigmas (only families declaring SIGMAS_OPTION are given it)."""
         self.pipe, self.path, self.dtype = pipe, path, dtype
+        self.sigmas = None if sigmas is None else [float(s) for s in sigmas]
+        if self.sigmas is not None and pipe.scheduler.config.get("use_flow_sigmas"):
+            raise ModelLoadError(f"model.sigmas: the {type(pipe.scheduler).__name__} of {path!r} places its own "
+                                 f"sigmas (use_flow_sigmas), so the pipeline ignores them; unset model.sigmas")
         self.max_sequence_length, self.frames = max_sequence_length, frames
         self.transformer, self.vae, self.scheduler = getattr(pipe, self.denoiser), pipe.vae, pipe.scheduler
         h, w = resolution if isinstance(resolution, tuple) else (resolution, resolution)
@@ -145,6 +156,16 @@ class PipelineFamily:
     def size_setting(self) -> str:
         """The family's size as the config sets it, for messages."""
         return size_setting(self.height, self.width)
+
+    def grid_sigmas(self, steps: int, default):
+        """The noise levels the pipeline's `sigmas=` is given: model.sigmas when set (a distilled
+        checkpoint's schedule; `describe` records them), else `default` (the pipeline's own)."""
+        if self.sigmas is None:
+            return default
+        if len(self.sigmas) != steps:
+            raise ValueError(f"model.sigmas holds {len(self.sigmas)} noise levels and {steps} steps were asked; set "
+                             f"sampling.steps and sampling.eval_steps to {len(self.sigmas)}")
+        return list(self.sigmas)
 
     def set_shift(self, shift: float) -> None:
         """`model.shift`: the checkpoint's flow-matching grid under another fixed shift (DanceGRPO
@@ -289,7 +310,10 @@ def empty_transformer(path: Path, dtype: str, component: str = "transformer") ->
 class PackedLatentsFamily(PipelineFamily):
     """Families whose transformer reads 2×2-packed latents (FLUX.1, Qwen-Image): latents stay
     unpacked [C, H, W] for the sampler (C = the transformer's packed channels / 4), the schedule is
-    the pipelines' `linspace(1, 1/T, T)` sigmas with the dynamic shift of the packed sequence."""
+    the pipelines' `linspace(1, 1/T, T)` sigmas (or model.sigmas) with the dynamic shift of the
+    packed sequence."""
+
+    options = SIGMAS_OPTION
 
     def latent_shape(self) -> tuple[int, int, int]:
         h, w = packed_grid(self.height, self.width, self.pipe.vae_scale_factor)
@@ -308,7 +332,8 @@ class PackedLatentsFamily(PipelineFamily):
         if sched.config.get("use_flow_sigmas"):  # FluxPipeline then lets the scheduler place them
             sched.set_timesteps(steps, device=self.device, **kwargs)
         else:
-            sched.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), device=self.device, **kwargs)
+            sigmas = self.grid_sigmas(steps, np.linspace(1.0, 1 / steps, steps))
+            sched.set_timesteps(sigmas=sigmas, device=self.device, **kwargs)
         return sched.sigmas.float().clone(), sched.timesteps.float().clone()
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .base import ModelLoadError, torch_dtype
-from .pipelines import PipelineFamily, dynamic_shift_mu, encodes_text
+from .pipelines import SIGMAS_OPTION, PipelineFamily, dynamic_shift_mu, encodes_text
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -41,6 +41,7 @@ class SD3Family(PipelineFamily):
     """A loaded SD3-style model: what the shared denoise sampler and the trainer need."""
 
     name = "sd3"
+    options = SIGMAS_OPTION
     pipeline_class = "StableDiffusion3Pipeline"
     semantics = PolicySemantics(regime=Regime.full_sequence, step=PolicyStep.denoise, action=Action.continuous)
     # flow_grpo's LoRA targets for SD3 (attention projections of both streams)
@@ -54,9 +55,9 @@ class SD3Family(PipelineFamily):
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu",
              max_sequence_length: int = 256, resolution: int | tuple | None = None, frames: int | None = None,
-             trainable_device: str | None = None, text_towers: bool = True) -> "SD3Family":
+             trainable_device: str | None = None, text_towers: bool = True, **options) -> "SD3Family":
         return super().load(path, dtype, device, max_sequence_length, resolution, frames, trainable_device,
-                            text_towers)
+                            text_towers, **options)
 
     @staticmethod
     def resolution_multiple(pipe) -> int:
@@ -95,7 +96,10 @@ class SD3Family(PipelineFamily):
             _, h, w = self.latent_shape()
             patch = self.transformer.config.patch_size
             kwargs["mu"] = dynamic_shift_mu(sched, (h // patch) * (w // patch), max_shift=1.16)
-        sched.set_timesteps(steps, device=self.device, **kwargs)
+        if self.sigmas is None:
+            sched.set_timesteps(steps, device=self.device, **kwargs)
+        else:  # model.sigmas, as the pipeline's `sigmas=`
+            sched.set_timesteps(sigmas=self.grid_sigmas(steps, None), device=self.device, **kwargs)
         return sched.sigmas.float().clone(), sched.timesteps.float().clone()
 
     def latent_shape(self) -> tuple[int, int, int]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .pipelines import PipelineFamily, dynamic_shift_mu, encodes_text, packed_grid
+from .pipelines import SIGMAS_OPTION, PipelineFamily, dynamic_shift_mu, encodes_text, packed_grid
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -51,6 +51,7 @@ class ZImageConditioning:
 @register_family("z_image")
 class ZImageFamily(PipelineFamily):
     name = "z_image"
+    options = SIGMAS_OPTION
     pipeline_class = "ZImagePipeline"
     semantics = PolicySemantics(regime=Regime.full_sequence, step=PolicyStep.denoise, action=Action.continuous)
     guidance = "cfg"
@@ -90,7 +91,8 @@ class ZImageFamily(PipelineFamily):
         from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sigmas
 
         sched = deepcopy(self.scheduler)
-        sched.set_timesteps(sigmas=get_default_z_image_sigmas(steps), device=self.device, mu=self._mu())
+        sigmas = self.grid_sigmas(steps, get_default_z_image_sigmas(steps))
+        sched.set_timesteps(sigmas=sigmas, device=self.device, mu=self._mu())
         return sched.sigmas.float().clone(), sched.timesteps.float().clone()
 
     def _mu(self) -> float:

@@ -180,6 +180,7 @@ class GenerateStage:
             recipes += [json.dumps({**recipe.to_dict(), **geometry, "dtype": cfg.model.dtype,
                                     "engine": cfg.run.engine, "torch": info["torch"], "micro_batch": s.micro_batch,
                                     "shift": info.get("shift"), **({"frames": info["frames"]} if info.get("video") else {}),
+                                    **({"sigmas": info["sigmas"]} if info.get("sigmas") else {}),
                                     **({"cot_backend": "vllm", "cot_server": s.cot_vllm_url}
                                        if s.cot_tokens and s.cot_backend == "vllm" else {})})] * (hi - lo)
         return dict(

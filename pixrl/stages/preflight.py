@@ -45,6 +45,7 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
             readers = [n for n in registered_families() if unread[0] in getattr(get_family(n), "options", {})]
             raise ValueError(f"model.{unread[0]}={options[unread[0]]}: the {family.name} family does not read it "
                              f"({', '.join(readers)} do); unset it")
+        check_grid_length(cfg)
         path = resolve_model_path(cfg.model.path)
         if hasattr(family, "check_checkpoint"):  # not a diffusers pipeline (a transformers model)
             family.check_checkpoint(path)
@@ -89,6 +90,17 @@ def check_rewards(cfg: ExperimentConfig, family, algo, items) -> None:
     rewards.check_scores(algo.scores_read(), f"algorithm {algo.name!r}")
     rewards.check_prompts([it.prompt for it in items], [{**it.meta, **({"source_image": it.image} if it.image
                                                                         else {})} for it in items])
+
+
+def check_grid_length(cfg: ExperimentConfig) -> None:
+    """model.sigmas is every sampling grid, so the rollouts' and the evaluation's steps are its length."""
+    if cfg.model.sigmas is None:
+        return
+    n, s = len(cfg.model.sigmas), cfg.sampling
+    wrong = [f"sampling.{k}={v}" for k, v in (("steps", s.steps), ("eval_steps", s.eval_steps)) if v != n]
+    if wrong:
+        raise ValueError(f"model.sigmas holds {n} noise levels, and {' and '.join(wrong)}: every sampling grid is "
+                         f"model.sigmas; set {' and '.join(w.split('=')[0] for w in wrong)} to {n}")
 
 
 def check_sampling_settings(s, family, algo) -> None:
