@@ -18,6 +18,20 @@ import torch  # noqa: E402
 os.environ["PIXRL_CACHE_DIR"] = tempfile.mkdtemp(prefix="pixrl-test-cache-")
 atexit.register(shutil.rmtree, os.environ["PIXRL_CACHE_DIR"], True)
 
+# torch's intra-op threads as this process started with them — what every `pixrl` subprocess a test
+# starts gets too. Float reductions depend on the thread count, and tests compare runs in this
+# process with runs in subprocesses bit for bit (the resume matrix, parity against recorded runs).
+START_THREADS = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """A test that sets this process's torch threads (an in-process Ray worker does, by design)
+    leaves the next test the count it started with."""
+    yield
+    if torch.get_num_threads() != START_THREADS:
+        torch.set_num_threads(START_THREADS)
+
 TINY_SPEC = dict(image_size=16, vae_channels=(8, 16), latent_channels=4, text_hidden=16, text_layers=2,
                  num_layers=1, heads=2, head_dim=16)
 
