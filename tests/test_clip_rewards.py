@@ -17,23 +17,10 @@ from pixrl.rewards.compose import RewardSet
 @pytest.fixture(scope="module")
 def tiny_clip(tmp_path_factory):
     """A tiny CLIPModel + CLIPProcessor saved with save_pretrained, and a predictor head for it."""
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
-
-    from pixrl.models.tiny_parts import clip_tokenizer
+    from pixrl.rewards.clip_tiny import write_tiny_clip
 
     out = tmp_path_factory.mktemp("clip")
-    tok = clip_tokenizer(out / "tok")
-    torch.manual_seed(0)
-    cfg = CLIPConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, max_position_embeddings=77, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                           image_size=32, patch_size=8),
-        projection_dim=24)
-    CLIPModel(cfg).save_pretrained(str(out / "clip"))
-    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    CLIPProcessor(image_processor=image_processor, tokenizer=tok).save_pretrained(str(out / "clip"))
+    write_tiny_clip(out / "clip", seed=0)
     head = aesthetic_head(24)
     torch.save({f"layers.{k}": v for k, v in head.state_dict().items()}, str(out / "head.pth"))
     return out / "clip", out / "head.pth"

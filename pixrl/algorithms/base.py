@@ -99,6 +99,17 @@ class Algorithm(ABC):
         return {}
 
     # --- the rollout the algorithm trains on ---------------------------------------------------
+    def check_family(self, family) -> None:
+        """Refuse, before a run starts, a model family this algorithm cannot train (ValueError
+        naming why and the fix); every family it can step by default."""
+
+    def check_rewards(self, rewards) -> None:
+        """Refuse, before a run starts, a reward set (RewardSet) this algorithm's loss cannot use."""
+
+    def bind_rewards(self, rewards) -> None:
+        """The run's RewardSet, given by the engine that builds the algorithm: for a loss that
+        scores its own images (srpo's reward gradient); ignored by every other algorithm."""
+
     def check_sampling(self, sampling: SamplingConfig, step: str) -> None:
         """Refuse sampling settings this algorithm cannot train on: a ValueError naming the fix
         (preflight turns it into a clear error before any work)."""
@@ -196,8 +207,8 @@ def _own_settings(model: type[BaseModel], name: str, values: dict) -> BaseModel:
 
 def _builtin() -> None:
     from . import (dance_grpo, ddpo, diffusion_dpo, diffusion_nft, diffusion_sft, flow_dppo, flow_grpo,  # noqa: F401
-                   gardo, grpo_guard, mix_grpo, online_dpo, online_sft, tempflow_grpo, token_dpo, token_grpo,
-                   token_sft)  # (importing registers them)
+                   gardo, grpo_guard, mix_grpo, online_dpo, online_sft, srpo, tempflow_grpo, token_dpo,
+                   token_grpo, token_sft)  # (importing registers them)
 
 
 ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm", "algorithms", _builtin)

@@ -45,6 +45,7 @@ class LocalEngine:
             torch.set_num_threads(cfg.run.threads)
         self.algorithm = build_algorithm(cfg.algorithm)
         self.rewards = RewardSet(cfg.reward.weights, cfg.reward.options, device=cfg.model.device)
+        self.algorithm.bind_rewards(self.rewards)  # a loss that scores its own images reads them (srpo)
         self._policy: TrainablePolicy | None = None
         self._prompts: PromptCache | None = None
         self._cot_server = None  # sampling.cot_backend=vllm (engines/vllm_text.py)

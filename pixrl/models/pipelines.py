@@ -266,11 +266,17 @@ class PipelineFamily:
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """Final latents [B, C, H, W] → uint8 [B, H, W, 3]: an AutoencoderKL's scaling and shift
-        (none where its config has none: HunyuanImage-2.1), decode, the pipelines' postprocess (SD3, FLUX.1)."""
+        """Final latents [B, C, H, W] → uint8 [B, H, W, 3]: `decode_pixels`, quantised as the
+        pipelines' postprocess (SD3, FLUX.1)."""
+        return pixels_to_uint8(self.decode_pixels(latents))
+
+    def decode_pixels(self, latents: torch.Tensor) -> torch.Tensor:
+        """Final latents [B, C, H, W] → images [B, 3, H, W] in [0, 1], differentiable (a reward-
+        gradient algorithm backpropagates a reward through it): an AutoencoderKL's scaling and
+        shift (none where its config has none: HunyuanImage-2.1), decode, [-1, 1] → [0, 1]."""
         cfg = self.vae.config
         z = latents.to(self.vae.dtype) / cfg.scaling_factor + (cfg.get("shift_factor") or 0.0)
-        return to_uint8(self.vae.decode(z, return_dict=False)[0])
+        return (self.vae.decode(z, return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)
 
 
 def encodes_text(encode):
@@ -371,5 +377,20 @@ def dynamic_shift_mu(scheduler, image_seq_len: int, max_shift: float = 1.15) -> 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
     """VAE output in [-1, 1], [B, 3, H, W] → uint8 [B, H, W, 3], as the pipelines postprocess."""
-    img = (images.float() / 2 + 0.5).clamp(0, 1)
-    return (img.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+    return pixels_to_uint8((images.float() / 2 + 0.5).clamp(0, 1))
+
+
+def pixels_to_uint8(pixels: torch.Tensor) -> np.ndarray:
+    """Images in [0, 1], [B, 3, H, W] → uint8 [B, H, W, 3] (round half to even, as numpy rounds)."""
+    return (pixels.detach().permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+
+
+def decodes_pixels(family) -> bool:
+    """Whether a family (its class or an instance) has a differentiable decode that is the one its
+    `decode` quantises: `decode_pixels` defined on the class that defines `decode`, or on a
+    subclass of it (not a family whose own `decode` does more: unpacking, a video VAE, its own
+    normalisation)."""
+    mro = (family if isinstance(family, type) else type(family)).__mro__
+    owner = lambda name: next((c for c in mro if name in vars(c)), None)  # noqa: E731
+    decode, pixels = owner("decode"), owner("decode_pixels")
+    return decode is not None and pixels is not None and issubclass(pixels, decode)

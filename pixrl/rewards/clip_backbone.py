@@ -69,6 +69,27 @@ class ClipBackbone:
             out.append((img * txt).sum(-1).cpu().numpy())
         return np.concatenate(out).astype(np.float32)
 
+    def pixel_embeds(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Images [B, 3, H, W] in [0, 1] → L2-normalised image embeddings [B, D], differentiable
+        in the pixels: the processor's steps as tensor operations — shortest edge to its size
+        (bicubic, antialiased), centre crop, mean/std — where `image_embeds` runs them in PIL
+        (equal for images already at the crop size)."""
+        ip = self.processor.image_processor
+        short = _size_of(ip.size, "shortest_edge")
+        ch, cw = _size_of(ip.crop_size, "height"), _size_of(ip.crop_size, "width")
+        h, w = pixels.shape[-2:]
+        if min(h, w) != short:  # the long side as transformers sizes it: int(short · long / short side)
+            size = (int(short * h / w), short) if w <= h else (short, int(short * w / h))
+            pixels = torch.nn.functional.interpolate(pixels, size=size, mode="bicubic", antialias=True,
+                                                     align_corners=False)
+        top, left = (pixels.shape[-2] - ch) // 2, (pixels.shape[-1] - cw) // 2
+        x = pixels[..., top:top + ch, left:left + cw]
+        mean = torch.tensor(ip.image_mean, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+        std = torch.tensor(ip.image_std, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+        emb = self.model.get_image_features(pixel_values=((x - mean) / std).to(self.device))
+        emb = getattr(emb, "pooler_output", emb)
+        return torch.nn.functional.normalize(emb.float(), dim=-1)
+
     @torch.no_grad()
     def text_embeds(self, prompts: list[str]) -> torch.Tensor:
         """Prompts → L2-normalised text embeddings [B, D] (truncated to the tower's context)."""
@@ -76,3 +97,27 @@ class ClipBackbone:
         emb = self.model.get_text_features(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"])
         emb = getattr(emb, "pooler_output", emb)
         return torch.nn.functional.normalize(emb.float(), dim=-1)
+
+
+def _size_of(size, key: str) -> int:
+    """A processor size entry (transformers 5's SizeDict, or a plain dict)."""
+    value = getattr(size, key, None)
+    return int(value if value is not None else size[key])
+
+
+class PixelGradientReward:
+    """What a reward-gradient algorithm (`srpo`) reads of a CLIP-based reward (mixed into it):
+    embeddings of decoded pixels, differentiable; of texts, frozen; and the factor SRPO scales
+    their similarity by (HPSv2: 1 — the cosine; CLIP and PickScore: exp(logit_scale)/20, SRPO's
+    scaling to HPS's range). The reward's `clip` backbone is loaded by its `setup`."""
+
+    clip: "ClipBackbone"
+
+    def embed_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.clip.pixel_embeds(pixels)
+
+    def embed_texts(self, texts: list[str]) -> torch.Tensor:
+        return self.clip.text_embeds(texts)
+
+    def srp_scale(self) -> float:
+        return float(torch.exp(self.clip.model.logit_scale.detach().float())) / 20.0

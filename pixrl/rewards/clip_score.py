@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 
 from .base import Reward, register_reward
-from .clip_backbone import check_clip_dir
+from .clip_backbone import PixelGradientReward, check_clip_dir
 
 
 @register_reward("clip_score")
-class ClipScore(Reward):
+class ClipScore(PixelGradientReward, Reward):
     value_range = (-1.0, 1.0)
 
     def __init__(self, path: str = "", batch_size: int = 32, w: float = 2.5):

@@ -18,11 +18,11 @@ import numpy as np
 import torch
 
 from .base import Reward, ScoringError, register_reward
-from .clip_backbone import has_processor
+from .clip_backbone import PixelGradientReward, has_processor
 
 
 @register_reward("hpsv2")
-class HPSv2(Reward):
+class HPSv2(PixelGradientReward, Reward):
     value_range = (-1.0, 1.0)
 
     def __init__(self, path: str = "", processor: str = "", batch_size: int = 16, vision_heads: int = 16,
@@ -54,6 +54,9 @@ class HPSv2(Reward):
             raise ScoringError(f"reward 'hpsv2': could not load {self.path!r} with the processor "
                                f"{self.processor_path!r}: {type(exc).__name__}: {exc}") from exc
         self.clip = ClipBackbone.of(model, processor, device)
+
+    def srp_scale(self) -> float:
+        return 1.0  # SRPO's HPS: the cosine itself
 
     @torch.no_grad()
     def score(self, images, prompts, metadata):

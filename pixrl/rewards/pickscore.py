@@ -12,11 +12,11 @@ import numpy as np
 import torch
 
 from .base import Reward, register_reward
-from .clip_backbone import check_clip_dir, has_processor
+from .clip_backbone import PixelGradientReward, check_clip_dir, has_processor
 
 
 @register_reward("pickscore")
-class PickScore(Reward):
+class PickScore(PixelGradientReward, Reward):
     value_range = (-np.inf, np.inf)
 
     def __init__(self, path: str = "", processor: str = "", batch_size: int = 32, divisor: float = 26.0):

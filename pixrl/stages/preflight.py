@@ -88,6 +88,7 @@ def check_rewards(cfg: ExperimentConfig, family, algo, items) -> None:
     rewards.check_installed()
     rewards.check_advantage_parts(cfg.reward.advantage_weights)
     rewards.check_scores(algo.scores_read(), f"algorithm {algo.name!r}")
+    algo.check_rewards(rewards)
     rewards.check_prompts([it.prompt for it in items], [{**it.meta, **({"source_image": it.image} if it.image
                                                                         else {})} for it in items])
 
@@ -123,6 +124,7 @@ def check_sampling_settings(s, family, algo) -> None:
 def check_online_algorithm(cfg: ExperimentConfig, algo, family) -> None:
     """The algorithm can train on this family's rollouts with these sampling and reward settings."""
     algo.check_sampling(cfg.sampling, family.semantics.step.value)
+    algo.check_family(family)
     if cfg.run.staleness_weight_cap is not None and not algo.behaviour_weighted:
         weighted = [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).behaviour_weighted]
         raise ValueError(f"run.staleness_weight_cap: algorithm {algo.name!r} takes no behaviour weight (its loss has "
