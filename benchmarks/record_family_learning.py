@@ -111,7 +111,11 @@ def reward_overrides(reward: str, work: Path) -> list[str]:
         from pixrl.rewards.clap_tiny import write_tiny_clap
 
         return ["reward=clap", f"reward.options.clap_score.path={write_tiny_clap(work / 'reward')}"]
-    sys.exit(f"--reward {reward}: the script records jpeg_compressibility, videoalign or clap_score")
+    if reward == "clip_score":
+        from pixrl.rewards.clip_tiny import write_tiny_clip
+
+        return ["reward=clip_score", f"reward.options.clip_score.path={write_tiny_clip(work / 'reward', image_size=32)}"]
+    sys.exit(f"--reward {reward}: the script records jpeg_compressibility, videoalign, clap_score or clip_score")
 
 
 def plot(points: list[tuple[int, float]], out: Path, title: str, ylabel: str = "JPEG compressibility") -> None:
@@ -143,8 +147,9 @@ def main() -> None:
     ap.add_argument("--two-experts", action="store_true", help="wan: the Wan2.2-A14B layout (`pixrl tiny wan "
                                                                 "--two-experts`); model.expert picks the trained one")
     ap.add_argument("--reward", default="jpeg_compressibility", help="jpeg_compressibility, videoalign (a tiny "
-                                                                      "random VideoAlign, its VQ head; clips) or "
-                                                                      "clap_score (a tiny random CLAP; soundtracks)")
+                                                                      "random VideoAlign, its VQ head; clips), "
+                                                                      "clap_score (a tiny random CLAP; soundtracks) "
+                                                                      "or clip_score (a tiny random CLIP; srpo)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     from pixrl.config.environment import apply_defaults
@@ -239,6 +244,9 @@ def readme(name: str, args, s: dict) -> str:
 def reward_text(reward: str) -> str:
     if reward == "jpeg_compressibility":
         return "the JPEG-compressibility\nreward"
+    if reward == "clip_score":
+        return ("a tiny random CLIP (`write_tiny_clip`: a CLIPModel and its processor in the transformers layout,\n"
+                "random weights) scoring each image against its prompt — cos(image, prompt)")
     if reward == "clap_score":
         return ("a tiny random CLAP (`write_tiny_clap`: a ClapModel and its processor in the released layout,\n"
                 "random weights) scoring each clip's soundtrack against its prompt — the soundtrack alone")
