@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .pipelines import SIGMAS_OPTION, PipelineFamily, encodes_text, to_uint8
+from .pipelines import SIGMAS_OPTION, PipelineFamily, encodes_text, pixels_to_uint8
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -158,13 +158,18 @@ class Flux2Family(PipelineFamily):
     # --- pixels -------------------------------------------------------------------------------
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """Final latents → uint8 [B, H, W, 3]: the VAE's batch-norm statistics undone, unpatchify, decode."""
+        """Final latents → uint8 [B, H, W, 3]: `decode_pixels`, quantised."""
+        return pixels_to_uint8(self.decode_pixels(latents))
+
+    def decode_pixels(self, latents: torch.Tensor) -> torch.Tensor:
+        """Final latents → images [B, 3, H, W] in [0, 1], differentiable: the VAE's batch-norm
+        statistics undone, unpatchify, decode."""
         vae = self.vae
         z = latents.to(vae.dtype)
         mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
         std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z.device, z.dtype)
         z = self.pipe._unpatchify_latents(z * std + mean)
-        return to_uint8(vae.decode(z, return_dict=False)[0])
+        return (vae.decode(z, return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)
 
     # --- a tiny random checkpoint in the real layout --------------------------------------------
     @classmethod

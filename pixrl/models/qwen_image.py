@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .pipelines import PackedLatentsFamily, encodes_text, to_uint8
+from .pipelines import PackedLatentsFamily, encodes_text, pixels_to_uint8
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -87,12 +87,17 @@ class QwenImageFamily(PackedLatentsFamily):
     # --- pixels -------------------------------------------------------------------------------
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """Final (unpacked) latents → uint8 [B, H, W, 3]: the pipeline's de-normalisation, one-frame decode."""
+        """Final (unpacked) latents → uint8 [B, H, W, 3]: `decode_pixels`, quantised."""
+        return pixels_to_uint8(self.decode_pixels(latents))
+
+    def decode_pixels(self, latents: torch.Tensor) -> torch.Tensor:
+        """Final (unpacked) latents → images [B, 3, H, W] in [0, 1], differentiable: the
+        pipeline's de-normalisation, one-frame decode."""
         cfg = self.vae.config
         z = latents.to(self.vae.dtype).unsqueeze(2)
         mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
         inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
-        return to_uint8(self.vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0])
+        return (self.vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0].float() / 2 + 0.5).clamp(0, 1)
 
     # --- a tiny random checkpoint in the real layout --------------------------------------------
     @classmethod

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .pipelines import PipelineFamily, encodes_text, scheduler_grid, to_uint8
+from .pipelines import PipelineFamily, encodes_text, pixels_to_uint8, scheduler_grid
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -126,9 +126,14 @@ class SanaFamily(PipelineFamily):
     # --- pixels -------------------------------------------------------------------------------
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """Final latents → uint8 [B, H, W, 3]: the DC-AE decode of latents / scaling_factor."""
+        """Final latents → uint8 [B, H, W, 3]: `decode_pixels`, quantised."""
+        return pixels_to_uint8(self.decode_pixels(latents))
+
+    def decode_pixels(self, latents: torch.Tensor) -> torch.Tensor:
+        """Final latents → images [B, 3, H, W] in [0, 1], differentiable: the DC-AE decode of
+        latents / scaling_factor."""
         z = latents.to(self.vae.dtype) / self.vae.config.scaling_factor
-        return to_uint8(self.vae.decode(z, return_dict=False)[0])
+        return (self.vae.decode(z, return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)
 
     # --- a tiny random checkpoint in the real layout --------------------------------------------
     @classmethod
