@@ -217,8 +217,14 @@ def test_its_gradient_reaches_other_families_under_their_guidance(name, guidance
     batch = {"final_latent": x0.numpy(), "seed": np.array(seeds), "prompt": np.array(PROMPTS)}
     policy = ReplayPolicy(fam, None, cond, neg, None, None, recipe, torch.device("cpu"), torch.Generator().manual_seed(1))
     params = [p for p in fam.transformer.parameters() if p.requires_grad]
+    losses = []
     for loss, metrics in algo.losses(batch, policy):
         fam.transformer.zero_grad()
         loss.backward()
+        losses.append(float(loss))
         assert torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
         assert sum(float(p.grad.abs().sum()) for p in params if p.grad is not None) > 0
+    if train_guidance is not None:  # the training forward reads its own embedded guidance
+        plain, _ = _bound(clip_dir)
+        policy.generator.manual_seed(1)
+        assert [float(loss) for loss, _ in plain.losses(batch, policy)] != losses
