@@ -163,3 +163,37 @@ def reward_serve(
         console.print(f"also accepting flow_grpo's pickled requests at http://{host}:{port}/")
     uvicorn.run(build_app(rewards, token, int(max_mb * 2**20), max_batch, queue_timeout, accept_pickle), host=host, port=port,
                 log_level="warning")
+
+
+@app.command("tiny-reward")
+def tiny_reward(
+    reward: str = typer.Argument(..., help="clip_score, pickscore, clap_score, hpsv3, editreward or videoalign"),
+    out: str = typer.Option(..., "--out", help="new directory for the checkpoint (must not exist)"),
+    seed: int = typer.Option(0),
+) -> None:
+    """Write a tiny random checkpoint of a model-based REWARD in its released layout — to try the
+    reward (or srpo's gradient, a soundtrack reward) without its weights — and print its options."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from ..rewards.tiny import write_tiny_reward
+
+    dest = Path(out)
+    if dest.exists():
+        _fail(f"{dest} already exists; pass a new --out directory (nothing is overwritten)")
+    staging = dest.parent / f".{dest.name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        options = write_tiny_reward(reward, staging, seed)
+        staging.rename(dest)  # complete or absent
+    except KeyError as exc:
+        _fail(exc.args[0], exc=exc)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    here = str(dest.resolve())
+    options = {k: v.replace(str(staging), here) if isinstance(v, str) else v for k, v in options.items()}
+    overrides = {f"reward.weights.{reward}": 1.0, **{f"reward.options.{reward}.{k}": v for k, v in options.items()}}
+    console.print(f"[bold green]wrote[/] a tiny random {reward} checkpoint to {dest}")
+    console.print("  score with it: pixrl train ... " + " ".join(f"{k}={v}" for k, v in overrides.items()))
+    print(json.dumps(overrides))

@@ -15,8 +15,11 @@ def write_tiny_clip(out_dir: Path, seed: int = 0, image_size: int = 32) -> Path:
 
     from ..models.tiny_parts import clip_tokenizer
 
+    import tempfile
+
     out_dir = Path(out_dir)
-    tok = clip_tokenizer(out_dir.parent / f"{out_dir.name}-tokenizer")
+    with tempfile.TemporaryDirectory() as d:  # (the processor saves it beside the model)
+        tok = clip_tokenizer(Path(d))
     torch.manual_seed(seed)
     cfg = CLIPConfig(
         text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -1,0 +1,56 @@
+"""Tiny random checkpoints of the model-based rewards in their released layouts (`pixrl
+tiny-reward NAME --out DIR`): to try a reward — and what reads one, srpo's gradient, a soundtrack
+reward on LTX-2 — without its weights, as `pixrl tiny FAMILY` does for the models. Each writer
+returns the reward.options that load what it wrote."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _clip(out: Path, seed: int) -> dict:
+    from .clip_tiny import write_tiny_clip
+
+    return {"path": str(write_tiny_clip(out, seed=seed))}
+
+
+def _clap(out: Path, seed: int) -> dict:
+    from .clap_tiny import write_tiny_clap
+
+    return {"path": str(write_tiny_clap(out, seed=seed))}
+
+
+def _hpsv3(out: Path, seed: int) -> dict:
+    from .hpsv3_tiny import write_tiny_hpsv3
+
+    path, base = write_tiny_hpsv3(out, seed=seed)
+    return {"path": str(path), "base": str(base), "dtype": "float32"}
+
+
+def _editreward(out: Path, seed: int) -> dict:
+    from .editreward_tiny import write_tiny_editreward
+
+    path, base = write_tiny_editreward(out, seed=seed)
+    return {"path": str(path), "base": str(base), "dtype": "float32"}
+
+
+def _videoalign(out: Path, seed: int) -> dict:
+    from .videoalign_tiny import write_tiny_videoalign
+
+    path, base = write_tiny_videoalign(out, seed=seed)
+    return {"path": str(path), "base": str(base), "dtype": "float32"}
+
+
+#: reward → its tiny writer (a PickScore directory is a CLIP one: its processor beside it)
+TINY_REWARDS = {"clip_score": _clip, "pickscore": _clip, "clap_score": _clap, "hpsv3": _hpsv3,
+                "editreward": _editreward, "videoalign": _videoalign}
+
+
+def write_tiny_reward(name: str, out: Path, seed: int = 0) -> dict:
+    """Write `name`'s tiny checkpoint under `out`; its reward.options. KeyError naming the ones
+    there are for another name."""
+    if name not in TINY_REWARDS:
+        raise KeyError(f"reward {name!r} has no tiny checkpoint writer; these have: {', '.join(sorted(TINY_REWARDS))} "
+                       f"(rule-based rewards need none)")
+    out.mkdir(parents=True, exist_ok=True)
+    return TINY_REWARDS[name](out, seed)
