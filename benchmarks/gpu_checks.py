@@ -114,6 +114,9 @@ CHECKS = {
     # new since: Qwen-Image-Edit-2511 (the Plus pipeline: the source at 384² to Qwen2.5-VL, zero_cond_t)
     "qwen_image_edit_plus": ([SMOKE, "--family", "qwen_image_edit_plus", "--layers", "12"], 240, None),
     "sana": ([SMOKE, "--family", "sana"], 150, None),
+    # new since: SRPO's reward-gradient update on SD3.5-Medium (full fine-tune) through the VAE decode and
+    # a CLIP of ViT-H/14's shapes (HPSv2's) — the memory a Direct-Align update takes at real widths
+    "sd3_srpo": ([SMOKE, "--family", "sd3", "--srpo"], 240, None),
     "qwen_image": ([SMOKE, "--family", "qwen_image", "--layers", "12"], 200, None),
     # the same without the offload: the accelerator memory the offload frees (Mistral-3 at real width)
     "flux2_resident": ([SMOKE, "--family", "flux2", "--layers", "2", "--set", "model.offload_text_encoders=false"],

@@ -262,6 +262,19 @@ def _edits(family: str, work: Path) -> list[str]:
     return ["dataset=edits", f"dataset.path={path}"]
 
 
+def _srpo(args, work: Path) -> list[str]:
+    """`--srpo`: the update is SRPO's (Direct-Align through the VAE decode and a CLIP's image
+    tower) against a random CLIP of ViT-H/14's shapes — HPSv2's and PickScore's — at 224²
+    (`--tiny`: the tiny CLIP): the memory and time of a reward-gradient update at real widths."""
+    if not getattr(args, "srpo", False):
+        return []
+    from pixrl.rewards.clip_tiny import CLIP_H, write_random_clip, write_tiny_clip
+
+    clip = write_tiny_clip(work / "clip") if args.tiny else write_random_clip(work / "clip", 0, **CLIP_H)
+    return ["algorithm=srpo", "algorithm.reward=clip_score", "reward=clip_score",
+            f"reward.options.clip_score.path={clip}", "algorithm.optimizer_steps_per_iteration=1"]
+
+
 def run(args) -> dict:
     from pixrl.config.environment import apply_defaults
 
@@ -293,7 +306,7 @@ def run(args) -> dict:
         f"sampling.micro_batch={args.micro_batch}", f"sampling.steps={args.steps}",
         "algorithm.optimizer_steps_per_iteration=1",
         "reward=jpeg_compressibility", "dataset.categories=null", *_cot(args), *_edits(family, work),
-        *getattr(args, "set", [])])
+        *_srpo(args, work), *getattr(args, "set", [])])
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     t1 = time.perf_counter()
@@ -301,7 +314,7 @@ def run(args) -> dict:
     wall = time.perf_counter() - t1
     c = MlflowClient(out["tracking_uri"])
     metrics = c.get_run(out["run_id"]).data.metrics
-    res = {"family": family, "cot_tokens": getattr(args, "cot", 0), "device": args.device, "dtype": args.dtype, "tiny": args.tiny, "resolution": args.resolution,
+    res = {"family": family, "algorithm": cfg.algorithm.name, "cot_tokens": getattr(args, "cot", 0), "device": args.device, "dtype": args.dtype, "tiny": args.tiny, "resolution": args.resolution,
            "width": getattr(args, "width", None),
            "samples": args.group_size * args.prompts, "build_s": round(build_s, 1), "flow_wall_s": round(wall, 1),
            "stage_s": {s: round(metrics[f"time/{s}_s"], 2) for s in STAGES},
@@ -327,6 +340,8 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--cot", type=int, default=0, help="janus_pro: a chain of thought of at most N text tokens first")
+    ap.add_argument("--srpo", action="store_true", help="update with SRPO against a random CLIP of ViT-H/14's shapes "
+                                                         "(the reward-gradient path at real widths)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a further config override, last (e.g. model.offload_text_encoders=false)")
     args = ap.parse_args()
