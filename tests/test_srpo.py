@@ -181,12 +181,18 @@ def test_misuse_is_refused_before_a_run(tiny_checkpoint, clip_dir, tmp_path):
             RewardSet({"jpeg_compressibility": 1.0}))
     from pixrl.models.registry import get_family
 
-    with pytest.raises(ValueError, match="qwen_image family's decode, and its decode is not differentiable.*sd3"):
-        algo.check_family(get_family("qwen_image"))
+    with pytest.raises(ValueError, match="glm_image family's decode, and its decode is not differentiable.*qwen_image"):
+        algo.check_family(get_family("glm_image"))
+    with pytest.raises(ValueError, match="wan family's decode, and its decode is not differentiable"):
+        algo.check_family(get_family("wan"))
     with pytest.raises(ValueError, match="sd15 family's decode, and it is not a flow-matching model"):
         algo.check_family(get_family("sd15"))
     with pytest.raises(ValueError, match="train_guidance=3.5: the sd3 family's guidance is cfg"):
         build_algorithm(AlgorithmConfig(**{**SETTINGS, "train_guidance": 3.5})).check_family(get_family("sd3"))
+    from pixrl.config.model import ModelConfig
+
+    with pytest.raises(ValueError, match="model.sigmas holds 4 noise levels.*algorithm.grid_steps=4"):
+        algo.check_family(get_family("sd3"), ModelConfig(sigmas=[1.0, 0.8, 0.5, 0.2]))
     with pytest.raises(ValueError, match=r"train_window=\(1, 9\)"):
         build_algorithm(AlgorithmConfig(**{**SETTINGS, "train_window": (1, 9)}))
     res = CliRunner().invoke(app, ["train", "--iterations", "1", "algorithm=srpo", "reward=jpeg_compressibility",

@@ -99,9 +99,10 @@ class Algorithm(ABC):
         return {}
 
     # --- the rollout the algorithm trains on ---------------------------------------------------
-    def check_family(self, family) -> None:
-        """Refuse, before a run starts, a model family this algorithm cannot train (ValueError
-        naming why and the fix); every family it can step by default."""
+    def check_family(self, family, model=None) -> None:
+        """Refuse, before a run starts, a model family (and its model config section, `model`)
+        this algorithm cannot train (ValueError naming why and the fix); every family it can step
+        by default."""
 
     def check_rewards(self, rewards) -> None:
         """Refuse, before a run starts, a reward set (RewardSet) this algorithm's loss cannot use."""

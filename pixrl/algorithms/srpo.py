@@ -111,7 +111,7 @@ class SRPO(Algorithm):
             raise ValueError("algorithm 'srpo' trains every sample (no advantage: the reward's gradient); set "
                              "sampling.max_rounds=1")
 
-    def check_family(self, family) -> None:
+    def check_family(self, family, model=None) -> None:
         from ..models.pipelines import decodes_pixels
         from ..models.registry import get_family, registered_families
 
@@ -123,6 +123,11 @@ class SRPO(Algorithm):
         if why:
             raise ValueError(f"algorithm 'srpo' backpropagates a reward through the {family.name} family's decode, "
                              f"and {why}; families it trains: {', '.join(able)}")
+        sigmas = getattr(model, "sigmas", None)
+        if sigmas is not None and len(sigmas) != self.settings.grid_steps:
+            raise ValueError(f"model.sigmas holds {len(sigmas)} noise levels, and srpo spreads its levels on the "
+                             f"family's grid of algorithm.grid_steps={self.settings.grid_steps}: set "
+                             f"algorithm.grid_steps={len(sigmas)} and algorithm.train_window within it")
         if self.settings.train_guidance is not None and getattr(family, "guidance", "cfg") != "embedded":
             raise ValueError(f"algorithm.train_guidance={self.settings.train_guidance}: the {family.name} family's "
                              f"guidance is {getattr(family, 'guidance', 'cfg')} (the rollout's negative batch sets "

@@ -124,7 +124,7 @@ def check_sampling_settings(s, family, algo) -> None:
 def check_online_algorithm(cfg: ExperimentConfig, algo, family) -> None:
     """The algorithm can train on this family's rollouts with these sampling and reward settings."""
     algo.check_sampling(cfg.sampling, family.semantics.step.value)
-    algo.check_family(family)
+    algo.check_family(family, cfg.model)
     if cfg.run.staleness_weight_cap is not None and not algo.behaviour_weighted:
         weighted = [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).behaviour_weighted]
         raise ValueError(f"run.staleness_weight_cap: algorithm {algo.name!r} takes no behaviour weight (its loss has "
