@@ -40,9 +40,11 @@ def family(tiny_cvx):
     return CogVideoXFamily.load(tiny_cvx[0], max_sequence_length=64, resolution=32, frames=9)
 
 
-def _pipeline(family, cfg: float, seeds, output_type: str, negative: str | None = None, frames: int = 9):
+def _pipeline(family, cfg: float, seeds, output_type: str, negative: str | None = None, frames: int = 9,
+              dynamic: bool = False):
     """The pipeline one prompt a call (its VAE decodes a clip at a time in pixrl too)."""
     out = [family.pipe(prompt=[p], negative_prompt=negative, num_inference_steps=5, guidance_scale=cfg,
+                       use_dynamic_cfg=dynamic,
                        generator=gens([s]), output_type=output_type, height=family.height, width=family.width,
                        num_frames=frames,
                        max_sequence_length=64).frames for p, s in zip(PROMPTS, seeds)]
@@ -93,6 +95,23 @@ def test_ode_sampling_equals_the_pipeline(family, cfg, negative):
     final = _ode(family, cfg, [3, 4], negative)
     assert final.shape == ref.shape == (2, 3, 4, 8, 8)
     assert (final - ref).abs().max().item() <= 1e-5
+
+
+def test_dynamic_cfg_equals_the_pipelines_use_dynamic_cfg(tiny_cvx):
+    """model.dynamic_cfg: each step's scale from its timestep as the pipeline computes it; the ODE
+    equals CogVideoXPipeline's with use_dynamic_cfg=True, differs from constant CFG, and replays
+    on policy; at a scale of 1 there is no CFG batch, schedule or not."""
+    fam = CogVideoXFamily.load(tiny_cvx[0], max_sequence_length=64, resolution=32, frames=9, dynamic_cfg=True)
+    assert fam.describe()["dynamic_cfg"] and fam.guidance_schedule(6.0, torch.tensor(999.0), 5) != 6.0
+    ref = _pipeline(fam, 6.0, [3, 4], "latent", dynamic=True)
+    final = _ode(fam, 6.0, [3, 4])
+    assert (final - ref).abs().max().item() <= 1e-5
+    plain = CogVideoXFamily.load(tiny_cvx[0], max_sequence_length=64, resolution=32, frames=9)
+    assert (_ode(plain, 6.0, [3, 4]) - final).abs().max().item() > 1e-4
+    assert torch.equal(_ode(fam, 1.0, [3, 4]), _ode(plain, 1.0, [3, 4]))
+    neg = fam.encode_negative("").expand(2)
+    assert_replay_is_on_policy(fam, fam.encode_prompts(PROMPTS), neg,
+                               SamplerRecipe(5, 0.7, guidance_scale=6.0, sde_steps=(1, 2), train_steps=(1, 2)))
 
 
 def test_non_square_ode_equals_the_pipeline(tiny_cvx):

@@ -104,17 +104,23 @@ def latent_scales(policy, sigmas: torch.Tensor) -> tuple[float, float]:
 
 
 def guidance_at(policy, recipe: SamplerRecipe, k: int, timestep) -> float:
-    """The guidance scale of step k under CFG truncation (`recipe.cfg_truncation` < 1), by the
-    family's pipeline's rule (`cfg_truncation_by`): "step" — Lumina2Pipeline's `cfg_trunc_ratio`,
-    no CFG once (k + 1)/steps exceeds it, the default — or "time" — ZImagePipeline's
-    `cfg_truncation`, no CFG once 1 − t/1000 exceeds it. Past it the velocity is the conditional one."""
+    """The guidance scale of step k: the family's own schedule of it where its pipeline has one
+    (`guidance_schedule`: CogVideoX's dynamic CFG), under CFG truncation (`recipe.cfg_truncation`
+    < 1) by the family's pipeline's rule (`cfg_truncation_by`): "step" — Lumina2Pipeline's
+    `cfg_trunc_ratio`, no CFG once (k + 1)/steps exceeds it, the default — or "time" —
+    ZImagePipeline's `cfg_truncation`, no CFG once 1 − t/1000 exceeds it. Past it the velocity is
+    the conditional one."""
+    scale = recipe.guidance_scale
+    schedule = getattr(policy, "guidance_schedule", None)
+    if schedule is not None and scale > 1.0:  # (no CFG batch at a scale of 1, whatever the schedule)
+        scale = schedule(scale, timestep, recipe.steps)
     if recipe.cfg_truncation >= 1.0:
-        return recipe.guidance_scale
+        return scale
     if getattr(policy, "cfg_truncation_by", "step") == "time":
         past = (1000.0 - float(timestep)) / 1000.0 > recipe.cfg_truncation
     else:
         past = (k + 1) / recipe.steps > recipe.cfg_truncation
-    return 1.0 if past else recipe.guidance_scale
+    return 1.0 if past else scale
 
 
 def denoise_step(policy, x, k: int, sigmas, timesteps, cond, neg, recipe: SamplerRecipe,

@@ -81,6 +81,9 @@ class ModelConfig(_Section):
                                   "0: not re-compressed; None: the pipeline's (33 for Gemma-3 checkpoints)")
     av_guidance: AudioVideoGuidance = Field(default_factory=AudioVideoGuidance,
                                             description="LTX-2 (ltx2, ltx2_i2v): its guidance terms beside CFG")
+    dynamic_cfg: bool | None = Field(None, description="CogVideoX (cogvideox, cogvideox_i2v): the pipeline's "
+                                     "use_dynamic_cfg — a guidance scale that changes along the grid, as its "
+                                     "official scripts sample; None: off")
     sigmas: list[float] | None = Field(None, min_length=1, description="the sampling grid's noise levels before the "
                                        "scheduler's shift, as the pipeline's `sigmas=` takes them — a distilled "
                                        "checkpoint's schedule (LTX-2's 8 DISTILLED_SIGMA_VALUES); sampling.steps and "
@@ -106,6 +109,6 @@ class ModelConfig(_Section):
         """The settings only some families read, as `Family.load` keywords: those that are set."""
         keys = ("expert", "guidance_scale_2", "cfg_normalization", "shift", "frame_rate", "decode_timestep",
                 "decode_noise_scale", "prior_seed",
-                "decoder_steps", "decoder_guidance", "decoder_seed", "image_crf", "motion_speed", "sigmas")
+                "decoder_steps", "decoder_guidance", "decoder_seed", "image_crf", "motion_speed", "sigmas", "dynamic_cfg")
         out = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
         return out | self.av_guidance.model_dump(exclude_none=True)

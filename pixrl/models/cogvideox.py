@@ -14,12 +14,16 @@ solver without a per-step density), whose grid rollouts step with DDIM instead �
 What is CogVideoX's own: latents kept in the pipeline's frame-major layout [F, C, H, W] (its noise
 is drawn in that order), the transformer's rotary table from the pipeline, CFG on one [negative;
 prompt] batch as the pipeline does, and for 1.5 (`patch_size_t` 2) the latent frames padded to a
-multiple of 2 with the padding dropped before decoding, as the pipeline does. Not modelled: the
-pipeline's `use_dynamic_cfg` (a guidance scale that grows along the schedule); image-to-video.
+multiple of 2 with the padding dropped before decoding, as the pipeline does. `model.dynamic_cfg`
+is the pipeline's `use_dynamic_cfg` (CogVideoX's official scripts sample with it): step k's scale
+1 + g·(1 − cos(π·((T − t_k)/T)⁵))/2, as the pipeline computes it — from the step's *timestep* t_k
+(999, …), not its index, so the base is negative and the scale oscillates along the grid; pixrl
+reproduces it exactly (ODE = the pipeline's) rather than the evident intent.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,17 +65,20 @@ class CogVideoXFamily(SD15Family):
     default_frames = 49  # the pipeline's num_frames (1.5 checkpoints: 81)
     decode_batch = 1  # clips per VAE decode: a clip's activations are gigabytes
 
-    def __init__(self, *args, **kwargs):
+    options = {"dynamic_cfg": "the pipeline's use_dynamic_cfg: a guidance scale that changes along the grid"}
+
+    def __init__(self, *args, dynamic_cfg: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
+        self.dynamic_cfg = bool(dynamic_cfg)
         self.set_clip_frames(self.pipe.vae_scale_factor_temporal)
         self._rotary: dict[torch.device, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", max_sequence_length: int = 226,
              resolution: int | tuple | None = None, frames: int | None = None, trainable_device: str | None = None,
-             text_towers: bool = True) -> "CogVideoXFamily":
+             text_towers: bool = True, **options) -> "CogVideoXFamily":
         return super().load(path, dtype, device, max_sequence_length, resolution, frames, trainable_device,
-                            text_towers)
+                            text_towers, **options)
 
     @staticmethod
     def default_resolution(pipe) -> tuple[int, int]:
@@ -95,9 +102,16 @@ class CogVideoXFamily(SD15Family):
                                  "positions (CogVideoX1.5) for other sizes")
 
     def describe(self) -> dict:
-        return {**super().describe(), "frames": self.frames,
+        return {**super().describe(), "frames": self.frames, "dynamic_cfg": self.dynamic_cfg,
                 "snr_shift_scale": self.ddim.config.snr_shift_scale,
                 "zero_terminal_snr": bool(self.ddim.config.rescale_betas_zero_snr)}
+
+    def guidance_schedule(self, scale: float, timestep, steps: int) -> float:
+        """The guidance scale at a step: `scale`, or with model.dynamic_cfg the pipeline's
+        1 + g·(1 − cos(π·((T − t)/T)⁵))/2 of the step's timestep t (its arithmetic, in Python floats)."""
+        if not self.dynamic_cfg:
+            return scale
+        return 1 + scale * ((1 - math.cos(math.pi * ((steps - float(timestep)) / steps) ** 5.0)) / 2)
 
     # --- conditioning -------------------------------------------------------------------------
     @encodes_text

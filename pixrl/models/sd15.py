@@ -90,9 +90,9 @@ class SD15Family(PipelineFamily):
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", max_sequence_length: int = 77,
              resolution: int | tuple | None = None, frames: int | None = None, trainable_device: str | None = None,
-             text_towers: bool = True) -> "SD15Family":
+             text_towers: bool = True, **options) -> "SD15Family":
         return super().load(path, dtype, device, max_sequence_length, resolution, frames, trainable_device,
-                            text_towers)
+                            text_towers, **options)
 
     @classmethod
     def check_options(cls, path: Path, options: dict, sampling) -> None:
