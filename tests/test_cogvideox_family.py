@@ -112,6 +112,13 @@ def test_dynamic_cfg_equals_the_pipelines_use_dynamic_cfg(tiny_cvx):
     neg = fam.encode_negative("").expand(2)
     assert_replay_is_on_policy(fam, fam.encode_prompts(PROMPTS), neg,
                                SamplerRecipe(5, 0.7, guidance_scale=6.0, sde_steps=(1, 2), train_steps=(1, 2)))
+    from pixrl.config.loader import load_config
+    from pixrl.stages.preflight import PreflightError, preflight
+
+    cfg = load_config(None, tiny_overrides(tiny_cvx[0], tiny_cvx[0].parent / "wd", **tiny_cvx[1],
+                                           **{"model.dynamic_cfg": "true", "sampling.guidance_scale": 1.0}))
+    with pytest.raises(PreflightError, match="model.dynamic_cfg: sampling.guidance_scale=1 batches no"):
+        preflight(cfg)
 
 
 def test_non_square_ode_equals_the_pipeline(tiny_cvx):

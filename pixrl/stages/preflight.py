@@ -94,7 +94,11 @@ def check_rewards(cfg: ExperimentConfig, family, algo, items) -> None:
 
 
 def check_grid_length(cfg: ExperimentConfig) -> None:
-    """model.sigmas is every sampling grid, so the rollouts' and the evaluation's steps are its length."""
+    """model.sigmas is every sampling grid, so the rollouts' and the evaluation's steps are its
+    length; model.dynamic_cfg changes a CFG scale, so there must be CFG."""
+    if cfg.model.dynamic_cfg and cfg.sampling.guidance_scale <= 1.0:
+        raise ValueError("model.dynamic_cfg: sampling.guidance_scale=1 batches no classifier-free guidance, so no "
+                         "scale would change; set sampling.guidance_scale > 1 (CogVideoX's scripts: 6) or unset it")
     if cfg.model.sigmas is None:
         return
     n, s = len(cfg.model.sigmas), cfg.sampling
