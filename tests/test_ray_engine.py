@@ -331,14 +331,48 @@ def test_a_worker_killed_mid_stage_is_retried_and_the_run_ends_as_if_uninterrupt
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.fixture
+def failing_judge():
+    """A reward service that answers /health (so preflight lets the run start) and refuses every
+    /score with a scorer's 500 — a judge that fails only once scoring begins."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Judge(BaseHTTPRequestHandler):
+        def _send(self, code: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self._send(200, {"status": "ok", "rewards": {"shapes": 1.0}, "takes": {"shapes": "image"},
+                             "components": {"shapes": []}, "groupwise": []})
+
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            self._send(500, {"detail": "scorer 'shapes' failed: RuntimeError: the judge is down"})
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Judge)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
 def test_a_reward_worker_that_keeps_failing_fails_score_naming_worker_and_samples(ray_cluster, prefect_harness,
-                                                                                  tiny_checkpoint, tmp_path):
+                                                                                  tiny_checkpoint, tmp_path,
+                                                                                  failing_judge):
     res = CliRunner().invoke(app, ["train", "--iterations", "1", "--run", "dead-judge", "reward=remote",
-                                   "reward.options.remote.url=http://127.0.0.1:9", "reward.options.remote.retries=0",
+                                   f"reward.options.remote.url={failing_judge}", "reward.options.remote.retries=0",
                                    *tiny_overrides(tiny_checkpoint, tmp_path), *RAY_RUN])
     assert res.exit_code != 0
     msg = str(res.exception) + res.output
-    assert "reward worker 0" in msg and "00000-000-00" in msg and "127.0.0.1:9" in msg, msg
+    assert "reward worker 0" in msg and "00000-000-00" in msg and failing_judge in msg and "judge is down" in msg, msg
     t = lance.dataset(str(tmp_path / "lance" / "dead-judge" / "trajectories.lance")).to_table()
     assert t.num_rows == 8 and t["reward"].null_count == 8  # generated and decoded; nothing scored was written
     assert not (tmp_path / "checkpoints" / "dead-judge").exists() or \
