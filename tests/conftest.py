@@ -71,6 +71,36 @@ def prefect_harness():
         yield
 
 
+def start_reward_service(spec: str, *extra: str):
+    """`pixrl reward-serve --reward SPEC` on a free local port, as its own process (with `extra`
+    arguments: options, a token, limits): (the process, its URL) once /health answers."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "pixrl.cli", "reward-serve", "--reward", spec, "--port", str(port),
+                             *extra], cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env={**os.environ, "PIXRL_REWARD_TOKEN": ""})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"reward-serve exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("reward-serve did not come up in 90 s")
+
+
 def tiny_overrides(ckpt: Path, workdir: Path, **extra) -> list[str]:
     base = {"model.path": str(ckpt), "run.workdir": str(workdir), "sampling.group_size": 4,
             "sampling.prompts_per_iteration": 2, "sampling.micro_batch": 4, "sampling.steps": 4,

@@ -8,23 +8,18 @@ store, and a service that does not answer."""
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from conftest import start_reward_service
 from pixrl.artifacts.media import wav_bytes
 from pixrl.cli import app
 from pixrl.rewards.clap_tiny import write_tiny_clap
 from pixrl.rewards.compose import RewardSet
 
-ROOT = Path(__file__).resolve().parents[1]
 WEIGHTS = {"jpeg_compressibility": 1.0, "temporal_consistency": 0.5, "clap_score": 0.5}
 PROMPTS = ["rain on a roof", "a bell rings twice", "a dog barks at a bird"]
 
@@ -42,26 +37,7 @@ def clap_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(clap_dir):
-    import httpx
-
-    port = _free_port()
-    spec = ",".join(f"{n}:{w}" for n, w in WEIGHTS.items())
-    proc = subprocess.Popen([sys.executable, "-m", "pixrl.cli", "reward-serve", "--reward", spec, "--port", str(port),
-                             f"clap_score.path={clap_dir}"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, env={**os.environ, "PIXRL_REWARD_TOKEN": ""})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 90
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"reward-serve exited: {proc.stderr.read().decode()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            if time.time() > deadline:
-                proc.kill()
-                raise RuntimeError("reward-serve did not come up in 90 s") from None
-            time.sleep(0.3)
+    proc, url = start_reward_service(",".join(f"{n}:{w}" for n, w in WEIGHTS.items()), f"clap_score.path={clap_dir}")
     yield url
     proc.terminate()
     proc.wait(10)

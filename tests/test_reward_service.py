@@ -9,7 +9,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import start_reward_service
 from pixrl.datasets.shapes.prompts import parse
 from pixrl.datasets.shapes.render import render_prompt
 from pixrl.rewards.base import ScoringError, build_reward
 from pixrl.rewards.compose import RewardSet
 from pixrl.rewards.wire import encode_batch
 
-ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "s3cret"
 PROMPTS = ["a red circle", "two blue squares", "a green triangle and a yellow square", "three circles"]
 
@@ -35,24 +34,7 @@ def _free_port() -> int:
 
 
 def _serve(*extra: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pixrl.cli", "reward-serve", "--reward", "shapes,jpeg_compressibility:0.5",
-                             "--port", str(port), *extra], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "PIXRL_REWARD_TOKEN": ""})
-    url = f"http://127.0.0.1:{port}"
-    import httpx
-
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"reward-serve exited: {proc.stderr.read().decode()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("reward-serve did not come up in 90 s")
+    return start_reward_service("shapes,jpeg_compressibility:0.5", *extra)
 
 
 @pytest.fixture(scope="module")

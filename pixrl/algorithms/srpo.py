@@ -115,12 +115,12 @@ class SRPO(Algorithm):
         from ..models.pipelines import decodes_pixels
         from ..models.registry import get_family, registered_families
 
-        able = [n for n in registered_families() if _trainable(get_family(n))]
         why = None if _trainable(family) else (
             "its decode is not differentiable here (a video, packed or own-normalisation decode)"
             if not decodes_pixels(family) else "it is not a flow-matching model with plain guidance (a "
             "variance-preserving schedule, or a guider whose phases follow the grid steps)")
         if why:
+            able = [n for n in registered_families() if _trainable(get_family(n))]
             raise ValueError(f"algorithm 'srpo' backpropagates a reward through the {family.name} family's decode, "
                              f"and {why}; families it trains: {', '.join(able)}")
         sigmas = getattr(model, "sigmas", None)

@@ -40,6 +40,31 @@ def _workdir_tracker(workdir: str):
     return Tracker(default_tracking_uri(Path(workdir)))
 
 
+def _write_complete(out: str, write) -> tuple[Path, dict]:
+    """`write(staging_dir) -> {key: value}` into a staging folder, then renamed to `out`: the folder
+    is complete or absent (an existing one is refused, nothing is overwritten). The staging folder
+    lies inside a scratch folder beside `out`, so what a writer builds beside it (tokenizers, a
+    pipeline's pieces) goes with the scratch. The returned values name `out`'s resolved path where
+    they named the staging folder."""
+    import shutil
+
+    dest = Path(out)
+    if dest.exists():
+        _fail(f"{dest} already exists; pass a new --out directory (nothing is overwritten)")
+    scratch = dest.parent / f".{dest.name}.partial"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    staging = scratch / dest.name
+    try:
+        written = write(staging)
+        staging.rename(dest)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    here = str(dest.resolve())
+    return dest, {k: v.replace(str(staging.resolve()), here).replace(str(staging), here) if isinstance(v, str) else v
+                  for k, v in written.items()}
+
+
 def _fail(msg: str, code: int = 2, exc: BaseException | None = None) -> None:
     """One line naming the problem (and the fix); with `pixrl --debug`, `exc`'s traceback first."""
     from rich.markup import escape

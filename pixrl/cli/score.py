@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from .app import _fail, app, console
+from .app import _fail, _write_complete, app, console
 
 MEDIA = {".png", ".jpg", ".jpeg", ".webp", ".mp4"}
 
@@ -173,26 +173,12 @@ def tiny_reward(
 ) -> None:
     """Write a tiny random checkpoint of a model-based REWARD in its released layout — to try the
     reward (or srpo's gradient, a soundtrack reward) without its weights — and print its options."""
-    import json
-    import shutil
-    from pathlib import Path
+    from ..rewards.tiny import TINY_REWARDS, write_tiny_reward
 
-    from ..rewards.tiny import write_tiny_reward
-
-    dest = Path(out)
-    if dest.exists():
-        _fail(f"{dest} already exists; pass a new --out directory (nothing is overwritten)")
-    staging = dest.parent / f".{dest.name}.partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        options = write_tiny_reward(reward, staging, seed)
-        staging.rename(dest)  # complete or absent
-    except KeyError as exc:
-        _fail(exc.args[0], exc=exc)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    here = str(dest.resolve())
-    options = {k: v.replace(str(staging), here) if isinstance(v, str) else v for k, v in options.items()}
+    if reward not in TINY_REWARDS:
+        _fail(f"reward {reward!r} has no tiny checkpoint writer; these have: {', '.join(sorted(TINY_REWARDS))} "
+              f"(rule-based rewards need none)")
+    dest, options = _write_complete(out, lambda staging: write_tiny_reward(reward, staging, seed))
     overrides = {f"reward.weights.{reward}": 1.0, **{f"reward.options.{reward}.{k}": v for k, v in options.items()}}
     console.print(f"[bold green]wrote[/] a tiny random {reward} checkpoint to {dest}")
     console.print("  score with it: pixrl train ... " + " ".join(f"{k}={v}" for k, v in overrides.items()))

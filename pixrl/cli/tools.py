@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from .app import _fail, _workdir_tracker, app, console
+from .app import _fail, _workdir_tracker, _write_complete, app, console
 
 
 @app.command()
@@ -74,7 +74,6 @@ def tiny(
     """Write a tiny random checkpoint of FAMILY in its real on-disk layout (real classes, small
     configs, tokenizers built offline) — to try a family without its weights, and for tests."""
     import inspect
-    import shutil
 
     from ..models.registry import UnknownFamilyError, get_family
 
@@ -86,19 +85,8 @@ def tiny(
         _fail(f"family {family!r} has no tiny checkpoint writer")
     if two_experts and "two_experts" not in inspect.signature(fam.write_tiny).parameters:
         _fail(f"--two-experts: the {family} family has no two-expert layout (wan and wan_i2v have: Wan2.2-A14B)")
-    dest = Path(out)
-    if dest.exists():
-        _fail(f"{dest} already exists; pass a new --out directory (nothing is overwritten)")
-    staging = dest.parent / f".{dest.name}.partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        overrides = fam.write_tiny(staging, seed=seed, **({"two_experts": True} if two_experts else {}))
-        staging.rename(dest)  # complete or absent
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    moved = lambda v: v.replace(str(staging), str(dest.resolve())) if isinstance(v, str) else v  # noqa: E731
-    overrides = {k: (str(dest.resolve()) if k == "model.path" else moved(v)) for k, v in overrides.items()}
+    dest, overrides = _write_complete(
+        out, lambda staging: fam.write_tiny(staging, seed=seed, **({"two_experts": True} if two_experts else {})))
     console.print(f"[bold green]wrote[/] a tiny random {family} checkpoint to {dest}")
     console.print("  try it: pixrl train --iterations 2 " + " ".join(f"{k}={v}" for k, v in overrides.items()))
     print(json.dumps(overrides))

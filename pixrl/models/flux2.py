@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .pipelines import SIGMAS_OPTION, PipelineFamily, encodes_text, pixels_to_uint8
+from .pipelines import SIGMAS_OPTION, PipelineFamily, encodes_text, pixels_to_uint8, unit_range
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -169,7 +169,7 @@ class Flux2Family(PipelineFamily):
         mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
         std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z.device, z.dtype)
         z = self.pipe._unpatchify_latents(z * std + mean)
-        return (vae.decode(z, return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)
+        return unit_range(vae.decode(z, return_dict=False)[0])
 
     # --- a tiny random checkpoint in the real layout --------------------------------------------
     @classmethod

@@ -276,7 +276,7 @@ class PipelineFamily:
         shift (none where its config has none: HunyuanImage-2.1), decode, [-1, 1] → [0, 1]."""
         cfg = self.vae.config
         z = latents.to(self.vae.dtype) / cfg.scaling_factor + (cfg.get("shift_factor") or 0.0)
-        return (self.vae.decode(z, return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)
+        return unit_range(self.vae.decode(z, return_dict=False)[0])
 
 
 def encodes_text(encode):
@@ -377,7 +377,12 @@ def dynamic_shift_mu(scheduler, image_seq_len: int, max_shift: float = 1.15) -> 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
     """VAE output in [-1, 1], [B, 3, H, W] → uint8 [B, H, W, 3], as the pipelines postprocess."""
-    return pixels_to_uint8((images.float() / 2 + 0.5).clamp(0, 1))
+    return pixels_to_uint8(unit_range(images))
+
+
+def unit_range(images: torch.Tensor) -> torch.Tensor:
+    """VAE output in [-1, 1] → float pixels in [0, 1], as the pipelines postprocess (differentiable)."""
+    return (images.float() / 2 + 0.5).clamp(0, 1)
 
 
 def pixels_to_uint8(pixels: torch.Tensor) -> np.ndarray:
@@ -386,10 +391,8 @@ def pixels_to_uint8(pixels: torch.Tensor) -> np.ndarray:
 
 
 def decodes_pixels(family) -> bool:
-    """Whether a family (its class or an instance) has a differentiable decode that is the one its
-    `decode` quantises: `decode_pixels` defined on the class that defines `decode`, or on a
-    subclass of it (not a family whose own `decode` does more: unpacking, a video VAE, its own
-    normalisation)."""
+    """Whether a family (class or instance) has a differentiable decode that its `decode` quantises:
+    `decode_pixels` defined on the class defining `decode` or below it (not a video VAE, …)."""
     mro = (family if isinstance(family, type) else type(family)).__mro__
     owner = lambda name: next((c for c in mro if name in vars(c)), None)  # noqa: E731
     decode, pixels = owner("decode"), owner("decode_pixels")

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .pipelines import PackedLatentsFamily, encodes_text, pixels_to_uint8
+from .pipelines import PackedLatentsFamily, encodes_text, pixels_to_uint8, unit_range
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -97,7 +97,7 @@ class QwenImageFamily(PackedLatentsFamily):
         z = latents.to(self.vae.dtype).unsqueeze(2)
         mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
         inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
-        return (self.vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0].float() / 2 + 0.5).clamp(0, 1)
+        return unit_range(self.vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0])
 
     # --- a tiny random checkpoint in the real layout --------------------------------------------
     @classmethod

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .pipelines import PipelineFamily, dynamic_shift_mu, encodes_text, packed_grid
+from .pipelines import PipelineFamily, dynamic_shift_mu, encodes_text, packed_grid, unit_range
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -211,7 +211,7 @@ class QwenImage21Family(PipelineFamily):
         z = latents.to(self.vae.dtype).unsqueeze(2)
         mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
         std = torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
-        out = (self.vae.decode(z * std + mean, return_dict=False)[0][:, :, 0].float() / 2 + 0.5).clamp(0, 1)
+        out = unit_range(self.vae.decode(z * std + mean, return_dict=False)[0][:, :, 0])
         rgb = out[:, :3] * out[:, 3:4] + (1 - out[:, 3:4]) if out.shape[1] == 4 else out
         return (rgb.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .pipelines import PipelineFamily, encodes_text, pixels_to_uint8, scheduler_grid
+from .pipelines import PipelineFamily, encodes_text, pixels_to_uint8, scheduler_grid, unit_range
 from .registry import register_family
 from .taxonomy import Action, PolicySemantics, PolicyStep, Regime
 
@@ -133,7 +133,7 @@ class SanaFamily(PipelineFamily):
         """Final latents → images [B, 3, H, W] in [0, 1], differentiable: the DC-AE decode of
         latents / scaling_factor."""
         z = latents.to(self.vae.dtype) / self.vae.config.scaling_factor
-        return (self.vae.decode(z, return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)
+        return unit_range(self.vae.decode(z, return_dict=False)[0])
 
     # --- a tiny random checkpoint in the real layout --------------------------------------------
     @classmethod

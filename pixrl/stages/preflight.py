@@ -45,7 +45,7 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
             readers = [n for n in registered_families() if unread[0] in getattr(get_family(n), "options", {})]
             raise ValueError(f"model.{unread[0]}={options[unread[0]]}: the {family.name} family does not read it "
                              f"({', '.join(readers)} do); unset it")
-        check_grid_length(cfg)
+        check_model_sampling(cfg)
         path = resolve_model_path(cfg.model.path)
         if hasattr(family, "check_checkpoint"):  # not a diffusers pipeline (a transformers model)
             family.check_checkpoint(path)
@@ -93,7 +93,7 @@ def check_rewards(cfg: ExperimentConfig, family, algo, items) -> None:
                                                                         else {})} for it in items])
 
 
-def check_grid_length(cfg: ExperimentConfig) -> None:
+def check_model_sampling(cfg: ExperimentConfig) -> None:
     """model.sigmas is every sampling grid, so the rollouts' and the evaluation's steps are its
     length; model.dynamic_cfg changes a CFG scale, so there must be CFG."""
     if cfg.model.dynamic_cfg and cfg.sampling.guidance_scale <= 1.0:
