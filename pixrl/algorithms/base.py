@@ -145,6 +145,17 @@ class Algorithm(ABC):
         """Start the sampling policy at these weights (the pre-update ones, when none is set)."""
         raise TypeError(f"algorithm {self.name!r} has no separate sampling policy")
 
+    def frozen_slots(self) -> tuple[str, ...]:
+        """Names of frozen policies the loss reads beside the trained one (ReplayPolicy.frozen):
+        e.g. the update's starting weights (a ratio over several optimizer steps), an EMA anchor.
+        Each is a copy of the module (made up front on a sharded trainer); none by default."""
+        return ()
+
+    def frozen_weights(self, name: str, start: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The trainable weights of frozen policy `name` for this update; `start`: the update's
+        starting weights (live tensors: copy them to keep them in the algorithm's state)."""
+        raise TypeError(f"algorithm {self.name!r} declares no frozen policy {name!r}")
+
     def end_of_update(self, weights: dict[str, torch.Tensor], optimizer_steps: int) -> dict[str, float]:
         """Called once after an update with the new trainable weights and how many optimizer steps
         it took; returns metrics to log (e.g. the sampling policy's EMA decay)."""
@@ -207,7 +218,7 @@ def _own_settings(model: type[BaseModel], name: str, values: dict) -> BaseModel:
 
 
 def _builtin() -> None:
-    from . import (dance_grpo, ddpo, diffusion_dpo, diffusion_nft, diffusion_sft, flow_dppo, flow_grpo,  # noqa: F401
+    from . import (awm, dance_grpo, ddpo, diffusion_dpo, diffusion_nft, diffusion_sft, flow_dppo, flow_grpo,  # noqa: F401
                    gardo, grpo_guard, mix_grpo, online_dpo, online_sft, srpo, tempflow_grpo, token_dpo,
                    token_grpo, token_sft)  # (importing registers them)
 

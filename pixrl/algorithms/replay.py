@@ -6,7 +6,7 @@ any update is exactly 1."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ class ReplayPolicy:
     sampler: object | None = None  # the algorithm's separate sampling policy (DiffusionNFT's "old")
     trained_steps: frozenset[int] | None = None  # grid steps the trained weights denoise; None: every one
     memory: dict[int, torch.Tensor] | None = None  # step k → the guider's stored m_{k−1} (guidance_memory)
+    frozen: dict[str, object] = field(default_factory=dict)  # the algorithm's frozen policies (frozen_slots)
 
     def tensor(self, values: np.ndarray) -> torch.Tensor:
         """A stored array (host) as a tensor on the model's device."""

@@ -261,7 +261,7 @@ class LocalEngine:
         pol, algo = self.policy, self.algorithm
         explicit = self.cfg.dpo is not None and self.cfg.dpo.reference != "base"
         pol.shard(reference_copy=algo.needs_reference and (not pol.lora or explicit or algo.reference_in_state),
-                  sampler_copy=algo.separate_sampler)
+                  frozen_slots=(("sampler",) if algo.separate_sampler else ()) + algo.frozen_slots())
 
     def mark(self, checkpoint_id: str) -> None:
         self.policy.mark(checkpoint_id)

@@ -75,7 +75,7 @@ class TrainablePolicy:
             p.requires_grad_(True)
         self._base_state = None if trainable_device else self._snapshot()  # sharded: taken by `shard`
         self._reference = None
-        self._frozen: torch.nn.Module | None = None  # frozen_view's copy
+        self._frozen: dict[str, torch.nn.Module] = {}  # frozen_view's copies, by slot
         self._explicit_reference = False
         self.weights_id = BASE
         self.optimizer: torch.optim.Optimizer | None = None
@@ -85,7 +85,7 @@ class TrainablePolicy:
         self.ema: WeightAverage | None = None  # algorithm.ema's average, loaded with the optimizer state
         self.sharded = False  # FSDP over a trainer group (shard)
 
-    def shard(self, reference_copy: bool, sampler_copy: bool) -> None:
+    def shard(self, reference_copy: bool, frozen_slots: tuple[str, ...] = ()) -> None:
         """Shard the trained module over the process group (FSDP, engines/fsdp.py) from rank 0's
         weights: the other ranks may have built it on the meta device. The frozen copies an update
         uses beside it (a full fine-tune's KL reference, a separate sampling policy) are made now,
@@ -98,7 +98,8 @@ class TrainablePolicy:
         align(self.module, f"{self.family.name} trained module")
         rank0 = dist.get_rank() == 0
         source = dict(self.module.state_dict()) if rank0 else {}  # whole: taken before sharding
-        copies = [skeleton(self.module).requires_grad_(False) for wanted in (reference_copy, sampler_copy) if wanted]
+        slots = (["reference"] if reference_copy else []) + list(frozen_slots)
+        copies = [skeleton(self.module).requires_grad_(False) for _ in slots]
         device = torch.device(self.cfg.model.device)
         units = getattr(self.family, "fsdp_units", None)
         for module in (self.module, *copies):
@@ -107,10 +108,9 @@ class TrainablePolicy:
         del source
         for module in copies:
             fill_like(module, self.module)
-        if reference_copy:
-            self._reference = copies[0]
-        if sampler_copy:
-            self._frozen = copies[-1]
+        made = dict(zip(slots, copies))
+        self._reference = made.pop("reference", None)
+        self._frozen = made
         self._base_state = self._snapshot()
         self.sharded = True
 
@@ -241,17 +241,18 @@ class TrainablePolicy:
         if self._reference is not None and not self.lora:  # a full fine-tune's copy: refilled with the base
             self._fill(self._reference, self._base_state, "base weights")
 
-    def frozen_view(self, weights: dict[str, torch.Tensor]) -> "_FrozenView":
+    def frozen_view(self, weights: dict[str, torch.Tensor], slot: str = "sampler") -> "_FrozenView":
         """A velocity model with these trainable weights, frozen, beside the trained one (e.g.
-        DiffusionNFT's sampling policy). One copy of the module is kept and refilled per call."""
-        if self._frozen is None:
+        DiffusionNFT's sampling policy, AWM's EMA anchor). One copy of the module per slot is kept
+        and refilled per call: a slot's earlier view takes the new weights too."""
+        if slot not in self._frozen:
             if self.sharded:
-                raise RuntimeError("a sharded trainer has no sampling-policy copy: it is made when the group "
-                                   "shards (LocalEngine.shard), for algorithms with a separate sampler")
-            self._frozen = self._copy(weights, "sampling weights")
+                raise RuntimeError(f"a sharded trainer has no {slot!r} copy: the frozen copies are made when the "
+                                   "group shards (LocalEngine.shard), for the slots the algorithm declares")
+            self._frozen[slot] = self._copy(weights, f"{slot} weights")
         else:
-            self._fill(self._frozen, weights, "sampling weights")
-        return _FrozenView(self, self._frozen)
+            self._fill(self._frozen[slot], weights, f"{slot} weights")
+        return _FrozenView(self, self._frozen[slot])
 
     def _fill(self, module: torch.nn.Module, weights: dict[str, torch.Tensor], what: str) -> None:
         """Copy `weights` into a copy of the module's trainable tensors; all of them must be there."""

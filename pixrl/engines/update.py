@@ -78,6 +78,9 @@ class ReplayFactory:
             if algo.sampling_weights() is None:
                 algo.set_sampling_weights({k: v.detach().clone() for k, v in pol.state().items()})
             self.sampler = pol.frozen_view(algo.sampling_weights())
+        slots = algo.frozen_slots()
+        start = pol.state() if slots else {}
+        self.frozen = {name: pol.frozen_view(algo.frozen_weights(name, start), slot=name) for name in slots}
         on_device = lambda name: torch.from_numpy(batch[name][0].copy()).to(fam.device) if name in batch else None  # noqa: E731
         self.sigmas, self.timesteps = on_device("sigmas"), on_device("timesteps")
         self.trained_steps = trained_grid_steps(fam, self.timesteps)
@@ -99,7 +102,7 @@ class ReplayFactory:
             return TokenReplayPolicy(fam, self.reference, cond, recipe, fam.device)
         neg = self.negs[s].of([self.prompts[i] for i in rows]) if self.negs else None
         return ReplayPolicy(fam, self.reference, cond, neg, self.sigmas, self.timesteps, recipe, fam.device, gen,
-                            self.sampler, self.trained_steps, self._memory(rows))
+                            self.sampler, self.trained_steps, self._memory(rows), self.frozen)
 
     def _memory(self, rows: list[int]) -> dict[int, torch.Tensor] | None:
         """The guider's stored memory of the rows' transitions by grid step (guidance_memory), or None."""
