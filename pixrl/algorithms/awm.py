@@ -191,7 +191,7 @@ class AWM(Algorithm):
         fam = policy.model
         x0 = policy.tensor(batch["final_latent"]).float()
         adv = clipped_advantages(policy.tensor(batch["advantage"]), c.adv_clip_max, c.advantage_max)
-        levels, on_grid = draw_levels(c, len(policy.sigmas), len(x0), policy.generator)
+        levels, on_grid = draw_levels(c, len(policy.timesteps), len(x0), policy.generator)
         anchor = policy.sampler if c.off_policy else policy.frozen.get("anchor")
         old = policy.sampler if c.off_policy else (policy.frozen.get("start") if self._stepped else None)
         g, neg = policy.recipe.guidance_scale, policy.neg
