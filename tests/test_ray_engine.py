@@ -270,6 +270,35 @@ def test_gardos_gate_and_own_reference_on_two_ranks_equal_one_process(ray_cluste
     _close(got2.weights, resumed.weights, cfg.algorithm.lr)
     np.testing.assert_allclose(got2.metrics["kl"], resumed.metrics["kl"], rtol=1e-4)
 
+def test_awms_frozen_copies_sharded_over_two_ranks_equal_one_process(ray_cluster, tiny_checkpoint, tmp_path):
+    """AWM's full fine-tune reads three frozen copies beside the trained module — the base (its KL),
+    the EMA anchor and, after the first of its three optimizer steps, the update's starting weights
+    (the ratio) — each made from the base weights when the group shards and refilled per update.
+    Two FSDP ranks equal one process: weights, the anchor the state carries, the ratio's range."""
+    from pixrl.engines.policy import ALGORITHM_STATE
+    from pixrl.engines.ray_engine import RayEngine
+
+    cfg = _cfg(tiny_checkpoint, tmp_path, "ray.rollout_workers=1", "ray.trainer_sharding=fsdp", "algorithm=awm",
+               "algorithm.lora.enabled=false", "algorithm.train_timesteps=2", "algorithm.optimizer_steps_per_iteration=3",
+               "algorithm.lr=1e-4", "algorithm.clip_range=0.01", "algorithm.ema.enabled=false")
+    recipe = SamplerRecipe(steps=4, noise_level=0.0, train_steps=())
+    local = LocalEngine(cfg)
+    batch, plan = _update_batch(local, recipe)
+    want = local.train(PolicySource(), batch, plan, recipe, seed=3)
+    engine = RayEngine(cfg)
+    try:
+        got = engine.train(PolicySource(), batch, plan, recipe, seed=3)
+    finally:
+        engine.close()
+    lr = cfg.algorithm.lr
+    _close(got.weights, want.weights, lr)
+    _close(got.optimizer[ALGORITHM_STATE]["ema"], want.optimizer[ALGORITHM_STATE]["ema"], lr)
+    assert got.metrics["onpolicy_ratio_dev"] == want.metrics["onpolicy_ratio_dev"] == 0.0
+    assert want.metrics["ratio_max"] > 1 or want.metrics["ratio_min"] < 1  # the later steps' ratio to the start
+    for key in ("ratio_max", "ratio_min", "kl", "ema_kl"):
+        np.testing.assert_allclose(got.metrics[key], want.metrics[key], rtol=1e-4, atol=1e-9)
+
+
 def _train(tmp_path: Path, ckpt: Path, run: str, *extra: str):
     res = CliRunner().invoke(app, ["train", "--iterations", "2", "--run", run, "reward=jpeg_compressibility",
                                    *tiny_overrides(ckpt, tmp_path), *RAY_RUN, *extra])
