@@ -24,6 +24,7 @@ ROWS = {
     "gardo": "cmp_gardo",
     "flow_dppo": "cmp_flow_dppo",
     "diffusion_nft": "cmp_diffusion_nft",
+    "awm": "cmp_awm",
     "online_dpo": "cmp_online_dpo",
     "ddpo": "cmp_ddpo",
     "tempflow_grpo": "cmp_tempflow_grpo",
