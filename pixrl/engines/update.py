@@ -77,7 +77,8 @@ class ReplayFactory:
         if algo.separate_sampler:  # the sampling policy as of the rollout (initially the weights themselves)
             if algo.sampling_weights() is None:
                 algo.set_sampling_weights({k: v.detach().clone() for k, v in pol.state().items()})
-            self.sampler = pol.frozen_view(algo.sampling_weights())
+            weights = algo.sampling_weights()  # still None: the rollouts sampled with the weights (DGPO's before its switch)
+            self.sampler = None if weights is None else pol.frozen_view(weights)
         slots = algo.frozen_slots()
         start = pol.state() if slots else {}
         self.frozen = {name: pol.frozen_view(algo.frozen_weights(name, start), slot=name) for name in slots}
