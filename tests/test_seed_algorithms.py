@@ -274,6 +274,8 @@ CASES = {
     "tempflow_grpo": ["algorithm.children=2", "algorithm.branch_steps=[0,2]", "algorithm.beta=0.01"],
     "online_sft": ["algorithm.noise_draws=3", "algorithm.sampler_sync_every=4"],
     "awm": ["algorithm.lora.enabled=false", "algorithm.train_timesteps=3", "algorithm.ema_kl_weight=0.5"],
+    "dgpo": ["algorithm.lora.enabled=false", "algorithm.train_levels=2", "algorithm.trunc_steps=2",
+             "algorithm.switch_ema_ref=0"],
 }
 METRICS = {"dance_grpo": ["clipfrac"], "mix_grpo": ["clipfrac"], "mix_grpo_flash": ["clipfrac"],
            "grpo_guard": ["clipfrac_gt_one", "clipfrac_lt_one"],
@@ -281,7 +283,8 @@ METRICS = {"dance_grpo": ["clipfrac"], "mix_grpo": ["clipfrac"], "mix_grpo_flash
            "diffusion_nft": ["nft/old_decay", "old_deviate", "unweighted_policy_loss"],
            "tempflow_grpo": ["noise_weight", "kl", "part/0/reward_std", "part/1/reward_std"],
            "online_sft": ["err_w", "sigma_mean", "sft/sampler_synced"],
-           "awm": ["awm/ema_decay", "awm/matching_loss", "ema_kl", "kl", "clipfrac"]}
+           "awm": ["awm/ema_decay", "awm/matching_loss", "ema_kl", "kl", "clipfrac"],
+           "dgpo": ["dgpo/ema_decay", "dgpo/group_weight", "dgpo/dsm", "dgpo/samples_with_ema", "clipfrac", "kl"]}
 
 
 def _train(tiny_checkpoint, wd, run, name):
@@ -345,6 +348,10 @@ def test_two_iterations_then_resume_after_a_fault_in_update(name, tiny_checkpoin
         assert "log_probs" not in t.column_names and "latents" not in t.column_names  # final latents only
         assert all(r["ode_solver"] == "euler" and r["noise_level"] == 0 for r in recipes)
         assert m["awm/ema_decay"] == pytest.approx(0.002) and m["onpolicy_ratio_dev"] == 0
+    elif name == "dgpo":
+        assert "log_probs" not in t.column_names and "latents" not in t.column_names  # final latents only
+        assert all(r["ode_solver"] == "dpm2" and r["noise_level"] == 0 for r in recipes)
+        assert m["dgpo/ema_decay"] == pytest.approx(0.001) and m["dgpo/samples_with_ema"] == 1  # past the switch
     elif name == "online_sft":
         assert "log_probs" not in t.column_names and "latents" not in t.column_names  # final latents only
         assert all(r["noise_level"] == 0.7 and r["sde_steps"] is None and r["train_steps"] == [] for r in recipes)
@@ -379,14 +386,14 @@ def test_two_iterations_then_resume_after_a_fault_in_update(name, tiny_checkpoin
     resumed, ck = _final(wd, "A")
     assert all(resumed[k].equal(weights[k]) for k in weights), "resumed weights differ"
     assert _rows(wd, "A").equals(t)
-    if name in ("diffusion_nft", "online_sft", "awm"):  # the sampling policy (AWM: the EMA anchor) resumed too
+    if name in ("diffusion_nft", "online_sft", "awm", "dgpo"):  # the sampling policy (or EMA anchor) resumed too
         from pixrl.artifacts.checkpoints import load_optimizer_state
         from pixrl.engines.policy import ALGORITHM_STATE
 
         a = load_optimizer_state(ck)[ALGORITHM_STATE]
         (ref_ck,) = (ref / "checkpoints" / "ref").glob("*/it_0001")
         b = load_optimizer_state(ref_ck)[ALGORITHM_STATE]
-        key = {"diffusion_nft": "old", "online_sft": "sampler", "awm": "ema"}[name]
+        key = {"diffusion_nft": "old", "online_sft": "sampler", "awm": "ema", "dgpo": "ema"}[name]
         assert a["step"] == b["step"] == (6 if name == "online_sft" else 2)
         assert all(a[key][k].equal(b[key][k]) for k in b[key])
 
