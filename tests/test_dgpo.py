@@ -80,19 +80,22 @@ def moved(tiny_checkpoint):
     return out
 
 
-def test_a_loss_term_is_dgpos_step_value_and_gradient(family, moved):
+@pytest.mark.parametrize("kl_guidance", [1.0, 3.0])
+def test_a_loss_term_is_dgpos_step_value_and_gradient(family, moved, kl_guidance):
     """Two whole groups of two; the rollout had CFG (a negative batch) and the training forward is
-    the conditional velocity; reference and EMA reference are other weights."""
+    the conditional velocity; reference and EMA reference are other weights; with kl_guidance the
+    reference is guided by the rollout's negative prompt (DGPO's kl_cfg)."""
     algo = build_algorithm(AlgorithmConfig(name="dgpo", train_levels=2, trunc_steps=2, clip_range=0.02,
-                                           kl_weight=0.05, beta_dpo=50.0))
+                                           kl_weight=0.05, beta_dpo=50.0, kl_guidance=kl_guidance))
     base, ema = moved
     cond = family.encode_prompts(PROMPTS)
+    neg = family.encode_prompts([""] * len(PROMPTS))
     grid = SamplerRecipe(4, 0.0, train_steps=())
     x0 = sample(family, cond, None, generators([1, 2, 3, 4]), grid).final
     sigmas, timesteps = family.schedule(4)
     adv = torch.tensor([1.1, -1.1, 0.7, -0.7])
     batch = {"final_latent": x0.numpy(), "advantage": adv.numpy(), "group_id": np.array([3, 3, 5, 5])}
-    policy = ReplayPolicy(family, base, cond, None, sigmas, timesteps, SamplerRecipe(4, 0.0, guidance_scale=4.5),
+    policy = ReplayPolicy(family, base, cond, neg, sigmas, timesteps, SamplerRecipe(4, 0.0, guidance_scale=4.5),
                           torch.device("cpu"), torch.Generator().manual_seed(5), frozen={"ema_ref": ema})
     params = [p for p in family.transformer.parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(5)
@@ -112,7 +115,7 @@ def test_a_loss_term_is_dgpos_step_value_and_gradient(family, moved):
         ts = timesteps[j].reshape(1).expand(4)
         model_v = family.velocity(xt, ts, cond, 1.0, None)  # the conditional velocity (cfg = False)
         with torch.no_grad():
-            ref_v = base.velocity(xt, ts, cond, 1.0, None)
+            ref_v = base.velocity(xt, ts, cond, kl_guidance, neg if kl_guidance > 1 else None)
             old_v = ema.velocity(xt, ts, cond, 1.0, None)
         dsm = (target - model_v).square().reshape(4, -1).mean(dim=1)
         old_dsm = (target - old_v).square().reshape(4, -1).mean(dim=1)
