@@ -25,6 +25,7 @@ ROWS = {
     "flow_dppo": "cmp_flow_dppo",
     "diffusion_nft": "cmp_diffusion_nft",
     "awm": "cmp_awm",
+    "dgpo": "cmp_dgpo",
     "online_dpo": "cmp_online_dpo",
     "ddpo": "cmp_ddpo",
     "tempflow_grpo": "cmp_tempflow_grpo",
