@@ -268,3 +268,20 @@ def tiny_wan(tmp_path_factory) -> tuple[Path, dict]:
 def tiny_janus(tmp_path_factory) -> tuple[Path, dict]:
     """Janus-Pro-shaped (token-autoregressive)."""
     return _tiny_family(tmp_path_factory, "janus_pro")
+
+
+def perturbed_sd3(ckpt: Path, seeds: list[int], scale: float = 0.02) -> list:
+    """Frozen SD3 families of the tiny checkpoint, each with its transformer's weights moved by
+    scale·N(0, 1) from `seed`: the other policies a loss reads (a reference, an EMA, a sampler)."""
+    from pixrl.models.sd3 import SD3Family
+
+    out = []
+    for seed in seeds:
+        fam = SD3Family.load(ckpt, max_sequence_length=0)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in fam.transformer.parameters():
+                p.add_(scale * torch.randn_like(p))
+        fam.transformer.requires_grad_(False)
+        out.append(fam)
+    return out

@@ -14,7 +14,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import tiny_overrides
+from conftest import perturbed_sd3, tiny_overrides
 from pixrl.algorithms.awm import AWMSettings, draw_levels, ema_decay, matching_log_prob
 from pixrl.algorithms.base import build_algorithm
 from pixrl.algorithms.replay import ReplayPolicy
@@ -110,16 +110,7 @@ def family(tiny_checkpoint):
 @pytest.fixture(scope="module")
 def moved(tiny_checkpoint):
     """Frozen copies of the tiny SD3 with other weights: the base (KL), the EMA anchor, the update's start."""
-    out = []
-    for k in range(3):
-        fam = SD3Family.load(tiny_checkpoint, max_sequence_length=0)
-        torch.manual_seed(10 + k)
-        with torch.no_grad():
-            for p in fam.transformer.parameters():
-                p.add_(0.02 * torch.randn_like(p))
-        fam.transformer.requires_grad_(False)
-        out.append(fam)
-    return out
+    return perturbed_sd3(tiny_checkpoint, [10, 11, 12])
 
 
 def _reference_loss(fam, views, x0, adv, cond, t, timestep, noise, s, old):

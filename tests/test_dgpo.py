@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import perturbed_sd3
 from pixrl.algorithms.base import build_algorithm
 from pixrl.algorithms.dgpo import _whole_groups, clipped_dsm, group_weights
 from pixrl.algorithms.replay import ReplayPolicy
@@ -68,16 +69,7 @@ def family(tiny_checkpoint):
 @pytest.fixture(scope="module")
 def moved(tiny_checkpoint):
     """Frozen copies with other weights: the base reference and the EMA reference."""
-    out = []
-    for k in range(2):
-        fam = SD3Family.load(tiny_checkpoint, max_sequence_length=0)
-        torch.manual_seed(20 + k)
-        with torch.no_grad():
-            for p in fam.transformer.parameters():
-                p.add_(0.02 * torch.randn_like(p))
-        fam.transformer.requires_grad_(False)
-        out.append(fam)
-    return out
+    return perturbed_sd3(tiny_checkpoint, [20, 21])
 
 
 @pytest.mark.parametrize("kl_guidance", [1.0, 3.0])

@@ -35,8 +35,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..config.schema import SamplingConfig
 from .advantages import GroupAdvantages, group_advantages
 from .base import Algorithm, register_algorithm
-from .recipe import with_guidance
+from .recipe import ode_recipe
 from .sampling import SamplerRecipe, model_timesteps
+from .weight_average import blend, on_host
 
 TIME_TYPES = ("discrete_wo_init", "discrete", "discrete_with_init", "uniform", "logit_normal")
 
@@ -155,8 +156,7 @@ class AWM(Algorithm):
 
     def rollout_recipe(self, sampling: SamplingConfig, rng: np.random.Generator, step: str,
                        iteration: int) -> SamplerRecipe:
-        recipe = SamplerRecipe(sampling.steps, 0.0, "sde", sampling.guidance_scale, (), (), ode_solver=self.settings.solver)
-        return with_guidance(recipe, sampling)
+        return ode_recipe(sampling, self.settings.solver)
 
     def advantages(self, rewards: np.ndarray, group_ids: np.ndarray) -> GroupAdvantages:
         c = self.settings
@@ -254,13 +254,11 @@ class AWM(Algorithm):
         if not self._keeps_anchor():
             return {}
         d = ema_decay(self._step, self.settings.ema_kl_decay, self.settings.ema_kl_decay_type)
-        old = self._ema if self._ema is not None else weights
-        self._ema = {k: (d * old[k].to(w.device).float() + (1 - d) * w.detach().float()).to(w.dtype)
-                     for k, w in weights.items()}
+        self._ema = blend(self._ema, weights, d)
         return {"awm/ema_decay": d}
 
     def state(self) -> dict:
-        return {"ema": {k: v.detach().cpu() for k, v in self._ema.items()} if self._ema is not None else None,
+        return {"ema": on_host(self._ema),
                 "step": self._step}
 
     def load_state(self, state: dict | None) -> None:

@@ -33,6 +33,7 @@ from ..config.schema import SamplingConfig
 from .advantages import GroupAdvantages, group_advantages
 from .base import Algorithm, register_algorithm
 from .sampling import SamplerRecipe
+from .weight_average import blend, on_host
 
 #: return_decay's (flat, rate, cap) per decay_type (train_nft_sd3.py)
 DECAY_TYPES = {0: (0, 0.0, 0.0), 1: (0, 0.001, 0.5), 2: (75, 0.0075, 0.999)}
@@ -163,13 +164,11 @@ class DiffusionNFT(Algorithm):
     def end_of_update(self, weights: dict[str, torch.Tensor], optimizer_steps: int) -> dict[str, float]:
         self._step += optimizer_steps
         d = return_decay(self._step, self.settings.decay_type)
-        old = self._old if self._old is not None else weights
-        self._old = {k: (d * old[k].to(w.device).float() + (1 - d) * w.detach().float()).to(w.dtype)
-                     for k, w in weights.items()}
+        self._old = blend(self._old, weights, d)
         return {"nft/old_decay": d}
 
     def state(self) -> dict:
-        return {"old": {k: v.detach().cpu() for k, v in self._old.items()} if self._old is not None else None,
+        return {"old": on_host(self._old),
                 "step": self._step}
 
     def load_state(self, state: dict | None) -> None:

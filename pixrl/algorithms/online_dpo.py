@@ -20,6 +20,7 @@ from ..config.schema import SamplingConfig
 from .advantages import GroupAdvantages, checked_rewards
 from .base import Algorithm, register_algorithm
 from .diffusion_dpo import DPOSettings, pair_loss
+from .recipe import ode_recipe
 from .sampling import SamplerRecipe
 
 
@@ -81,7 +82,7 @@ class OnlineDPO(Algorithm):
     def rollout_recipe(self, sampling: SamplingConfig, rng: np.random.Generator, step: str,
                        iteration: int) -> SamplerRecipe:
         """The ODE sampler (no stochastic step, nothing but the final latents stored)."""
-        return SamplerRecipe(sampling.steps, 0.0, "sde", sampling.guidance_scale, (), ())
+        return ode_recipe(sampling)
 
     def advantages(self, rewards: np.ndarray, group_ids: np.ndarray) -> GroupAdvantages:
         return best_worst_advantages(rewards, group_ids, self.settings.min_margin)

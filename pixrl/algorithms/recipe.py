@@ -71,6 +71,12 @@ def with_guidance(recipe: SamplerRecipe | TokenRecipe, s: SamplingConfig) -> Sam
     return replace(recipe, negative_prompt=s.negative_prompt, cfg_truncation=s.cfg_truncation)
 
 
+def ode_recipe(s: SamplingConfig, solver: str = "euler") -> SamplerRecipe:
+    """The policy's deterministic ODE at the run's guidance, nothing but the final latents stored:
+    the rollouts of the forward-process algorithms (AWM, DGPO, SRPO, online DPO)."""
+    return with_guidance(SamplerRecipe(s.steps, 0.0, "sde", s.guidance_scale, (), (), ode_solver=solver), s)
+
+
 def stored_recipe(rec: dict, step: str, train_cfg: bool = True) -> SamplerRecipe | TokenRecipe:
     """The recipe a rollout recorded (its row's `recipe` JSON), for replaying it; without
     train_cfg the replay drops guidance (the conditional policy only, as T2I-R1 trains)."""

@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..config.schema import SamplingConfig
 from .advantages import GroupAdvantages, group_advantages
 from .base import Algorithm, register_algorithm
-from .recipe import with_guidance
+from .recipe import ode_recipe
 from .sampling import SamplerRecipe, generators, initial_noise, model_timesteps
 
 POSITIVE_WORDS = ["Natural-lighting", "Detail", "Detailed", "Real"]  # SRPO.py's realism adjectives
@@ -153,7 +153,7 @@ class SRPO(Algorithm):
     # --- rollouts and update ----------------------------------------------------------------------
     def rollout_recipe(self, sampling: SamplingConfig, rng: np.random.Generator, step: str,
                        iteration: int) -> SamplerRecipe:
-        return with_guidance(SamplerRecipe(sampling.steps, 0.0, "sde", sampling.guidance_scale, (), ()), sampling)
+        return ode_recipe(sampling)
 
     def advantages(self, rewards: np.ndarray, group_ids: np.ndarray) -> GroupAdvantages:
         """Flow-GRPO's group advantages, stored for comparison with the policy-gradient runs; the
