@@ -222,6 +222,16 @@ def tiny_clap(tmp_path_factory):
     return write_tiny_clap(tmp_path_factory.mktemp("clap") / "clap", seed=0)
 
 
+def _same_pcm(a: bytes, b: bytes) -> None:
+    """Two WAVs of one soundtrack: the same format and length, samples within 1 of 16-bit PCM —
+    decode renders each micro-batch (in a background thread under reward.overlap) and the check
+    all rows at once, and a vocoder's float rounding at another batch shape can move the last bit."""
+    with wave.open(io.BytesIO(a)) as x, wave.open(io.BytesIO(b)) as y:
+        assert x.getparams() == y.getparams()
+        pa, pb = (np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.int32) for w in (x, y))
+    assert len(pa) and np.abs(pa - pb).max() <= 1
+
+
 def _wavs(fam, t):
     """The rows' soundtracks as decode renders them from their stored joint latents."""
     from pixrl.artifacts.media import wav_bytes
@@ -248,7 +258,9 @@ def test_two_rl_iterations_through_the_unchanged_flow(tiny, tiny_clap, tmp_path,
     assert decode_media(t["image"][0].as_py()).shape == (9, 64, 64, 3)
     assert t["final_latent"].type.shape == [57, 8]
     fam = _load(tiny[0])
-    assert t["soundtrack"].null_count == 0 and t["soundtrack"].to_pylist() == _wavs(fam, t)
+    assert t["soundtrack"].null_count == 0
+    for stored, again in zip(t["soundtrack"].to_pylist(), _wavs(fam, t)):
+        _same_pcm(stored, again)
     clap = [{r["name"]: r["value"] for r in row}["clap_score"] for row in t["rewards"].to_pylist()]
     clips = np.stack([decode_media(b) for b in t["image"].to_pylist()])
     again = RewardSet({"clap_score": 1.0}, {"clap_score": {"path": str(tiny_clap)}}).score(
