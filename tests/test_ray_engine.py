@@ -657,8 +657,9 @@ def test_a_family_that_decodes_with_its_prompts_on_the_ray_engine_equals_the_loc
     prompts = local["prompt"].to_pylist()
     other = next(p for p in prompts if p not in prompts[:2])
     stored = np.stack([decode_media(b) for b in local["image"].to_pylist()[:2]])
-    assert np.array_equal(fam.decode(tokens, prompts[:2]), stored)
-    assert not np.array_equal(fam.decode(tokens, [other, other]), stored)
+    # the test's own decode (another batch shape and thread count than the run's): within 1 of 8 bits
+    assert np.abs(fam.decode(tokens, prompts[:2]).astype(int) - stored).max() <= 1
+    assert np.abs(fam.decode(tokens, [other, other]).astype(int) - stored).max() > 1
 
 
 def test_a_family_with_a_guidance_memory_on_the_ray_engine_equals_the_local_engine(ray_cluster, prefect_harness,
