@@ -49,3 +49,52 @@ def test_an_algorithms_own_reference_and_back_to_the_base(tiny_checkpoint, tmp_p
         assert pol._reference is copy  # refilled in place
         pol.use_base_reference()
         assert torch.equal(pol.reference_call("velocity", x, t, cond), base)
+
+
+def _bytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def test_a_lora_frozen_copy_shares_the_base_and_costs_its_adapter(tiny_checkpoint, tmp_path):
+    """A frozen view under LoRA (DiffusionNFT's sampler, AWM's anchor, an explicit reference)
+    holds its own adapter and the trained module's base parameters, not a copy of them; it
+    computes what a whole copy with the same weights computes, bit for bit, and stays put while
+    the trained adapter takes an optimizer step."""
+    import copy
+
+    extra = ["algorithm.lora.enabled=true", "algorithm.lora.rank=4", "algorithm.lora.init=gaussian"]
+    pol = TrainablePolicy(load_config(None, [*tiny_overrides(tiny_checkpoint, tmp_path), *extra]))
+    fam = pol.family
+    x, t = torch.randn(2, *fam.latent_shape(), generator=torch.Generator().manual_seed(0)), torch.tensor([500.0])
+    cond = fam.encode_prompts(["a red circle", "a blue square"])
+    weights = {k: v.detach() + 0.01 for k, v in pol.trainable_parameters().items()}
+    view = pol.frozen_view(weights, slot="anchor")
+    held = pol._frozen["anchor"]
+    live = dict(pol.module.named_parameters())
+    own = [p for n, p in held.named_parameters() if p is not live[n]]
+    assert {n for n, p in held.named_parameters() if p is not live[n]} == set(pol.trainable_parameters())
+    assert _bytes(own) == _bytes(pol.trainable_parameters().values()) < _bytes(live.values()) / 10
+    assert all(not p.requires_grad for p in own)
+
+    whole = copy.deepcopy(pol.module).requires_grad_(False)  # what a frozen view was before: a whole copy
+    pol._fill(whole, weights, "whole copy")
+    before = view.velocity(x, t, cond)
+    assert torch.equal(before, pol.module_call(whole, "velocity", x, t, cond))
+    assert not torch.equal(before, pol.reference_call("velocity", x, t, cond))
+
+    opt = torch.optim.SGD(list(pol.trainable_parameters().values()), lr=0.1)
+    fam.velocity(x, t, cond).square().mean().backward()
+    assert all(p.grad is None for p in held.parameters())  # the shared base gets no gradient either
+    opt.step()
+    assert not torch.equal(fam.velocity(x, t, cond), pol.module_call(whole, "velocity", x, t, cond))
+    assert torch.equal(view.velocity(x, t, cond), before)
+
+
+def test_a_full_finetune_frozen_copy_owns_every_trained_tensor(tiny_checkpoint, tmp_path):
+    pol = TrainablePolicy(load_config(None, tiny_overrides(tiny_checkpoint, tmp_path)))
+    pol.frozen_view(pol._snapshot(), slot="sampler")
+    live = dict(pol.module.named_parameters())
+    trained = set(pol.trainable_parameters())
+    for n, p in pol._frozen["sampler"].named_parameters():
+        assert (p is live[n]) == (n not in trained), n
+        assert not p.requires_grad

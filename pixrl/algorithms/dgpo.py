@@ -33,7 +33,7 @@ from ..config.schema import SamplingConfig
 from .advantages import GroupAdvantages, group_advantages
 from .base import Algorithm, register_algorithm
 from .recipe import ode_recipe
-from .sampling import SamplerRecipe
+from .sampling import SamplerRecipe, conditional_scale
 from .weight_average import blend, on_host
 
 
@@ -111,6 +111,12 @@ class DGPO(Algorithm):
                              f"algorithm.optimizer_steps_per_iteration=1 (it is {self.cfg.optimizer_steps_per_iteration}; "
                              f"DGPO's gradient accumulation spans the epoch)")
 
+    def check_family(self, family, model=None) -> None:
+        if self.settings.kl_guidance > 1 and getattr(family, "guidance", "cfg") != "cfg":
+            raise ValueError(f"algorithm.kl_guidance={self.settings.kl_guidance} guides the reference with a negative "
+                             f"prompt, and the {family.name} family is guidance-distilled (its scale is a model input, "
+                             f"no negative prompt is encoded): set algorithm.kl_guidance=1")
+
     def rollout_recipe(self, sampling: SamplingConfig, rng: np.random.Generator, step: str,
                        iteration: int) -> SamplerRecipe:
         return ode_recipe(sampling, self.settings.solver)
@@ -131,8 +137,11 @@ class DGPO(Algorithm):
         old = policy.frozen.get("ema_ref")  # the EMA reference (the first update: its own starting weights)
         guided = c.kl_guidance > 1
 
-        def velocity(model, x, timestep, g=1.0):
-            return model.velocity(x.to(fam.dtype), timestep, policy.cond, g, policy.neg if g > 1 else None).float()
+        plain = conditional_scale(fam, policy.recipe)  # training's unguided forward
+
+        def velocity(model, x, timestep, guided=False):
+            g, neg = (c.kl_guidance, policy.neg) if guided else (plain, None)
+            return model.velocity(x.to(fam.dtype), timestep, policy.cond, g, neg).float()
 
         for k in levels:
             t, timestep = policy.sigmas[k].float(), policy.timesteps[k].reshape(1).expand(len(x0))
@@ -143,7 +152,7 @@ class DGPO(Algorithm):
             dims = tuple(range(1, x0.ndim))
             v = velocity(fam, x_t, timestep)
             with torch.no_grad():
-                v_ref = velocity(policy.reference, x_t, timestep, c.kl_guidance if guided else 1.0)
+                v_ref = velocity(policy.reference, x_t, timestep, guided)
                 v_old = velocity(old, x_t, timestep) if (c.clip_dsm or c.clip_kl or c.use_ema_ref) else None
             dsm = ((target - v) ** 2).mean(dim=dims)
             clip = torch.zeros_like(adv, dtype=torch.bool)

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .base import Algorithm, register_algorithm
 from .ode_solvers import shifted, unshifted
-from .sampling import model_timesteps
+from .sampling import conditional_scale, model_timesteps
 
 TIMESTEP_SCHEMES = ("logit_normal", "uniform", "ddpm")
 
@@ -165,7 +165,8 @@ def pair_loss(x_w: torch.Tensor, x_l: torch.Tensor, cond, settings: DPOSettings,
     x, target = torch.cat([xt_w, xt_l]), torch.cat([v_w, v_l])
     sigmas = torch.cat([sigma, sigma])
     t = model_timesteps(policy.model, sigmas)
+    g = conditional_scale(policy.model, policy.recipe)  # an online rollout's embedded scale (offline: 1)
     with torch.no_grad():
-        ref = prediction_error(policy.model, policy.reference.velocity(x, t, cond), target, sigmas)
-    err = prediction_error(policy.model, policy.model.velocity(x.to(policy.model.dtype), t, cond), target, sigmas)
+        ref = prediction_error(policy.model, policy.reference.velocity(x, t, cond, g), target, sigmas)
+    err = prediction_error(policy.model, policy.model.velocity(x.to(policy.model.dtype), t, cond, g), target, sigmas)
     return dpo_loss(err[:b], err[b:], ref[:b], ref[b:], settings.beta)

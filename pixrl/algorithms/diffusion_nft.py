@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..config.schema import SamplingConfig
 from .advantages import GroupAdvantages, group_advantages
 from .base import Algorithm, register_algorithm
-from .sampling import SamplerRecipe
+from .sampling import SamplerRecipe, conditional_scale
 from .weight_average import blend, on_host
 
 #: return_decay's (flat, rate, cap) per decay_type (train_nft_sd3.py)
@@ -142,13 +142,14 @@ class DiffusionNFT(Algorithm):
             tb = t.reshape(-1, *([1] * (x0.ndim - 1)))
             x_t = (1 - tb) * x0 + tb * noise
             fam = policy.model
-            v_old = policy.sampler.velocity(x_t.to(fam.dtype), timestep, policy.cond, 1.0, None).float()
-            v = fam.velocity(x_t.to(fam.dtype), timestep, policy.cond, 1.0, None).float()
+            g = conditional_scale(fam, policy.recipe)
+            v_old = policy.sampler.velocity(x_t.to(fam.dtype), timestep, policy.cond, g, None).float()
+            v = fam.velocity(x_t.to(fam.dtype), timestep, policy.cond, g, None).float()
             loss, metrics = nft_policy_loss(v, v_old, x_t, x0, t, r, c.beta, c.adv_clip_max)
             with torch.no_grad():
                 metrics["old_deviate"] = ((v - v_old) ** 2).mean()
             if c.kl_weight > 0:
-                v_ref = policy.reference.velocity(x_t.to(fam.dtype), timestep, policy.cond, 1.0, None).float()
+                v_ref = policy.reference.velocity(x_t.to(fam.dtype), timestep, policy.cond, g, None).float()
                 kl = ((v - v_ref) ** 2).mean()
                 loss = loss + c.kl_weight * kl
                 metrics["kl"] = kl.detach()

@@ -36,7 +36,7 @@ from ..config.schema import SamplingConfig
 from .advantages import GroupAdvantages, checked_rewards
 from .base import Algorithm, register_algorithm
 from .diffusion_dpo import NoiseLevelSettings, draw_noise_levels, noised, prediction_error
-from .sampling import SamplerRecipe, model_timesteps
+from .sampling import SamplerRecipe, conditional_scale, model_timesteps
 
 
 class OnlineSFTSettings(NoiseLevelSettings):
@@ -119,8 +119,8 @@ class OnlineSFT(Algorithm):
         sigma = draw_noise_levels(len(x0), self.settings, policy)
         noise = torch.randn(x0.shape, generator=policy.generator, device=policy.device)
         x, target = noised(x0, noise, sigma)
-        err = prediction_error(fam, fam.velocity(x.to(fam.dtype), model_timesteps(fam, sigma), policy.cond), target,
-                               sigma)
+        v = fam.velocity(x.to(fam.dtype), model_timesteps(fam, sigma), policy.cond, conditional_scale(fam, policy.recipe))
+        err = prediction_error(fam, v, target, sigma)
         with torch.no_grad():
             metrics = {"err_w": err.mean(), "sigma_mean": sigma.mean()}
         yield (weight * err).mean(), metrics

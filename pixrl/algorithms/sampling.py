@@ -123,6 +123,16 @@ def guidance_at(policy, recipe: SamplerRecipe, k: int, timestep) -> float:
     return 1.0 if past else scale
 
 
+def conditional_scale(policy, recipe: SamplerRecipe | None) -> float:
+    """The scale of a conditional forward (no negative prompt) of the velocity a rollout guided
+    with `recipe`: 1 for a CFG family; a guidance-distilled family ("embedded": FLUX.1-dev,
+    FLUX.2-dev, HunyuanVideo) takes the scale as an input the rollout gave it, so its conditional
+    forward is at the rollout's scale — at 1 it would be a model the rollout never ran."""
+    if recipe is None or getattr(policy, "guidance", "cfg") != "embedded":
+        return 1.0
+    return float(recipe.guidance_scale)
+
+
 def denoise_step(policy, x, k: int, sigmas, timesteps, cond, neg, recipe: SamplerRecipe,
                  prev_sample=None, noise=None, memory: GuidanceMemory | None = None) -> StepOut:
     """One step k of the recipe: velocity (with CFG; a stateful guider reads and updates

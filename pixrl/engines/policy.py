@@ -42,6 +42,20 @@ def seeded(run_seed: int, device) -> Iterator[None]:
         yield
 
 
+def frozen_copy(module: torch.nn.Module, trained) -> torch.nn.Module:
+    """A frozen copy of `module` that owns only its `trained` parameters; every other parameter
+    (the base model under LoRA, a family's frozen parts) is the module's own tensor, shared: it
+    is the same in every copy, so a LoRA copy costs its adapter only (a whole copy of a 12B bf16
+    transformer is 24 GB per copy; benchmarks/frozen_copies.py)."""
+    owned = {id(p) for p in trained}
+    shared = {id(p): p for p in module.parameters() if id(p) not in owned}
+    held = copy.deepcopy(module, memo=shared)
+    for p in held.parameters():
+        if id(p) not in shared:
+            p.requires_grad_(False)
+    return held
+
+
 class TrainablePolicy:
     def __init__(self, cfg: ExperimentConfig, trainable_device: str | None = None, text_towers: bool = True):
         """`trainable_device`: where the trained module is built when it is not `model.device` —
@@ -118,7 +132,7 @@ class TrainablePolicy:
         return {k: v.detach().clone() for k, v in self.trainable_parameters().items()}
 
     def _copy(self, weights: dict[str, torch.Tensor], what: str) -> torch.nn.Module:
-        module = copy.deepcopy(self.module).requires_grad_(False)
+        module = frozen_copy(self.module, self.trainable_parameters().values())
         self._fill(module, weights, what)
         return module
 
