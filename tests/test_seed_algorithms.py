@@ -276,6 +276,8 @@ CASES = {
     "awm": ["algorithm.lora.enabled=false", "algorithm.train_timesteps=3", "algorithm.ema_kl_weight=0.5"],
     "dgpo": ["algorithm.lora.enabled=false", "algorithm.train_levels=2", "algorithm.trunc_steps=2",
              "algorithm.switch_ema_ref=0"],
+    "v_grpo": ["algorithm.lora.enabled=false", "algorithm.pairs=2", "algorithm.optimizer_steps_per_iteration=2",
+               "algorithm.clip_range=0.2", "algorithm.kl_weight=0.3"],
 }
 METRICS = {"dance_grpo": ["clipfrac"], "mix_grpo": ["clipfrac"], "mix_grpo_flash": ["clipfrac"],
            "grpo_guard": ["clipfrac_gt_one", "clipfrac_lt_one"],
@@ -284,7 +286,8 @@ METRICS = {"dance_grpo": ["clipfrac"], "mix_grpo": ["clipfrac"], "mix_grpo_flash
            "tempflow_grpo": ["noise_weight", "kl", "part/0/reward_std", "part/1/reward_std"],
            "online_sft": ["err_w", "sigma_mean", "sft/sampler_synced"],
            "awm": ["awm/ema_decay", "awm/matching_loss", "ema_kl", "kl", "clipfrac"],
-           "dgpo": ["dgpo/ema_decay", "dgpo/group_weight", "dgpo/dsm", "dgpo/samples_with_ema", "clipfrac", "kl"]}
+           "dgpo": ["dgpo/ema_decay", "dgpo/group_weight", "dgpo/dsm", "dgpo/samples_with_ema", "clipfrac", "kl"],
+           "v_grpo": ["vgrpo/surrogate", "vgrpo/t", "clipfrac", "kl", "ratio_max", "ratio_min"]}
 
 
 def _train(tiny_checkpoint, wd, run, name):
@@ -352,6 +355,11 @@ def test_two_iterations_then_resume_after_a_fault_in_update(name, tiny_checkpoin
         assert "log_probs" not in t.column_names and "latents" not in t.column_names  # final latents only
         assert all(r["ode_solver"] == "dpm2" and r["noise_level"] == 0 for r in recipes)
         assert m["dgpo/ema_decay"] == pytest.approx(0.001) and m["dgpo/samples_with_ema"] == 1  # past the switch
+    elif name == "v_grpo":
+        assert "log_probs" not in t.column_names and "latents" not in t.column_names  # final latents only
+        assert all(r["ode_solver"] == "dpm2" and r["noise_level"] == 0 for r in recipes)
+        assert m["onpolicy_ratio_dev"] == 0 and m["optimizer_steps"] == 2
+        assert m["ratio_max"] > 1 or m["ratio_min"] < 1  # the second step's ratio to the update's start
     elif name == "online_sft":
         assert "log_probs" not in t.column_names and "latents" not in t.column_names  # final latents only
         assert all(r["noise_level"] == 0.7 and r["sde_steps"] is None and r["train_steps"] == [] for r in recipes)

@@ -220,7 +220,7 @@ def _own_settings(model: type[BaseModel], name: str, values: dict) -> BaseModel:
 def _builtin() -> None:
     from . import (awm, dance_grpo, ddpo, dgpo, diffusion_dpo, diffusion_nft, diffusion_sft, flow_dppo, flow_grpo,  # noqa: F401
                    gardo, grpo_guard, mix_grpo, online_dpo, online_sft, srpo, tempflow_grpo, token_dpo,
-                   token_grpo, token_sft)  # (importing registers them)
+                   token_grpo, token_sft, v_grpo)  # (importing registers them)
 
 
 ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm", "algorithms", _builtin)

@@ -31,6 +31,7 @@ class ReplayPolicy:
     trained_steps: frozenset[int] | None = None  # grid steps the trained weights denoise; None: every one
     memory: dict[int, torch.Tensor] | None = None  # step k → the guider's stored m_{k−1} (guidance_memory)
     frozen: dict[str, object] = field(default_factory=dict)  # the algorithm's frozen policies (frozen_slots)
+    update_seed: int | None = None  # the update's seed: randomness shared by all its micro-batches (V-GRPO's pairs)
 
     def tensor(self, values: np.ndarray) -> torch.Tensor:
         """A stored array (host) as a tensor on the model's device."""

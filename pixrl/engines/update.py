@@ -52,8 +52,10 @@ class ReplayFactory:
     """The replay view of a micro-batch's rows: their conditioning as the rollout encoded it
     (one prompt set per dynamic-sampling round), the rollout's schedule and guidance."""
 
-    def __init__(self, pol: TrainablePolicy, prompts: PromptCache, algo, batch: RolloutBatch, recipe, prompt_sets):
+    def __init__(self, pol: TrainablePolicy, prompts: PromptCache, algo, batch: RolloutBatch, recipe, prompt_sets,
+                 seed: int | None = None):
         fam = pol.family
+        self.seed = seed  # the update's: randomness every micro-batch of it shares (ReplayPolicy.update_seed)
         self.pol, self.fam, self.batch, self.recipe = pol, fam, batch, recipe
         images = list(batch["source_image"]) if "source_image" in batch else None
         self.prompts = condition_keys(list(batch["prompt"]), images)  # an editing rollout's: prompt and image
@@ -103,7 +105,7 @@ class ReplayFactory:
             return TokenReplayPolicy(fam, self.reference, cond, recipe, fam.device)
         neg = self.negs[s].of([self.prompts[i] for i in rows]) if self.negs else None
         return ReplayPolicy(fam, self.reference, cond, neg, self.sigmas, self.timesteps, recipe, fam.device, gen,
-                            self.sampler, self.trained_steps, self._memory(rows), self.frozen)
+                            self.sampler, self.trained_steps, self._memory(rows), self.frozen, self.seed)
 
     def _memory(self, rows: list[int]) -> dict[int, torch.Tensor] | None:
         """The guider's stored memory of the rows' transitions by grid step (guidance_memory), or None."""
@@ -131,7 +133,7 @@ def run_update(pol: TrainablePolicy, prompts: PromptCache, algo, max_grad_norm: 
     prepared = algo.prepare_update(batch)
     if recipe is None and fam.semantics.step.value == "token":  # offline: the algorithm's scored policy
         recipe = getattr(algo, "token_recipe", None) or TokenRecipe()
-    replay_policy = ReplayFactory(pol, prompts, algo, batch, recipe, prompt_sets)
+    replay_policy = ReplayFactory(pol, prompts, algo, batch, recipe, prompt_sets, seed)
     acc: dict[str, list[float]] = {key: [val] for key, val in prepared.items()}
     pol.module.train()  # the loss's mode: the recomputed log-probs are the ones its first step computes
     algo.set_behaviour_weights(None)  # this update's own, if any (proximal_batch)
