@@ -3,8 +3,9 @@ the DSM clipping are DGPO's (Luo-Yihong/DGPO's train script, written out here); 
 equals DGPO's step written out — one noise per group, the conditional velocity, the base's DSM,
 the EMA reference's ratio and clip, the group sigmoid, the KL — in value and gradient; the EMA
 reference moves after each update and takes the rollouts after `switch_ema_ref` steps; misuse
-(a micro-batch splitting a group, several optimizer steps per update, a guided reference
-without a negative prompt) is refused before a run."""
+(a micro-batch splitting a group, several optimizer steps per update, a guided reference on a
+guidance-distilled family) is refused before a run; a CFG-free rollout with a guided reference
+replays with the negative prompt encoded."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from conftest import perturbed_sd3
 from pixrl.algorithms.base import build_algorithm
-from pixrl.algorithms.dgpo import _whole_groups, clipped_dsm, group_weights
+from pixrl.algorithms.dgpo import whole_groups, clipped_dsm, group_weights
 from pixrl.algorithms.replay import ReplayPolicy
 from pixrl.algorithms.sampling import SamplerRecipe, generators, sample
 from pixrl.config.schema import AlgorithmConfig, SamplingConfig
@@ -156,10 +157,25 @@ def test_misuse_is_refused():
             algo.check_sampling(ok.model_copy(update=bad), "denoise")
     with pytest.raises(ValueError, match="optimizer_steps_per_iteration=1"):
         build_algorithm(AlgorithmConfig(name="dgpo", optimizer_steps_per_iteration=2)).check_sampling(ok, "denoise")
-    with pytest.raises(ValueError, match="kl_guidance=1"):
-        build_algorithm(AlgorithmConfig(name="dgpo", kl_guidance=4.5, optimizer_steps_per_iteration=1)).check_sampling(
-            ok.model_copy(update=dict(guidance_scale=1.0)), "denoise")
+    guided = build_algorithm(AlgorithmConfig(name="dgpo", kl_guidance=4.5, optimizer_steps_per_iteration=1))
+    guided.check_sampling(ok.model_copy(update=dict(guidance_scale=1.0)), "denoise")  # dgpo_wocfg: allowed
+    assert guided.guides_reference and not algo.guides_reference
     with pytest.raises(ValueError, match="flow-matching"):
         algo.check_sampling(ok, "token")
     with pytest.raises(ValueError, match="every group must be whole"):
-        _whole_groups(np.array([1, 1, 2]), torch.device("cpu"))
+        whole_groups(np.array([1, 1, 2]), torch.device("cpu"))
+
+
+def test_a_cfg_free_rollout_with_a_guided_reference_replays_with_the_negative_prompt(family):
+    """DGPO's dgpo_wocfg: rollouts at guidance 1 batch no negative prompt; kl_guidance > 1 has the
+    replay encode sampling.negative_prompt for the reference (a CFG family only)."""
+    from pixrl.models.base import replay_negative
+
+    recipe = SamplerRecipe(4, 0.0, guidance_scale=1.0, negative_prompt="blurry")
+    plain = build_algorithm(AlgorithmConfig(name="dgpo", optimizer_steps_per_iteration=1))
+    guided = build_algorithm(AlgorithmConfig(name="dgpo", kl_guidance=4.5, optimizer_steps_per_iteration=1))
+    assert replay_negative(family, recipe, plain) is None
+    assert replay_negative(family, recipe, guided) == "blurry"
+    cfg_recipe = SamplerRecipe(4, 0.0, guidance_scale=4.5, negative_prompt="ugly")
+    assert replay_negative(family, cfg_recipe, plain) == replay_negative(family, cfg_recipe, guided) == "ugly"
+

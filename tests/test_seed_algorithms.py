@@ -275,7 +275,8 @@ CASES = {
     "online_sft": ["algorithm.noise_draws=3", "algorithm.sampler_sync_every=4"],
     "awm": ["algorithm.lora.enabled=false", "algorithm.train_timesteps=3", "algorithm.ema_kl_weight=0.5"],
     "dgpo": ["algorithm.lora.enabled=false", "algorithm.train_levels=2", "algorithm.trunc_steps=2",
-             "algorithm.switch_ema_ref=0"],
+             "algorithm.switch_ema_ref=0", "algorithm.kl_guidance=4.5"],  # CFG-free rollouts, a guided reference
+    "crd": ["algorithm.lora.enabled=false", "algorithm.train_timesteps=2", "algorithm.optimizer_steps_per_iteration=1"],
     "v_grpo": ["algorithm.lora.enabled=false", "algorithm.pairs=2", "algorithm.optimizer_steps_per_iteration=2",
                "algorithm.clip_range=0.2", "algorithm.kl_weight=0.3"],
 }
@@ -287,6 +288,7 @@ METRICS = {"dance_grpo": ["clipfrac"], "mix_grpo": ["clipfrac"], "mix_grpo_flash
            "online_sft": ["err_w", "sigma_mean", "sft/sampler_synced"],
            "awm": ["awm/ema_decay", "awm/matching_loss", "ema_kl", "kl", "clipfrac"],
            "dgpo": ["dgpo/ema_decay", "dgpo/group_weight", "dgpo/dsm", "dgpo/samples_with_ema", "clipfrac", "kl"],
+           "crd": ["crd/old_decay", "crd/sampling_decay", "crd/implicit_reward", "kl", "old_deviate"],
            "v_grpo": ["vgrpo/surrogate", "vgrpo/t", "clipfrac", "kl", "ratio_max", "ratio_min"]}
 
 
@@ -355,6 +357,10 @@ def test_two_iterations_then_resume_after_a_fault_in_update(name, tiny_checkpoin
         assert "log_probs" not in t.column_names and "latents" not in t.column_names  # final latents only
         assert all(r["ode_solver"] == "dpm2" and r["noise_level"] == 0 for r in recipes)
         assert m["dgpo/ema_decay"] == pytest.approx(0.001) and m["dgpo/samples_with_ema"] == 1  # past the switch
+    elif name == "crd":  # CFG-free rollouts of the sampling snapshot, the KL's base guided at 4.5
+        assert "log_probs" not in t.column_names and "latents" not in t.column_names  # final latents only
+        assert all(r["ode_solver"] == "euler" and r["noise_level"] == 0 and r["guidance_scale"] == 1 for r in recipes)
+        assert m["crd/old_decay"] == pytest.approx(0.26) and m["crd/sampling_decay"] == 0
     elif name == "v_grpo":
         assert "log_probs" not in t.column_names and "latents" not in t.column_names  # final latents only
         assert all(r["ode_solver"] == "dpm2" and r["noise_level"] == 0 for r in recipes)
@@ -394,14 +400,14 @@ def test_two_iterations_then_resume_after_a_fault_in_update(name, tiny_checkpoin
     resumed, ck = _final(wd, "A")
     assert all(resumed[k].equal(weights[k]) for k in weights), "resumed weights differ"
     assert _rows(wd, "A").equals(t)
-    if name in ("diffusion_nft", "online_sft", "awm", "dgpo"):  # the sampling policy (or EMA anchor) resumed too
+    if name in ("diffusion_nft", "online_sft", "awm", "dgpo", "crd"):  # the sampling policy (or EMA anchor) resumed too
         from pixrl.artifacts.checkpoints import load_optimizer_state
         from pixrl.engines.policy import ALGORITHM_STATE
 
         a = load_optimizer_state(ck)[ALGORITHM_STATE]
         (ref_ck,) = (ref / "checkpoints" / "ref").glob("*/it_0001")
         b = load_optimizer_state(ref_ck)[ALGORITHM_STATE]
-        key = {"diffusion_nft": "old", "online_sft": "sampler", "awm": "ema", "dgpo": "ema"}[name]
+        key = {"diffusion_nft": "old", "online_sft": "sampler", "awm": "ema", "dgpo": "ema", "crd": "old"}[name]
         assert a["step"] == b["step"] == (6 if name == "online_sft" else 2)
         assert all(a[key][k].equal(b[key][k]) for k in b[key])
 

@@ -62,6 +62,12 @@ class Algorithm(ABC):
     #: the KL reference is the algorithm's own (its state: `reference_weights`), not the base model
     reference_in_state: bool = False
 
+    @property
+    def guides_reference(self) -> bool:
+        """Whether the loss guides a reference with the negative prompt (DGPO's kl_cfg) even where
+        the rollout batched none: the replay then encodes the recipe's negative prompt (CFG families)."""
+        return False
+
     def reference_weights(self) -> dict[str, torch.Tensor] | None:
         """With `reference_in_state`: the reference's trainable weights (None: the base model's)."""
         return None
@@ -218,7 +224,7 @@ def _own_settings(model: type[BaseModel], name: str, values: dict) -> BaseModel:
 
 
 def _builtin() -> None:
-    from . import (awm, dance_grpo, ddpo, dgpo, diffusion_dpo, diffusion_nft, diffusion_sft, flow_dppo, flow_grpo,  # noqa: F401
+    from . import (awm, crd, dance_grpo, ddpo, dgpo, diffusion_dpo, diffusion_nft, diffusion_sft, flow_dppo, flow_grpo,  # noqa: F401
                    gardo, grpo_guard, mix_grpo, online_dpo, online_sft, srpo, tempflow_grpo, token_dpo,
                    token_grpo, token_sft, v_grpo)  # (importing registers them)
 

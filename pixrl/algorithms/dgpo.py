@@ -47,8 +47,8 @@ class DGPOSettings(BaseModel):
     clip_dsm: bool = True
     clip_kl: bool = False
     kl_weight: float = Field(0.02, ge=0, description="weight of mean (v_θ − v_ref)² (DGPO's config.train.beta)")
-    kl_guidance: float = Field(1.0, ge=1.0, description="the reference's CFG scale (kl_cfg); > 1 needs the "
-                               "rollout's negative prompt (sampling.guidance_scale > 1)")
+    kl_guidance: float = Field(1.0, ge=1.0, description="the reference's CFG scale (kl_cfg), with "
+                               "sampling.negative_prompt — also when the rollout is CFG-free")
     use_ema_ref: bool = Field(False, description="the DGPO loss's reference: the EMA instead of the base")
     ema_ref_decay: float = Field(0.3, ge=0, lt=1, description="the EMA reference's decay cap")
     switch_ema_ref: int | None = Field(500, ge=0, description="optimizer steps after which rollouts sample with "
@@ -102,14 +102,17 @@ class DGPO(Algorithm):
             raise ValueError(f"algorithm.train_levels={c.train_levels} distinct grid steps from 0 … "
                              f"algorithm.trunc_steps={c.trunc_steps} of a {sampling.steps}-step grid: need "
                              f"train_levels ≤ trunc_steps + 1 ≤ sampling.steps")
-        if c.kl_guidance > 1 and sampling.guidance_scale <= 1:
-            raise ValueError(f"algorithm.kl_guidance={c.kl_guidance} guides the reference with the rollout's negative "
-                             f"prompt, and this rollout has none (sampling.guidance_scale=1): set kl_guidance=1")
         if self.cfg.optimizer_steps_per_iteration != 1:
             raise ValueError(f"algorithm 'dgpo' moves its EMA reference after each optimizer step with that step's "
                              f"weights, which an update of several steps does not keep: set "
                              f"algorithm.optimizer_steps_per_iteration=1 (it is {self.cfg.optimizer_steps_per_iteration}; "
                              f"DGPO's gradient accumulation spans the epoch)")
+
+    @property
+    def guides_reference(self) -> bool:
+        """kl_guidance > 1: the reference is guided with sampling.negative_prompt, which the replay
+        encodes even when the rollout was CFG-free (DGPO's dgpo_wocfg: rollouts at 1, kl_cfg 4.5)."""
+        return self.settings.kl_guidance > 1
 
     def check_family(self, family, model=None) -> None:
         if self.settings.kl_guidance > 1 and getattr(family, "guidance", "cfg") != "cfg":
@@ -132,10 +135,13 @@ class DGPO(Algorithm):
         c, fam, gen = self.settings, policy.model, policy.generator
         x0 = policy.tensor(batch["final_latent"]).float()
         adv = torch.clamp(policy.tensor(batch["advantage"]).float(), -c.adv_clip_max, c.adv_clip_max)
-        groups, size = _whole_groups(np.asarray(batch["group_id"]), x0.device)
+        groups, size = whole_groups(np.asarray(batch["group_id"]), x0.device)
         levels = torch.randperm(c.trunc_steps + 1, generator=gen, device=gen.device)[:c.train_levels].tolist()
         old = policy.frozen.get("ema_ref")  # the EMA reference (the first update: its own starting weights)
         guided = c.kl_guidance > 1
+        if guided and policy.neg is None:
+            raise ValueError("algorithm.kl_guidance > 1 guides the reference with the negative prompt, and this "
+                             "replay has no negative encoding (a guidance-distilled family?): set kl_guidance=1")
 
         plain = conditional_scale(fam, policy.recipe)  # training's unguided forward
 
@@ -222,11 +228,11 @@ class DGPO(Algorithm):
             self._ema, self._step = state["ema"], int(state["step"])
 
 
-def _whole_groups(group_ids: np.ndarray, device) -> tuple[torch.Tensor, int]:
+def whole_groups(group_ids: np.ndarray, device) -> tuple[torch.Tensor, int]:
     """Each row's group as 0..n−1 in order of appearance, and the group size; a micro-batch
     holding part of a group is refused (its group's weight would miss members)."""
     ids, inverse, counts = np.unique(group_ids, return_inverse=True, return_counts=True)
     if len(set(counts.tolist())) != 1:
-        raise ValueError(f"a DGPO micro-batch holds groups of sizes {sorted(set(counts.tolist()))}: every group must "
+        raise ValueError(f"a micro-batch holds groups of sizes {sorted(set(counts.tolist()))}: every group must "
                          f"be whole (sampling.micro_batch a multiple of sampling.group_size)")
     return torch.from_numpy(inverse.astype(np.int64)).to(device), int(counts[0])

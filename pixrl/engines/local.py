@@ -22,7 +22,7 @@ from ..artifacts.checkpoints import check_trained_part, load_weights
 from ..artifacts.media import wav_bytes
 from ..config.schema import ExperimentConfig
 from ..datasets.registry import evaluate_split, evaluator_of
-from ..models.base import decode_images, negative_prompt_of
+from ..models.base import decode_images, negative_prompt_of, replay_negative
 from ..models.source_images import condition_keys
 from ..rewards.compose import RewardSet
 from .base import PolicySource, TrainResult
@@ -224,9 +224,10 @@ class LocalEngine:
 
     def encodings(self, prompt_sets: list[list[str]], recipe, images=None) -> dict:
         """These prompt sets' conditioning as this process encodes them (cached: the rollout's own),
-        with the negative prompt's when sampling with `recipe` batches it — in host memory, for a
-        trainer rank that holds no text towers (`train(encodings=...)`)."""
-        negative = negative_prompt_of(self.policy.family, recipe)
+        with the negative prompt's when sampling with `recipe` batches it or the algorithm guides a
+        reference with it — in host memory, for a trainer rank that holds no text towers
+        (`train(encodings=...)`)."""
+        negative = replay_negative(self.policy.family, recipe, self.algorithm)
         return self._prompts.encodings(prompt_sets, negative, images)  # images: what an editing family's keys name
 
     # --- train --------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch
 from ..algorithms.replay import ReplayPolicy, TokenReplayPolicy, trained_grid_steps
 from ..algorithms.token_sampling import TokenRecipe
 from ..artifacts.batch import RolloutBatch
-from ..models.base import negative_prompt_of
+from ..models.base import replay_negative
 from ..models.source_images import condition_keys
 from ..stages.plan import seed_of
 from .base import TrainResult
@@ -65,7 +65,7 @@ class ReplayFactory:
         self.cots = {s: fam.encode_cot_prompts(list(pos), recipe.cot_template, recipe.cot_tokens)  # CoT: per set
                      for s, (_, pos) in self.encoded.items()} \
             if isinstance(recipe, TokenRecipe) and recipe.cot_tokens else {}
-        negative = negative_prompt_of(fam, recipe)  # as the rollout sampled: the rows' recorded recipe
+        negative = replay_negative(fam, recipe, algo)  # as the rollout sampled (the rows' recorded recipe)
         self.negs = {} if negative is None else {s: prompts.negative_rows(negative, texts, images)
                                                    for s, texts in sets.items()}
         if algo.needs_reference and algo.reference_in_state:  # the algorithm's own (GARDO's adaptive one)

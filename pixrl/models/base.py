@@ -163,6 +163,16 @@ def negative_prompt_of(family, recipe) -> str | None:
     return getattr(recipe, "negative_prompt", "")
 
 
+def replay_negative(family, recipe, algorithm) -> str | None:
+    """The negative prompt an update's replay encodes: the one sampling with `recipe` batched, or,
+    for an algorithm that guides a reference the rollout did not guide (`guides_reference`), the
+    recipe's negative prompt on a CFG family."""
+    text = negative_prompt_of(family, recipe)
+    if text is None and getattr(algorithm, "guides_reference", False) and getattr(family, "guidance", "cfg") == "cfg":
+        text = getattr(recipe, "negative_prompt", None)
+    return text
+
+
 def decode_images(family, latents, prompts: list[str] | None = None):
     """`family.decode(latents)`, given the rows' prompts where its decoder reads them
     (`decode_reads_prompts`: GLM-Image's autoregressive mode renders each prompt's quoted text)."""
