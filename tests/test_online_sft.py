@@ -10,6 +10,7 @@ import torch
 
 from pixrl.algorithms.base import build_algorithm
 from pixrl.algorithms.online_sft import best_of_group
+from pixrl.algorithms.sampling import SamplerRecipe
 from pixrl.config.loader import load_config
 from pixrl.stages.plan import make_plan
 
@@ -50,7 +51,8 @@ def test_the_loss_is_the_weighted_flow_matching_error_at_training_schedule_sigma
 
     def policy(seed):
         return SimpleNamespace(model=fam, cond=cond, device=torch.device("cpu"), tensor=torch.as_tensor,
-                               generator=torch.Generator().manual_seed(seed), trained_steps=None)
+                               generator=torch.Generator().manual_seed(seed), trained_steps=None,
+                               recipe=SamplerRecipe(4, 0.7, guidance_scale=4.5))  # CFG: trained conditional
 
     (loss, metrics), = list(algo.losses(batch, policy(5)))
     p = policy(5)  # the same draws, written out: σ, then ε, from the pass's generator

@@ -133,3 +133,31 @@ def test_an_update_given_the_rollouts_encodings_equals_one_that_encodes(tiny_che
     assert {k: v for k, v in got.metrics.items() if k not in timing} == \
         {k: v for k, v in want.metrics.items() if k not in timing}
     assert got.metrics["onpolicy_ratio_dev"] == 0.0 and got.metrics["optimizer_steps"] == 2.0
+
+
+def test_a_cfg_free_update_that_guides_its_reference_gets_the_negative_prompt_too(tiny_checkpoint, tmp_path):
+    """DGPO's dgpo_wocfg (rollouts at guidance 1, the KL reference guided at 4.5): the rollout batched
+    no negative prompt, yet the exported encodings carry it for the reference, and a trainer
+    without text towers given them updates bit for bit as one that encodes."""
+    from pixrl.algorithms.recipe import ode_recipe
+    from pixrl.config.schema import SamplingConfig
+
+    cfg = load_config(None, tiny_overrides(tiny_checkpoint, tmp_path) + [
+        "reward=jpeg_compressibility", "algorithm=dgpo", "algorithm.kl_guidance=4.5", "algorithm.lora.enabled=false",
+        "algorithm.train_levels=2", "algorithm.trunc_steps=2", "algorithm.optimizer_steps_per_iteration=1"])
+    recipe = ode_recipe(SamplingConfig(steps=4, guidance_scale=1.0), "dpm2")  # the empty negative prompt
+    local = LocalEngine(cfg)
+    prompts = ["a red circle"] * 2 + ["two blue squares"] * 2
+    rows, _ = local.rollout(PolicySource(), prompts, list(range(4)), recipe)
+    batch = rows.with_columns(prompt=prompts, group_id=np.array([0, 0, 1, 1], dtype=np.int32),
+                              advantage=np.array([1.0, -1.0, 0.5, -0.5], dtype=np.float32))
+    exported = local.encodings([sorted(set(prompts))], recipe)
+    assert exported["negative"][0] == ""  # for the reference: the rollout batched none
+    plain = LocalEngine(load_config(None, tiny_overrides(tiny_checkpoint, tmp_path) + ["algorithm=dgpo"]))
+    assert plain.encodings([sorted(set(prompts))], recipe)["negative"] is None
+    want = local.train(PolicySource(), batch, [[[0, 1, 2, 3]]], recipe, seed=3)
+    trainer = LocalEngine(cfg)
+    trainer.text_towers = False
+    got = trainer.train(PolicySource(), batch, [[[0, 1, 2, 3]]], recipe, seed=3, encodings=exported)
+    assert all(torch.equal(got.weights[k], want.weights[k]) for k in want.weights)
+    assert got.metrics["kl"] == want.metrics["kl"] > 0

@@ -129,6 +129,21 @@ def draw_levels(settings: AWMSettings, grid: int, batch: int, gen: torch.Generat
     return (t.clamp(min=0.01) if c.time_type == "logit_normal" else t), False
 
 
+def level_sample(policy, levels: torch.Tensor, on_grid: bool, j: int, x0: torch.Tensor):
+    """The j-th drawn level's (t [B], model timestep, x_t = (1 − t)·x0 + t·ε, u = ε − x0), ε fresh
+    from the update's generator (float32)."""
+    if on_grid:
+        idx = levels[j].to(policy.sigmas.device)
+        t, timestep = policy.sigmas[idx].float(), policy.timesteps[idx]
+    else:
+        t = levels[j].to(x0.device)
+        timestep = model_timesteps(policy.model, t)
+    noise = torch.randn(x0.shape, generator=policy.generator, device=policy.generator.device,
+                        dtype=torch.float32).to(x0.device)
+    tb = t.reshape(-1, *([1] * (x0.ndim - 1)))
+    return t, timestep, (1 - tb) * x0 + tb * noise, noise - x0
+
+
 @register_algorithm("awm")
 class AWM(Algorithm):
     Settings = AWMSettings
@@ -196,16 +211,7 @@ class AWM(Algorithm):
         old = policy.sampler if c.off_policy else (policy.frozen.get("start") if self._stepped else None)
         g, neg = policy.recipe.guidance_scale, policy.neg
         for j in range(c.train_timesteps):
-            if on_grid:
-                idx = levels[j].to(policy.sigmas.device)
-                t, timestep = policy.sigmas[idx].float(), policy.timesteps[idx]
-            else:
-                t = levels[j].to(x0.device)
-                timestep = model_timesteps(fam, t)
-            noise = torch.randn(x0.shape, generator=policy.generator, device=policy.generator.device,
-                                dtype=torch.float32).to(x0.device)
-            tb = t.reshape(-1, *([1] * (x0.ndim - 1)))
-            x_t, target = (1 - tb) * x0 + tb * noise, noise - x0
+            t, timestep, x_t, target = level_sample(policy, levels, on_grid, j, x0)
 
             def velocity(model):
                 return model.velocity(x_t.to(fam.dtype), timestep, policy.cond, g, neg).float()

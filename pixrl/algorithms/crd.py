@@ -35,12 +35,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..config.schema import SamplingConfig
 from .advantages import GroupAdvantages, group_advantages
-from .awm import AWMSettings, draw_levels
+from .awm import AWMSettings, draw_levels, level_sample
 from .base import Algorithm, register_algorithm
-from .dgpo import whole_groups
+from .dgpo import check_whole_groups, whole_groups
 from .diffusion_nft import optimality
 from .recipe import ode_recipe
-from .sampling import SamplerRecipe, model_timesteps
+from .sampling import SamplerRecipe
 from .weight_average import blend, on_host
 
 Schedule = tuple[float, float, float, float]  # (from step, value before and at it, slope, end value)
@@ -153,10 +153,7 @@ class CRD(Algorithm):
     def check_sampling(self, sampling: SamplingConfig, step: str) -> None:
         if step != "denoise":
             raise ValueError("algorithm 'crd' trains flow-matching (denoise) families")
-        if sampling.micro_batch % sampling.group_size:
-            raise ValueError(f"algorithm 'crd' centres each sample's rewards within its prompt's group, so a "
-                             f"micro-batch must hold whole groups: set sampling.micro_batch to a multiple of "
-                             f"sampling.group_size={sampling.group_size} (it is {sampling.micro_batch})")
+        check_whole_groups(sampling, "crd", "centres each sample's rewards within its prompt's group")
         if sampling.max_rounds > 1:
             raise ValueError("algorithm 'crd' trains every group; set sampling.max_rounds=1")
 
@@ -189,16 +186,8 @@ class CRD(Algorithm):
         neg = policy.neg if g > 1 and getattr(fam, "guidance", "cfg") == "cfg" else None
         dims = tuple(range(1, x0.ndim))
         for j in range(levels.train_timesteps):
-            if on_grid:
-                idx = draws[j].to(policy.sigmas.device)
-                t, timestep = policy.sigmas[idx].float(), policy.timesteps[idx]
-            else:
-                t = draws[j].to(x0.device)
-                timestep = model_timesteps(fam, t)
-            noise = torch.randn(x0.shape, generator=policy.generator, device=policy.generator.device,
-                                dtype=torch.float32).to(x0.device)
-            tb = t.reshape(-1, *([1] * (x0.ndim - 1)))
-            x_t, target = ((1 - tb) * x0 + tb * noise).to(fam.dtype), noise - x0
+            t, timestep, x_t, target = level_sample(policy, draws, on_grid, j, x0)
+            x_t = x_t.to(fam.dtype)
             v = fam.velocity(x_t, timestep, policy.cond, g, neg).float()
             with torch.no_grad():
                 v_old = old.velocity(x_t, timestep, policy.cond, g, neg).float()

@@ -92,10 +92,7 @@ class DGPO(Algorithm):
         c = self.settings
         if step != "denoise":
             raise ValueError("algorithm 'dgpo' trains flow-matching (denoise) families")
-        if sampling.micro_batch % sampling.group_size:
-            raise ValueError(f"algorithm 'dgpo' weighs each group by its members' DPO sum, so a micro-batch must hold "
-                             f"whole groups: set sampling.micro_batch to a multiple of sampling.group_size="
-                             f"{sampling.group_size} (it is {sampling.micro_batch})")
+        check_whole_groups(sampling, "dgpo", "weighs each group by its members' DPO sum")
         if sampling.max_rounds > 1:
             raise ValueError("algorithm 'dgpo' trains every group; set sampling.max_rounds=1")
         if c.trunc_steps + 1 < c.train_levels or c.trunc_steps >= sampling.steps:
@@ -236,3 +233,11 @@ def whole_groups(group_ids: np.ndarray, device) -> tuple[torch.Tensor, int]:
         raise ValueError(f"a micro-batch holds groups of sizes {sorted(set(counts.tolist()))}: every group must "
                          f"be whole (sampling.micro_batch a multiple of sampling.group_size)")
     return torch.from_numpy(inverse.astype(np.int64)).to(device), int(counts[0])
+
+
+def check_whole_groups(sampling: SamplingConfig, name: str, why: str) -> None:
+    """Refuse micro-batches that would split a group (an algorithm whose loss reads whole groups)."""
+    if sampling.micro_batch % sampling.group_size:
+        raise ValueError(f"algorithm {name!r} {why}, so a micro-batch must hold whole groups: set "
+                         f"sampling.micro_batch to a multiple of sampling.group_size={sampling.group_size} "
+                         f"(it is {sampling.micro_batch})")

@@ -89,7 +89,8 @@ class SamplingConfig(_Section):
         if self.negative_prompt and self.guidance_scale <= 1:
             raise ValueError(f"sampling.negative_prompt={self.negative_prompt!r} is only used by classifier-free "
                              f"guidance, and sampling.guidance_scale={self.guidance_scale} samples without it: set "
-                             f"guidance_scale > 1 or drop the negative prompt")
+                             f"guidance_scale > 1 or drop the negative prompt (a reference guided after CFG-free "
+                             f"rollouts — algorithm.kl_guidance of dgpo and crd — is guided by the empty prompt)")
         if self.window_size:  # refused here, before a run opens, not at its first generate
             lo, hi = self.window_range or (0, self.steps // 2)
             if lo < 0 or hi - lo < self.window_size or hi > self.steps:
