@@ -75,6 +75,8 @@ def test_a_lora_frozen_copy_shares_the_base_and_costs_its_adapter(tiny_checkpoin
     assert {n for n, p in held.named_parameters() if p is not live[n]} == set(pol.trainable_parameters())
     assert _bytes(own) == _bytes(pol.trainable_parameters().values()) < _bytes(live.values()) / 10
     assert all(not p.requires_grad for p in own)
+    live_buffers = dict(pol.module.named_buffers())
+    assert all(b is live_buffers[n] for n, b in held.named_buffers())  # constant tables: shared too
 
     whole = copy.deepcopy(pol.module).requires_grad_(False)  # what a frozen view was before: a whole copy
     pol._fill(whole, weights, "whole copy")

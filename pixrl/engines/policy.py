@@ -44,11 +44,14 @@ def seeded(run_seed: int, device) -> Iterator[None]:
 
 def frozen_copy(module: torch.nn.Module, trained) -> torch.nn.Module:
     """A frozen copy of `module` that owns only its `trained` parameters; every other parameter
-    (the base model under LoRA, a family's frozen parts) is the module's own tensor, shared: it
-    is the same in every copy, so a LoRA copy costs its adapter only (a whole copy of a 12B bf16
-    transformer is 24 GB per copy; benchmarks/frozen_copies.py)."""
+    (the base model under LoRA, a family's frozen parts) and buffer (SD3's 0.45 GiB positional
+    table) is the module's own tensor, shared: it is the same in every copy, so a LoRA copy costs
+    its adapter only (a whole copy of a 12B bf16 transformer is 24 GB; benchmarks/frozen_copies.py).
+    Batch-norm statistics, which a forward in train mode updates in place, are copied."""
     owned = {id(p) for p in trained}
     shared = {id(p): p for p in module.parameters() if id(p) not in owned}
+    shared.update({id(b): b for m in module.modules() if not isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                   for b in m.buffers(recurse=False)})
     held = copy.deepcopy(module, memo=shared)
     for p in held.parameters():
         if id(p) not in shared:
