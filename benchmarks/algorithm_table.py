@@ -26,6 +26,8 @@ ROWS = {
     "diffusion_nft": "cmp_diffusion_nft",
     "awm": "cmp_awm",
     "dgpo": "cmp_dgpo",
+    "v_grpo": "cmp_v_grpo",
+    "crd": "cmp_crd",
     "online_dpo": "cmp_online_dpo",
     "ddpo": "cmp_ddpo",
     "tempflow_grpo": "cmp_tempflow_grpo",
