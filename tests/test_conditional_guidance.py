@@ -110,3 +110,22 @@ def test_dgpo_refuses_a_guided_reference_on_a_guidance_distilled_family(flux):
     algo = build_algorithm(AlgorithmConfig(name="dgpo", kl_guidance=4.5, optimizer_steps_per_iteration=1))
     with pytest.raises(ValueError, match="guidance-distilled.*kl_guidance=1"):
         algo.check_family(flux)
+
+
+def test_diffusion_nft_is_cfg_free_on_a_cfg_family_and_keeps_a_distilled_familys_scale(flux, sd3):
+    """Preflight refuses a CFG scale for DiffusionNFT on SD3; FLUX.1-dev samples at its embedded
+    scale (its rollout recipe carries it, and training follows it)."""
+    from pixrl.config.loader import load_config
+    from pixrl.stages.preflight import check_online_algorithm
+
+    algo = build_algorithm(AlgorithmConfig(name="diffusion_nft"))
+    cfg = load_config(None, ["algorithm=diffusion_nft", "sampling.guidance_scale=4.5"])
+    with pytest.raises(ValueError, match="CFG-free: set sampling.guidance_scale=1"):
+        check_online_algorithm(cfg, algo, sd3)
+    check_online_algorithm(cfg.model_copy(update={"sampling": cfg.sampling.model_copy(update={"guidance_scale": 1.0})}),
+                           algo, sd3)
+    flux_cfg = load_config(None, ["algorithm=diffusion_nft", "sampling.guidance_scale=3.5", "model.family=flux1"])
+    check_online_algorithm(flux_cfg, algo, flux)
+    recipe = algo.rollout_recipe(flux_cfg.sampling, np.random.default_rng(0), "denoise", 0)
+    assert recipe.guidance_scale == 3.5 and recipe.noise_level == 0 and conditional_scale(flux, recipe) == 3.5
+

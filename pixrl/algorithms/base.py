@@ -49,6 +49,9 @@ class Algorithm(ABC):
     offline: bool = False
     #: its advantages pick pairs within each group from the total reward (reward.aggregate=reward)
     pairs_in_groups: bool = False
+    #: samples and trains without a negative-prompt batch: a CFG family at guidance 1 (preflight
+    #: refuses another scale), a guidance-distilled family at its embedded scale (FLUX.1-dev's 3.5)
+    cfg_free: bool = False
 
     def __init__(self, cfg: AlgorithmConfig):
         self.cfg = cfg

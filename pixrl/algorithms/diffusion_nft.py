@@ -87,6 +87,7 @@ class DiffusionNFT(Algorithm):
     Settings = DiffusionNFTSettings
     needs = frozenset({"final_latent"})
     separate_sampler = True
+    cfg_free = True
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -99,16 +100,14 @@ class DiffusionNFT(Algorithm):
     def check_sampling(self, sampling: SamplingConfig, step: str) -> None:
         if step != "denoise":
             raise ValueError("algorithm 'diffusion_nft' trains flow-matching (denoise) families")
-        if sampling.guidance_scale != 1.0:
-            raise ValueError(f"algorithm 'diffusion_nft' is CFG-free: set sampling.guidance_scale=1 "
-                             f"(got {sampling.guidance_scale})")
         if sampling.max_rounds > 1:
             raise ValueError("algorithm 'diffusion_nft' trains every sample (flat groups carry r = ½); set "
                              "sampling.max_rounds=1")
 
     def rollout_recipe(self, sampling: SamplingConfig, rng: np.random.Generator, step: str,
                        iteration: int) -> SamplerRecipe:
-        return SamplerRecipe(sampling.steps, 0.0, "sde", 1.0, (), (), ode_solver=self.settings.solver)
+        # CFG-free: guidance 1 on a CFG family (preflight), the embedded scale of a guidance-distilled one
+        return SamplerRecipe(sampling.steps, 0.0, "sde", sampling.guidance_scale, (), (), ode_solver=self.settings.solver)
 
     def advantages(self, rewards: np.ndarray, group_ids: np.ndarray) -> GroupAdvantages:
         c = self.settings

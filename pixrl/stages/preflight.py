@@ -129,6 +129,9 @@ def check_online_algorithm(cfg: ExperimentConfig, algo, family) -> None:
     """The algorithm can train on this family's rollouts with these sampling and reward settings."""
     algo.check_sampling(cfg.sampling, family.semantics.step.value)
     algo.check_family(family, cfg.model)
+    if algo.cfg_free and getattr(family, "guidance", "cfg") == "cfg" and cfg.sampling.guidance_scale != 1:
+        raise ValueError(f"algorithm {algo.name!r} is CFG-free: set sampling.guidance_scale=1 (got "
+                         f"{cfg.sampling.guidance_scale}; the {family.name} family guides with a negative-prompt batch)")
     if cfg.run.staleness_weight_cap is not None and not algo.behaviour_weighted:
         weighted = [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).behaviour_weighted]
         raise ValueError(f"run.staleness_weight_cap: algorithm {algo.name!r} takes no behaviour weight (its loss has "
