@@ -5,6 +5,8 @@ rollout's scale — at 1 it would train a model the rollout never ran."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -17,9 +19,11 @@ from pixrl.algorithms.sampling import SamplerRecipe, conditional_scale, generato
 from pixrl.config.schema import AlgorithmConfig
 from pixrl.models.flux import FluxFamily
 from pixrl.models.sd3 import SD3Family
+from pixrl.stages.offline import OfflineError, training_recipe
 
 PROMPTS = ["a red circle", "a red circle", "two blue squares", "two blue squares"]
-SETTINGS = {"diffusion_nft": {}, "online_sft": {}, "dgpo": {"clip_dsm": False, "switch_ema_ref": None, "trunc_steps": 2, "train_levels": 2}}
+SETTINGS = {"diffusion_nft": {}, "online_sft": {}, "dgpo": {"clip_dsm": False, "switch_ema_ref": None, "trunc_steps": 2, "train_levels": 2},
+            "diffusion_dpo": {}, "diffusion_sft": {}}  # the offline two: the recipe the archive's rows give
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +51,29 @@ def _terms(name, family, scale, batch, cond):
                           frozen={slot: family for slot in algo.frozen_slots()})
     algo.prepare_update(batch)
     with torch.no_grad():  # the first term
-        return float(next(iter(algo.losses(batch, policy)))[0])
+        loss, metrics = next(iter(algo.losses(batch, policy)))
+    # Diffusion-DPO against a reference equal to the policy is ln 2 at any scale: its forward's error
+    return float(metrics["err_w"] if name == "diffusion_dpo" else loss)
 
 
 def test_the_scale_of_a_conditional_forward(flux, sd3):
     recipe = SamplerRecipe(4, 0.0, guidance_scale=3.5)
     assert conditional_scale(flux, recipe) == 3.5
     assert conditional_scale(sd3, recipe) == 1.0
-    assert conditional_scale(flux, None) == 1.0  # offline: no rollout recipe
+    assert conditional_scale(flux, None) == 1.0  # no rollout recipe
+
+
+def test_an_offline_update_trains_a_distilled_family_at_its_archived_scale(flux, sd3):
+    """The offline stage layer's recipe: the archived rows' (one scale) for FLUX, none for SD3;
+    rows of several scales, or without a recipe, are refused naming the fix."""
+    at = lambda g: json.dumps(SamplerRecipe(4, 0.7, guidance_scale=g).to_dict())  # noqa: E731
+    recipe = training_recipe(FluxFamily, [at(3.5), at(3.5)])
+    assert conditional_scale(flux, recipe) == 3.5
+    assert training_recipe(SD3Family, [at(4.5), at(7.0)]) is None
+    with pytest.raises(OfflineError, match=r"guidance scales \[2.5, 3.5\].*narrow dpo.source"):
+        training_recipe(FluxFamily, [at(3.5), at(2.5)])
+    with pytest.raises(OfflineError, match="no sampler recipe"):
+        training_recipe(FluxFamily, [at(3.5), None])
 
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))

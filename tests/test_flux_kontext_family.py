@@ -213,8 +213,9 @@ def _offline_dpo_on_the_archived_edits(tiny, tmp_path, source, files):
     assert out["heldout_before"] is None and "not evaluated: dataset 'edits' has no held-out prompts" in res.output
     (pairs_dir,) = tmp_path.glob("lance/kdpo/*/pairs.lance")
     pairs = lance.dataset(str(pairs_dir))
-    t = pairs.to_table(columns=["prompt", "source_image"])
+    t = pairs.to_table(columns=["prompt", "source_image", "recipe"])
     assert t.num_rows > 0 and all(img == files[p] for p, img in zip(t["prompt"].to_pylist(), t["source_image"].to_pylist()))
+    assert {json.loads(r)["guidance_scale"] for r in t["recipe"].to_pylist()} == {2.5}  # what the update trains at
 
 
 def test_a_non_square_source_is_centre_cropped_not_stretched(family):

@@ -165,7 +165,7 @@ def pair_loss(x_w: torch.Tensor, x_l: torch.Tensor, cond, settings: DPOSettings,
     x, target = torch.cat([xt_w, xt_l]), torch.cat([v_w, v_l])
     sigmas = torch.cat([sigma, sigma])
     t = model_timesteps(policy.model, sigmas)
-    g = conditional_scale(policy.model, policy.recipe)  # an online rollout's embedded scale (offline: 1)
+    g = conditional_scale(policy.model, policy.recipe)  # a distilled family's rollout scale (offline: the archive's)
     with torch.no_grad():
         ref = prediction_error(policy.model, policy.reference.velocity(x, t, cond, g), target, sigmas)
     err = prediction_error(policy.model, policy.model.velocity(x.to(policy.model.dtype), t, cond, g), target, sigmas)

@@ -19,7 +19,7 @@ from ..errors import ExpectedError
 from .tracking import Tracker
 
 SELECT_COLUMNS = ["run_id", "iteration", "sample_id", "group_id", "prompt", "prompt_meta", "policy_version",
-                  "reward", "rewards"]
+                  "reward", "rewards", "recipe"]  # recipe: the guidance a distilled family's pairs train at
 OPTIONAL_SELECT = ["source_image"]  # an editing rollout's source image: what its pairs are conditioned on
 
 

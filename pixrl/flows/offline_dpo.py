@@ -40,9 +40,10 @@ def open_dpo_run(config: dict, workdir: str, resume_run_id: str | None = None) -
         return reopen_run(cfg, wd, tracker, existing, fr_id), pinned
     tables = resolve_sources(cfg.dpo.source, tracker)
     needs = build_algorithm(cfg.algorithm).needs
-    if getattr(get_family(cfg.model.family), "needs_images", False):  # an editing-only family trains on its sources
+    family = get_family(cfg.model.family)
+    if getattr(family, "needs_images", False):  # an editing-only family trains on its sources
         needs = needs | {"source_image"}
-    check_selection(tables, cfg.dpo, needs)  # missing fields, empty selections, all-tied groups: before the run exists
+    check_selection(tables, cfg.dpo, needs, family)  # bad sources, no rows or pairs, mixed guidance: before the run
     for t in tables:  # the versions read stay readable through the source runs' store cleanups
         pin_version(TrajectoryStore(t.uri), t.version, f"dpo-{cfg.run.name}-v{t.version}")
     pinned = [t.to_dict() for t in tables]

@@ -20,6 +20,8 @@ import numpy as np
 import pyarrow as pa
 
 from ..algorithms.pairing import make_pairs, pair_order
+from ..algorithms.recipe import stored_recipe
+from ..algorithms.sampling import SamplerRecipe
 from ..artifacts.archive import PinnedTable, component_value, select_rows
 from ..artifacts.batch import DECODE_INPUT, RolloutBatch, missing_fields
 from ..artifacts.checkpoints import CheckpointRef, read_counters, save_checkpoint, verify_checkpoint
@@ -91,13 +93,34 @@ def check_sources(tables: list[PinnedTable], needs) -> None:
                                f"run without sampling.cot_tokens")
 
 
-def check_selection(tables: list[PinnedTable], d, needs=frozenset()) -> None:
+def training_recipe(family, recipe_jsons) -> SamplerRecipe | None:
+    """The recipe an offline update trains with: for a guidance-distilled family (FLUX.1-dev,
+    FLUX.2-dev, HunyuanVideo — the scale is a transformer input) the archived rollouts' recipe, so
+    the training forward runs at the embedded scale they were sampled at, as the online algorithms
+    do (`sampling.conditional_scale`); None for any other family (its conditional forward)."""
+    if getattr(family, "guidance", "cfg") != "embedded":
+        return None
+    if not recipe_jsons or any(r is None for r in recipe_jsons):
+        raise OfflineError("some selected rows carry no sampler recipe, so the guidance scale a guidance-distilled "
+                           "family sampled them at is unknown; select rollouts that recorded it (or, resuming a "
+                           "run whose pairs predate it, start the DPO under a new run name)")
+    recipes = [json.loads(r) for r in dict.fromkeys(recipe_jsons)]
+    scales = sorted({float(r["guidance_scale"]) for r in recipes})
+    if len(scales) > 1:
+        raise OfflineError(f"the selected rollouts were sampled at guidance scales {scales} on a guidance-distilled "
+                           f"family, whose training forward takes the scale as an input: an offline update trains at "
+                           f"one — narrow dpo.source / iteration_range / policy_versions to rollouts of one scale")
+    return stored_recipe(recipes[0], "flow")
+
+
+def check_selection(tables: list[PinnedTable], d, needs=frozenset(), family=None) -> None:
     """Fail with the fix before anything is written: a source without the algorithm's fields, no
-    rows selected, or no pair formed."""
+    rows selected, no pair formed, or (a guidance-distilled family) rows of several guidance scales."""
     check_sources(tables, needs)
     rows = select_rows(tables, d)
     if rows.num_rows == 0:
         raise _no_rows(tables)
+    training_recipe(family, rows["recipe"].to_pylist())
     pairs = make_pairs(_group_keys(rows), pair_scores(rows, d.pair_on), d.pairing, d.margin)
     if pairs.count == 0:
         raise _no_pairs(pairs.groups, d.margin)
@@ -149,7 +172,7 @@ class OfflineStages:
             "group_id": take("group_id", w),
             "winner_sample_id": take("sample_id", w), "loser_sample_id": take("sample_id", lo),
             "winner_reward": take("reward", w), "loser_reward": take("reward", lo),
-            "margin": pa.array(scores[w] - scores[lo], pa.float32()),
+            "margin": pa.array(scores[w] - scores[lo], pa.float32()), "recipe": take("recipe", w),
             **({"source_image": take("source_image", w)} if "source_image" in sel.column_names else {}),
         }))
         self._log({"pairs": float(pairs.count), "pair_groups": float(pairs.groups),
@@ -187,6 +210,12 @@ class OfflineStages:
             raise OfflineError(f"pair member {exc} is missing from its pinned source version") from None
 
     # --- update -------------------------------------------------------------------------------
+    def _recipes(self, pairs: pa.Table) -> list:
+        """The pairs' sampler recipes (a pairs table written before they were kept has none)."""
+        if "recipe" in pairs.column_names:
+            return pairs["recipe"].to_pylist()
+        return [None] * pairs.num_rows
+
     def _source(self, uri: str) -> PolicySource:
         """'base' or models:/NAME/VERSION as weights to load (with fresh optimizer moments)."""
         if uri == "base":
@@ -211,7 +240,10 @@ class OfflineStages:
         order = pair_order(cats, d.steps, d.pairs_per_step, d.balance, np.random.default_rng(self.cfg.run.seed))
         plan = [[[*idx, *(n + i for i in idx)]] for idx in order]  # one micro-batch: winners, then their losers
         ref = None if d.reference == "base" else self._source(d.reference)
-        result = self.engine.train(self._source(d.init), batch, plan, None, seed=self.cfg.run.seed, reference=ref)
+        from ..models.registry import get_family
+
+        recipe = training_recipe(get_family(self.cfg.model.family), self._recipes(pairs))
+        result = self.engine.train(self._source(d.init), batch, plan, recipe, seed=self.cfg.run.seed, reference=ref)
         counters = {"iteration": 0, "optimizer_steps": d.steps, "pairs": n, "policy_version_in": 0,
                     "policy_model_in": d.init}
         try:
