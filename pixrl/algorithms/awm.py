@@ -28,22 +28,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from ..config.schema import SamplingConfig
-from .advantages import GroupAdvantages, group_advantages
-from .base import Algorithm, register_algorithm
-from .recipe import ode_recipe
-from .sampling import SamplerRecipe, model_timesteps
+from .base import register_algorithm
+from .ode_group import ODEGroupAlgorithm, ODEGroupSettings
+from .sampling import model_timesteps
 from .weight_average import blend, on_host
 
 TIME_TYPES = ("discrete_wo_init", "discrete", "discrete_with_init", "uniform", "logit_normal")
 
 
-class AWMSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class AWMSettings(ODEGroupSettings):
     weighting: Literal["uniform", "t", "t2", "huber", "ghuber"] = Field(
         "ghuber", description="w(ℓ, t) of the matching loss that serves as −log p (AWM's config.train.weighting)")
     ghuber_power: float = Field(0.25, gt=0, description="p of the generalised Huber weighting")
@@ -53,11 +49,8 @@ class AWMSettings(BaseModel):
     time_type: Literal[TIME_TYPES] = Field("discrete_wo_init", description="how the noise levels are drawn")
     time_shift: float = Field(3.0, gt=0, description="uniform / logit_normal: t ← s·t/(1 + (s − 1)·t)")
     clip_range: float = Field(1.0, gt=0, description="PPO clip of ρ (AWM's default 1: on-policy, it never bites)")
-    adv_clip_max: float = Field(5.0, gt=0)
     advantage_max: float | None = Field(1.0, gt=0, description="the clipped advantage is rescaled to ±this; None: "
                                         "kept as clipped")
-    std_eps: float = Field(1e-4, gt=0)
-    global_std: bool = True
     kl_weight: float = Field(0.003, ge=0, description="β of mean (v_θ − v_base)² (AWM's config.train.beta)")
     kl_time_weight: Literal["uniform", "elbo"] = Field("uniform", description="elbo: the KL term over 2σ_t², "
                                                        "σ_t = 0.7·√(t/(1 − min(t, 0.99)))")
@@ -145,7 +138,7 @@ def level_sample(policy, levels: torch.Tensor, on_grid: bool, j: int, x0: torch.
 
 
 @register_algorithm("awm")
-class AWM(Algorithm):
+class AWM(ODEGroupAlgorithm):
     Settings = AWMSettings
     needs = frozenset({"final_latent"})
 
@@ -161,21 +154,6 @@ class AWM(Algorithm):
 
     def _keeps_anchor(self) -> bool:
         return self.settings.off_policy or self.settings.ema_kl_weight > 0
-
-    def check_sampling(self, sampling: SamplingConfig, step: str) -> None:
-        if step != "denoise":
-            raise ValueError("algorithm 'awm' trains flow-matching (denoise) families")
-        if sampling.max_rounds > 1:
-            raise ValueError("algorithm 'awm' trains every sample (a flat group's advantages are 0); set "
-                             "sampling.max_rounds=1")
-
-    def rollout_recipe(self, sampling: SamplingConfig, rng: np.random.Generator, step: str,
-                       iteration: int) -> SamplerRecipe:
-        return ode_recipe(sampling, self.settings.solver)
-
-    def advantages(self, rewards: np.ndarray, group_ids: np.ndarray) -> GroupAdvantages:
-        c = self.settings
-        return group_advantages(rewards, group_ids, c.global_std, c.std_eps, c.adv_clip_max)
 
     def terms(self, batch, trained_steps: frozenset[int] | None = None) -> int:
         return self.settings.train_timesteps

@@ -31,23 +31,20 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from ..config.schema import SamplingConfig
-from .advantages import GroupAdvantages, group_advantages
 from .awm import AWMSettings, draw_levels, level_sample
-from .base import Algorithm, register_algorithm
+from .base import register_algorithm
+from .ode_group import ODEGroupAlgorithm, ODEGroupSettings
 from .dgpo import check_whole_groups, whole_groups
 from .diffusion_nft import optimality
-from .recipe import ode_recipe
-from .sampling import SamplerRecipe
 from .weight_average import blend, on_host
 
 Schedule = tuple[float, float, float, float]  # (from step, value before and at it, slope, end value)
 
 
-class CRDSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class CRDSettings(ODEGroupSettings):
     beta: float = Field(1.0, gt=0, description="β: the implicit reward's scale against the centred external one")
     loss_type: Literal["mse", "bce"] = "mse"
     weight_temp: float = Field(-1.0, description="< 0: plain centering; ≥ 0: two softmax(±a/T)-weighted centres")
@@ -63,10 +60,6 @@ class CRDSettings(BaseModel):
     timestep_fraction: float = Field(0.99, gt=0, le=1)
     time_type: Literal["discrete_wo_init", "discrete", "discrete_with_init", "uniform", "logit_normal"] = "discrete"
     time_shift: float = Field(3.0, gt=0)
-    adv_clip_max: float = Field(5.0, gt=0)
-    std_eps: float = Field(1e-4, gt=0)
-    global_std: bool = True
-    solver: Literal["euler", "dpm2"] = Field("dpm2", description="the rollout's ODE solver")
 
 
 def schedule_decay(step: int, spec: Schedule) -> float:
@@ -127,7 +120,7 @@ def crd_loss(a: torch.Tensor, r: torch.Tensor, groups: torch.Tensor, s: CRDSetti
 
 
 @register_algorithm("crd")
-class CRD(Algorithm):
+class CRD(ODEGroupAlgorithm):
     Settings = CRDSettings
     needs = frozenset({"final_latent"})
     separate_sampler = True  # the sampling snapshot θ_s
@@ -151,19 +144,8 @@ class CRD(Algorithm):
                              f"is encoded): set algorithm.kl_guidance=1")
 
     def check_sampling(self, sampling: SamplingConfig, step: str) -> None:
-        if step != "denoise":
-            raise ValueError("algorithm 'crd' trains flow-matching (denoise) families")
+        super().check_sampling(sampling, step)
         check_whole_groups(sampling, "crd", "centres each sample's rewards within its prompt's group")
-        if sampling.max_rounds > 1:
-            raise ValueError("algorithm 'crd' trains every group; set sampling.max_rounds=1")
-
-    def rollout_recipe(self, sampling: SamplingConfig, rng: np.random.Generator, step: str,
-                       iteration: int) -> SamplerRecipe:
-        return ode_recipe(sampling, self.settings.solver)
-
-    def advantages(self, rewards: np.ndarray, group_ids: np.ndarray) -> GroupAdvantages:
-        c = self.settings
-        return group_advantages(rewards, group_ids, c.global_std, c.std_eps, c.adv_clip_max)
 
     def _levels(self, grid: int) -> AWMSettings:
         c = self.settings

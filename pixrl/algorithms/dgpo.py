@@ -27,18 +27,16 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from ..config.schema import SamplingConfig
-from .advantages import GroupAdvantages, group_advantages
-from .base import Algorithm, register_algorithm
-from .recipe import ode_recipe
-from .sampling import SamplerRecipe, conditional_scale
+from .base import register_algorithm
+from .ode_group import ODEGroupAlgorithm, ODEGroupSettings
+from .sampling import conditional_scale
 from .weight_average import blend, on_host
 
 
-class DGPOSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DGPOSettings(ODEGroupSettings):
     beta_dpo: float = Field(100.0, gt=0, description="the group DPO's β (DGPO's config.train.beta_dpo)")
     train_levels: int = Field(4, ge=1, description="grid steps trained per micro-batch (num_train_timesteps)")
     trunc_steps: int = Field(4, ge=0, description="the levels are drawn from grid steps 0 … trunc_steps")
@@ -53,10 +51,6 @@ class DGPOSettings(BaseModel):
     ema_ref_decay: float = Field(0.3, ge=0, lt=1, description="the EMA reference's decay cap")
     switch_ema_ref: int | None = Field(500, ge=0, description="optimizer steps after which rollouts sample with "
                                        "the EMA reference; None: never")
-    adv_clip_max: float = Field(5.0, gt=0)
-    std_eps: float = Field(1e-4, gt=0)
-    global_std: bool = True
-    solver: str = Field("dpm2", pattern="^(dpm2|euler)$", description="the rollout's ODE solver")
 
 
 def group_weights(adv: torch.Tensor, dsm: torch.Tensor, ref_dsm: torch.Tensor, groups: torch.Tensor,
@@ -75,7 +69,7 @@ def clipped_dsm(dsm: torch.Tensor, old_dsm: torch.Tensor, adv: torch.Tensor, cli
 
 
 @register_algorithm("dgpo")
-class DGPO(Algorithm):
+class DGPO(ODEGroupAlgorithm):
     Settings = DGPOSettings
     needs = frozenset({"final_latent"})
     def __init__(self, cfg):
@@ -90,11 +84,8 @@ class DGPO(Algorithm):
 
     def check_sampling(self, sampling: SamplingConfig, step: str) -> None:
         c = self.settings
-        if step != "denoise":
-            raise ValueError("algorithm 'dgpo' trains flow-matching (denoise) families")
+        super().check_sampling(sampling, step)
         check_whole_groups(sampling, "dgpo", "weighs each group by its members' DPO sum")
-        if sampling.max_rounds > 1:
-            raise ValueError("algorithm 'dgpo' trains every group; set sampling.max_rounds=1")
         if c.trunc_steps + 1 < c.train_levels or c.trunc_steps >= sampling.steps:
             raise ValueError(f"algorithm.train_levels={c.train_levels} distinct grid steps from 0 … "
                              f"algorithm.trunc_steps={c.trunc_steps} of a {sampling.steps}-step grid: need "
@@ -116,14 +107,6 @@ class DGPO(Algorithm):
             raise ValueError(f"algorithm.kl_guidance={self.settings.kl_guidance} guides the reference with a negative "
                              f"prompt, and the {family.name} family is guidance-distilled (its scale is a model input, "
                              f"no negative prompt is encoded): set algorithm.kl_guidance=1")
-
-    def rollout_recipe(self, sampling: SamplingConfig, rng: np.random.Generator, step: str,
-                       iteration: int) -> SamplerRecipe:
-        return ode_recipe(sampling, self.settings.solver)
-
-    def advantages(self, rewards: np.ndarray, group_ids: np.ndarray) -> GroupAdvantages:
-        c = self.settings
-        return group_advantages(rewards, group_ids, c.global_std, c.std_eps, c.adv_clip_max)
 
     def terms(self, batch, trained_steps: frozenset[int] | None = None) -> int:
         return self.settings.train_levels

@@ -25,17 +25,14 @@ The conditional velocity is trained (at a guidance-distilled family's rollout sc
 
 from __future__ import annotations
 
-from typing import Literal
-
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from ..config.schema import SamplingConfig
-from .advantages import GroupAdvantages, group_advantages
-from .base import Algorithm, register_algorithm
-from .recipe import ode_recipe
-from .sampling import SamplerRecipe, conditional_scale
+from .base import register_algorithm
+from .ode_group import ODEGroupAlgorithm, ODEGroupSettings
+from .sampling import conditional_scale
 
 PAIR_NOISE, PAIR_LEVELS = 7, 8  # roles of the update seed's draws
 
@@ -44,8 +41,7 @@ def _seed(*parts: int) -> int:
     return int(np.random.SeedSequence(list(parts)).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
-class VGRPOSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class VGRPOSettings(ODEGroupSettings):
     pairs: int = Field(4, ge=1, description="N_MC: timestep–noise pairs per update, one loss term each")
     shared_noise: bool = Field(True, description="one noise per group and pair (the paper's group-shared pairs)")
     soft_clip: float | None = Field(3.0, gt=0, description="η of A ← η·tanh(A/η); None: off")
@@ -53,10 +49,8 @@ class VGRPOSettings(BaseModel):
                                      "(on-policy, one optimizer step per rollout, ρ = 1 anyway)")
     kl_weight: float = Field(0.0, ge=0, description="weight of mean (x̂_θ − x̂_θold)² (the paper's multi-step "
                              "stages: 0.3)")
-    adv_clip_max: float = Field(5.0, gt=0)
     std_eps: float = Field(1e-8, gt=0)
     global_std: bool = Field(False, description="normalise by the batch's reward std instead of each group's")
-    solver: Literal["euler", "dpm2"] = Field("dpm2", description="the rollout's ODE solver")
 
 
 def adaptive_mse(x_pred: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
@@ -90,7 +84,7 @@ def group_noise(shape, groups: np.ndarray, seed: int, pair: int) -> torch.Tensor
 
 
 @register_algorithm("v_grpo")
-class VGRPO(Algorithm):
+class VGRPO(ODEGroupAlgorithm):
     Settings = VGRPOSettings
     needs = frozenset({"final_latent"})
 
@@ -103,21 +97,10 @@ class VGRPO(Algorithm):
         return False
 
     def check_sampling(self, sampling: SamplingConfig, step: str) -> None:
-        if step != "denoise":
-            raise ValueError("algorithm 'v_grpo' trains flow-matching (denoise) families")
-        if sampling.max_rounds > 1:
-            raise ValueError("algorithm 'v_grpo' trains every sample of its ODE rollouts; set sampling.max_rounds=1")
+        super().check_sampling(sampling, step)
         if sampling.steps < self.settings.pairs:
             raise ValueError(f"algorithm.pairs={self.settings.pairs} strata of a {sampling.steps}-step rollout grid: "
                              f"set algorithm.pairs ≤ sampling.steps")
-
-    def rollout_recipe(self, sampling: SamplingConfig, rng: np.random.Generator, step: str,
-                       iteration: int) -> SamplerRecipe:
-        return ode_recipe(sampling, self.settings.solver)
-
-    def advantages(self, rewards: np.ndarray, group_ids: np.ndarray) -> GroupAdvantages:
-        c = self.settings
-        return group_advantages(rewards, group_ids, c.global_std, c.std_eps, c.adv_clip_max)
 
     def terms(self, batch, trained_steps: frozenset[int] | None = None) -> int:
         return self.settings.pairs if trained_steps is None or trained_steps else 0
