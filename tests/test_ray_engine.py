@@ -299,6 +299,33 @@ def test_awms_frozen_copies_sharded_over_two_ranks_equal_one_process(ray_cluster
         np.testing.assert_allclose(got.metrics[key], want.metrics[key], rtol=1e-4, atol=1e-9)
 
 
+def test_a_teacher_on_two_sharded_ranks_equals_one_process(ray_cluster, tiny_checkpoint, tmp_path):
+    """DiffusionOPD's teacher — a stored checkpoint of moved weights — is loaded by every rank
+    into its sharded frozen copy: two FSDP ranks equal one process, and the KL to it is not 0."""
+    from pixrl.artifacts.checkpoints import save_checkpoint
+    from pixrl.engines.ray_engine import RayEngine
+
+    cfg = _cfg(tiny_checkpoint, tmp_path, "ray.rollout_workers=1", "ray.trainer_sharding=fsdp",
+               "algorithm=diffusion_opd", "algorithm.teacher=models:/t-policy/1", "algorithm.lora.enabled=false",
+               "algorithm.lr=1e-4", "algorithm.ema.enabled=false")
+    local = LocalEngine(cfg)
+    gen = torch.Generator().manual_seed(0)
+    moved = {k: v.detach() + 0.05 * torch.randn(v.shape, generator=gen)
+             for k, v in local.policy.trainable_parameters().items()}
+    teacher = save_checkpoint(tmp_path / "teacher", moved, {}, {"iteration": 0}, cfg.model_dump(mode="json"))
+    stored = {"teacher": PolicySource(Path(teacher.uri), None, with_optimizer=False)}
+    batch, plan = _update_batch(local)
+    want = local.train(PolicySource(), batch, plan, RECIPE, seed=3, stored=stored)
+    engine = RayEngine(cfg)
+    try:
+        got = engine.train(PolicySource(), batch, plan, RECIPE, seed=3, stored=stored)
+    finally:
+        engine.close()
+    _close(got.weights, want.weights, cfg.algorithm.lr)
+    assert want.metrics["distill_kl"] > 0
+    np.testing.assert_allclose(got.metrics["distill_kl"], want.metrics["distill_kl"], rtol=1e-4)
+
+
 def _train(tmp_path: Path, ckpt: Path, run: str, *extra: str):
     res = CliRunner().invoke(app, ["train", "--iterations", "2", "--run", run, "reward=jpeg_compressibility",
                                    *tiny_overrides(ckpt, tmp_path), *RAY_RUN, *extra])

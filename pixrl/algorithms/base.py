@@ -165,6 +165,17 @@ class Algorithm(ABC):
         starting weights (live tensors: copy them to keep them in the algorithm's state)."""
         raise TypeError(f"algorithm {self.name!r} declares no frozen policy {name!r}")
 
+    def stored_policies(self) -> dict[str, str]:
+        """Frozen slots (of `frozen_slots`) whose weights are a registered policy version
+        (models:/NAME/VERSION), not the algorithm's state: DiffusionOPD's teacher. The stage layer
+        resolves each to its checkpoint, the engine loads it and gives it with `use_stored_policy`
+        before each update; it never enters the student's checkpoints. None by default."""
+        return {}
+
+    def use_stored_policy(self, name: str, weights: dict[str, torch.Tensor]) -> None:
+        """The trainable weights of stored policy `name` (loaded by the engine from its checkpoint)."""
+        raise TypeError(f"algorithm {self.name!r} reads no stored policy {name!r}")
+
     def end_of_update(self, weights: dict[str, torch.Tensor], optimizer_steps: int) -> dict[str, float]:
         """Called once after an update with the new trainable weights and how many optimizer steps
         it took; returns metrics to log (e.g. the sampling policy's EMA decay)."""
@@ -227,9 +238,9 @@ def _own_settings(model: type[BaseModel], name: str, values: dict) -> BaseModel:
 
 
 def _builtin() -> None:
-    from . import (awm, crd, dance_grpo, ddpo, dgpo, diffusion_dpo, diffusion_nft, diffusion_sft, flow_dppo, flow_grpo,  # noqa: F401
-                   gardo, grpo_guard, mix_grpo, online_dpo, online_sft, srpo, tempflow_grpo, token_dpo,
-                   token_grpo, token_sft, v_grpo)  # (importing registers them)
+    from . import (awm, crd, dance_grpo, ddpo, dgpo, diffusion_dpo, diffusion_nft, diffusion_opd,  # noqa: F401
+                   diffusion_sft, flow_dppo, flow_grpo, gardo, grpo_guard, mix_grpo, online_dpo, online_sft, srpo,
+                   tempflow_grpo, token_dpo, token_grpo, token_sft, v_grpo)  # (importing registers them)
 
 
 ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm", "algorithms", _builtin)

@@ -37,11 +37,14 @@ class ReplayPolicy:
         """A stored array (host) as a tensor on the model's device."""
         return torch.from_numpy(np.array(values, dtype=values.dtype, order="C")).to(self.device)
 
-    def step(self, x: torch.Tensor, x_next: torch.Tensor, k: int, reference: bool = False) -> StepOut:
-        """log π(x_next | x) at step k under the trained model (or the reference)."""
-        model = self.reference if reference else self.model
+    def step(self, x: torch.Tensor, x_next: torch.Tensor, k: int, reference: bool = False,
+             under: str | None = None) -> StepOut:
+        """log π(x_next | x) at step k under the trained model (or the reference, or the frozen
+        policy `under` names: DiffusionOPD's teacher)."""
+        model = self.frozen.get(under) if under else self.reference if reference else self.model
         if model is None:
-            raise ValueError("the reference step was asked for, but the algorithm declared no reference")
+            raise ValueError(f"the {under or 'reference'} step was asked for, but the algorithm declared no "
+                             f"{under or 'reference'}")
         memory = None if self.memory is None else self.memory[k]
         return replay_step(model, x, x_next, k, self.sigmas, self.timesteps, self.cond, self.neg, self.recipe, memory)
 

@@ -80,12 +80,13 @@ class Engine(Protocol):
 
     def train(self, policy: PolicySource, batch: RolloutBatch, plan: list[list[list[int]]],
               recipe: SamplerRecipe | None, seed: int = 0, reference: PolicySource | None = None,
-              prompt_sets: np.ndarray | None = None) -> TrainResult:
+              prompt_sets: np.ndarray | None = None, stored: dict[str, PolicySource] | None = None) -> TrainResult:
         """Optimizer steps from `policy` (weights + optimizer state) over the plan's micro-batches
         (row positions in `batch`, grouped per optimizer step), with the configured algorithm's
         losses. `seed` seeds the update's own randomness; `reference`: the KL/DPO reference
         (None = the base model); `prompt_sets`: per row, which set of prompts the rollout
-        encoded together (dynamic sampling's rounds; None: one set)."""
+        encoded together (dynamic sampling's rounds; None: one set); `stored`: the checkpoints of
+        the algorithm's stored policies (`Algorithm.stored_policies`: DiffusionOPD's teacher)."""
 
     def mark(self, checkpoint_id: str) -> None:
         """The engine's in-memory state now equals this (just committed) checkpoint."""

@@ -28,6 +28,7 @@ from ..rewards.compose import RewardSet
 from .base import PolicySource, TrainResult
 from .policy import TrainablePolicy
 from .prompt_cache import PromptCache
+from .stored_policies import StoredPolicies
 from .update import run_update
 
 
@@ -51,6 +52,7 @@ class LocalEngine:
         self._cot_server = None  # sampling.cot_backend=vllm (engines/vllm_text.py)
         self.collective = None  # a trainer rank's process group (engines/collective.py); None: one process
         self.text_towers = True  # False: a trainer rank, replaying with encodings it is given (`train`)
+        self.stored = StoredPolicies()  # the algorithm's stored policies (DiffusionOPD's teacher)
 
     @property
     def policy(self) -> TrainablePolicy:
@@ -233,13 +235,15 @@ class LocalEngine:
     # --- train --------------------------------------------------------------------------------
     def train(self, policy: PolicySource, batch: RolloutBatch, plan: list[list[list[int]]],
               recipe: SamplerRecipe | None, seed: int = 0, reference: PolicySource | None = None,
-              prompt_sets: np.ndarray | None = None, encodings: list | None = None) -> TrainResult:
+              prompt_sets: np.ndarray | None = None, encodings: list | None = None,
+              stored: dict[str, PolicySource] | None = None) -> TrainResult:
         """`encodings` (from another process's `encodings`): the replay's prompt conditioning,
         given instead of encoded here."""
         self.use(policy)
         if reference is not None and reference.checkpoint_dir is not None:
             check_trained_part(reference.checkpoint_dir, self.cfg.model.expert)
             self.policy.set_reference(load_weights(reference.checkpoint_dir))
+        self.stored.give(self.algorithm, stored or {}, self.policy.trainable_parameters(), self.cfg.model.expert)
         try:
             return self._train(policy, batch, plan, recipe, seed, prompt_sets, encodings)
         except BaseException:

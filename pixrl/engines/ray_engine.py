@@ -301,13 +301,14 @@ class RayEngine:
         self.trainers = None
 
     def train(self, policy: PolicySource, batch: RolloutBatch, plan, recipe, seed: int = 0,
-              reference: PolicySource | None = None, prompt_sets=None) -> TrainResult:
+              reference: PolicySource | None = None, prompt_sets=None,
+              stored: dict[str, PolicySource] | None = None) -> TrainResult:
         ranks = self._trainer_group()
         batch_ref = self.ray.put(batch)
         encodings = self._replay_encodings(batch, recipe, prompt_sets)
         try:
             results = self._get([t.train.remote(policy, batch_ref, plan, recipe, seed, reference, prompt_sets,
-                                                 encodings) for t in ranks], "trainer", ranks)
+                                                 encodings, stored) for t in ranks], "trainer", ranks)
         except BaseException:
             self._drop_trainers()  # a rank may be dead or hold half-stepped weights
             raise

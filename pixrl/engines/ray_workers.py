@@ -202,12 +202,12 @@ class TrainerWorker(_Worker):
             self.engine.shard()
         return self.index
 
-    def train(self, policy, batch, plan, recipe, seed, reference, prompt_sets, encodings=None):
+    def train(self, policy, batch, plan, recipe, seed, reference, prompt_sets, encodings=None, stored=None):
         """Every rank trains; rank 0 returns the new state (the others: None, nothing to move).
         `encodings`: the replay's prompt conditioning (a rank without text towers needs it)."""
         worker_fault_point(self.kind, self.index)
         result = self.engine.train(policy, batch, plan, recipe, seed=seed, reference=reference,
-                                   prompt_sets=prompt_sets, encodings=encodings)
+                                   prompt_sets=prompt_sets, encodings=encodings, stored=stored)
         return result if self.index == 0 else None
 
     def mark(self, checkpoint_id: str) -> None:

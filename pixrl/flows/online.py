@@ -17,6 +17,7 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.runtime import flow_run
 
+from ..algorithms.base import build_algorithm
 from ..artifacts.run_lock import RunLock
 from ..artifacts.tracking import PolicyRef
 from ..artifacts.trajectories import TrajectoryStore
@@ -28,6 +29,7 @@ from ..stages.completion import RunStores
 from ..stages.lineage import seed_fork_rows
 from ..stages.preflight import preflight
 from ..stages.session import online_stages, release_workers
+from ..stages.stored_policies import check_stored_policies
 from ..stages.schedule import PolicySchedule
 from ..stages.runs import existing_run, fork_tags, reopen_run, start_run, tracker_for
 from ..tasks.report import report_iteration, start_progress, update_progress
@@ -47,6 +49,7 @@ def open_run(config: dict, workdir: str, resume_run_id: str | None = None, fork:
     tracker = tracker_for(cfg, wd)
     fr_id = str(flow_run.get_id() or "")
     existing = existing_run(tracker, fr_id, resume_run_id)
+    check_stored_policies(build_algorithm(cfg.algorithm), cfg, tracker)  # a teacher exists and was trained alike
     if existing:
         return reopen_run(cfg, wd, tracker, existing, fr_id)
     return start_run(cfg, wd, tracker, fr_id, cfg.algorithm.name, fork_tags(fork) if fork else None)

@@ -33,6 +33,7 @@ from ..run import RunSpec
 from .completion import RunStores
 from .publish import evaluate_policy, publish_checkpoint
 from .records import StageRecords
+from .stored_policies import registered_version
 
 FINAL = "dpo_final"
 
@@ -216,14 +217,13 @@ class OfflineStages:
             return pairs["recipe"].to_pylist()
         return [None] * pairs.num_rows
 
-    def _source(self, uri: str) -> PolicySource:
+    def _source(self, uri: str, what: str) -> PolicySource:
         """'base' or models:/NAME/VERSION as weights to load (with fresh optimizer moments)."""
         if uri == "base":
             return PolicySource(None, None, with_optimizer=False)
-        if not uri.startswith("models:/") or uri.count("/") != 2:
+        if not uri.startswith("models:/"):
             raise OfflineError(f"{uri!r}: expected 'base' or models:/NAME/VERSION")
-        name, version = uri[len("models:/"):].split("/")
-        return PolicySource(self.stores.policy_dir(self.tracker.version(name, int(version))), None,
+        return PolicySource(self.stores.policy_dir(registered_version(self.tracker, uri, what)), None,
                             with_optimizer=False)
 
     def update(self) -> CheckpointRef:
@@ -239,11 +239,11 @@ class OfflineStages:
         cats = [json.loads(m).get("category", "") if m else "" for m in pairs["prompt_meta"].to_pylist()]
         order = pair_order(cats, d.steps, d.pairs_per_step, d.balance, np.random.default_rng(self.cfg.run.seed))
         plan = [[[*idx, *(n + i for i in idx)]] for idx in order]  # one micro-batch: winners, then their losers
-        ref = None if d.reference == "base" else self._source(d.reference)
+        ref = None if d.reference == "base" else self._source(d.reference, "dpo.reference")
         from ..models.registry import get_family
 
         recipe = training_recipe(get_family(self.cfg.model.family), self._recipes(pairs))
-        result = self.engine.train(self._source(d.init), batch, plan, recipe, seed=self.cfg.run.seed, reference=ref)
+        result = self.engine.train(self._source(d.init, "dpo.init"), batch, plan, recipe, seed=self.cfg.run.seed, reference=ref)
         counters = {"iteration": 0, "optimizer_steps": d.steps, "pairs": n, "policy_version_in": 0,
                     "policy_model_in": d.init}
         try:
@@ -279,7 +279,7 @@ class OfflineStages:
             self.records.write("evaluation", None, res)
             return res
         per = self.d.eval_per_category
-        before, _ = evaluate_policy(self.engine, self.stores, self._source(self.d.init), None, per)
+        before, _ = evaluate_policy(self.engine, self.stores, self._source(self.d.init, "dpo.init"), None, per)
         after, champion = evaluate_policy(self.engine, self.stores, PolicySource(Path(ckpt.uri), ckpt.checkpoint_id),
                                           policy, per)
         res = {"heldout_before": before["accuracy"], "heldout_after": after["accuracy"],

@@ -38,6 +38,7 @@ from .profiling import StageProfiler
 from .publish import evaluate_policy, evaluated_weights, publish_checkpoint
 from .records import StageRecords, timed_stage
 from .rollout_prefetch import RolloutPrefetch
+from .stored_policies import registered_version
 from .reward_history import reward_history
 
 
@@ -70,6 +71,13 @@ class OnlineStages(GenerateStage, DecodeScoreStages):
 
     def source(self, policy: PolicyRef) -> PolicySource:
         return PolicySource(self.stores.policy_dir(policy), policy.checkpoint_id)
+
+    @cached_property
+    def stored_sources(self) -> dict[str, PolicySource]:
+        """The algorithm's stored policies (DiffusionOPD's teacher) as local checkpoints to load."""
+        return {name: PolicySource(self.stores.policy_dir(registered_version(self.tracker, uri, f"algorithm.{name}")),
+                                   None, with_optimizer=False)
+                for name, uri in self.algorithm.stored_policies().items()}
 
     def _read(self, ref: TableRef, iteration: int, columns: list[str], where: str | None = None):
         return self.table.read(ref, self.spec.run_id, iteration, columns, where)
@@ -199,7 +207,7 @@ class OnlineStages(GenerateStage, DecodeScoreStages):
         row = {sid: i for i, sid in enumerate(batch["sample_id"])}
         rows = [[[row[sid] for sid in mb] for mb in step] for step in plan.steps]
         result = self.engine.train(self.source(policy), batch, rows, recipe, seed=seed_of(self.cfg.run.seed, iteration, 2),
-                                   prompt_sets=prompt_sets)
+                                   prompt_sets=prompt_sets, stored=self.stored_sources)
         counters = {"iteration": iteration, "optimizer_steps": len(plan.steps), "policy_version_in": policy.version,
                     "policy_model_in": policy.model_name}
         try:

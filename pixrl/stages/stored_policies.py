@@ -1,0 +1,79 @@
+"""The algorithm's stored policies (`Algorithm.stored_policies`: DiffusionOPD's teacher) as the
+stage layer sees them: registered versions named `models:/NAME/VERSION`, checked when a run opens
+(the version exists, its weights are loadable, it was trained as this run trains) and resolved to
+local checkpoint directories the engine loads. A version is immutable, so a resumed or replayed
+update distils from the same teacher."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mlflow.exceptions import MlflowException
+
+from ..artifacts.checkpoints import CONFIG
+from ..artifacts.tracking import PolicyRef, Tracker, local_path
+from ..errors import ExpectedError
+
+
+class StoredPolicyError(ExpectedError, ValueError):
+    pass
+
+
+def parse_model_uri(uri: str, what: str) -> tuple[str, int]:
+    """(registered model name, version) of models:/NAME/VERSION."""
+    name, _, version = uri[len("models:/"):].partition("/")
+    if not uri.startswith("models:/") or not name or not version.isdigit() or int(version) < 1:
+        raise StoredPolicyError(f"{what}={uri!r}: expected models:/NAME/VERSION (a registered policy version, e.g. "
+                                f"models:/shapes-policy/12 — `pixrl status` lists a run's versions)")
+    return name, int(version)
+
+
+def registered_version(tracker: Tracker, uri: str, what: str) -> PolicyRef:
+    """The registered version `uri` names, or a StoredPolicyError naming what exists."""
+    name, version = parse_model_uri(uri, what)
+    try:
+        return tracker.version(name, version)
+    except MlflowException:
+        try:
+            have = sorted(int(v.version) for v in tracker.client.search_model_versions(f"name='{name}'"))
+        except MlflowException:
+            have = []
+        known = f"its versions: {have}" if have else f"no registered model {name!r}"
+        raise StoredPolicyError(f"{what}={uri}: no such version in {tracker.uri} ({known}); name a registered "
+                                f"version of this tracking store") from None
+
+
+def check_trained_alike(ckpt_dir: Path, cfg, what: str) -> None:
+    """The checkpoint was trained as this run trains — the same family, expert and adapter
+    (LoRA on/off, rank, alpha): its tensors load into this policy's frozen copy and mean there
+    what they meant when trained. Checkpoints without a stored config pass (the engine still
+    checks names and shapes)."""
+    f = Path(ckpt_dir) / CONFIG
+    if not f.is_file():
+        return
+    theirs = json.loads(f.read_text())
+    lora_t, lora_m = (theirs.get("algorithm") or {}).get("lora") or {}, cfg.algorithm.lora
+    pairs = [("model.family", (theirs.get("model") or {}).get("family"), cfg.model.family),
+             ("model.expert", (theirs.get("model") or {}).get("expert"), cfg.model.expert),
+             ("algorithm.lora.enabled", bool(lora_t.get("enabled", False)), lora_m.enabled)]
+    if lora_m.enabled and lora_t.get("enabled"):
+        pairs += [("algorithm.lora.rank", lora_t.get("rank"), lora_m.rank),
+                  ("algorithm.lora.alpha", float(lora_t.get("alpha", 0)), float(lora_m.alpha))]
+    for key, t, m in pairs:
+        if t != m:
+            raise StoredPolicyError(f"{what} was trained with {key}={t}; this run has {key}={m} — a stored policy "
+                                    f"loads into this policy's frozen copy, so set {key}={t} or name a version "
+                                    f"trained with {key}={m}")
+
+
+def check_stored_policies(algorithm, cfg, tracker: Tracker) -> None:
+    """Before a run writes anything: every stored policy names a loadable version trained alike
+    (its checkpoint is checked here when it is a local directory, else when the engine loads it)."""
+    for name, uri in algorithm.stored_policies().items():
+        what = f"algorithm.{name}"
+        ref = registered_version(tracker, uri, what)
+        tracker.check_loadable(ref)
+        src = local_path(ref.source)
+        if src is not None and src.is_dir():
+            check_trained_alike(src, cfg, f"{what}={uri}")
