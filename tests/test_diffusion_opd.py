@@ -124,8 +124,10 @@ def test_every_sample_trains_and_settings_it_cannot_use_are_refused():
         algo.frozen_weights("teacher", {})
     with pytest.raises(ValueError, match="set algorithm.teacher=models:/NAME/VERSION"):
         build_algorithm(AlgorithmConfig(name="diffusion_opd")).check_family(SD3Family)
-    with pytest.raises(ConfigError, match="algorithm.teacher"):
-        build_algorithm(AlgorithmConfig(name="diffusion_opd", teacher="runs/abc"))
+    with pytest.raises(ValueError, match="expected models:/NAME/VERSION"):
+        build_algorithm(AlgorithmConfig(name="diffusion_opd", teacher="models:/x")).check_family(SD3Family)
+    with pytest.raises(ConfigError, match="algorithm.distill_coef"):
+        build_algorithm(AlgorithmConfig(name="diffusion_opd", teacher="models:/x/1", distill_coef=0))
     with pytest.raises(ValueError, match="denoise"):
         algo.check_sampling(SamplingConfig(), "token")
 
@@ -191,6 +193,7 @@ def test_a_student_distils_a_published_teacher_and_resumes_bit_for_bit(tiny_chec
     assert set(weights) == set(teacher_w) and any(not torch.equal(weights[k], base[k]) for k in base if k in weights)
     assert hashlib.sha256((teacher_ck / "trainable.safetensors").read_bytes()).hexdigest() == digest  # untouched
 
+    _a_directory_teacher_is_the_same_teacher(tiny_checkpoint, wd, teacher_ck, weights)
     rep = CliRunner().invoke(app, ["replay", "S", "--iteration", "1", "--workdir", str(wd)])
     assert rep.exit_code == 0 and json.loads(rep.stdout.strip().splitlines()[-1])["equal"] is True, rep.output
     fault_then_resume(monkeypatch, lambda: _train(tiny_checkpoint, wd, "A", "shapes_diffusion_opd",
@@ -198,3 +201,39 @@ def test_a_student_distils_a_published_teacher_and_resumes_bit_for_bit(tiny_chec
     (resumed,) = (wd / "checkpoints" / "A").glob("*/it_0001")
     again = load_file(str(resumed / "trainable.safetensors"))
     assert all(again[k].equal(weights[k]) for k in weights), "resumed weights differ"
+
+
+def _a_directory_teacher_is_the_same_teacher(tiny_checkpoint, wd, teacher_ck, weights):
+    """The teacher's version exported as a merged diffusers pipeline (`pixrl export-model --merge`):
+    a student distilling the directory ends bit for bit where the one distilling the version did;
+    a LoRA student distils it too (a module of its own beside the adapter); a directory of
+    another architecture, or none, is refused before any work."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from pixrl.cli import app
+
+    merged = wd.parent / "merged"
+    res = CliRunner().invoke(app, ["export-model", "--checkpoint", str(teacher_ck), "--out", str(merged), "--merge",
+                                   "--link"])
+    assert res.exit_code == 0, res.output
+    res = _train(tiny_checkpoint, wd, "D", "shapes_diffusion_opd", f"algorithm.teacher={merged}")
+    assert res.exit_code == 0, res.output
+    (final,) = (wd / "checkpoints" / "D").glob("*/it_0001")
+    got = load_file(str(final / "trainable.safetensors"))
+    assert all(got[k].equal(weights[k]) for k in weights), "a directory teacher trained otherwise than its version"
+    res = _train(tiny_checkpoint, wd, "L", "shapes_diffusion_opd", f"algorithm.teacher={merged}",
+                 "algorithm.lora.enabled=true", "algorithm.lora.rank=4", "algorithm.lora.alpha=8", iterations=1)
+    assert res.exit_code == 0, res.output
+
+    other = wd.parent / "other"
+    shutil.copytree(merged / "transformer", other, symlinks=True)
+    conf = json.loads((other / "config.json").read_text())
+    (other / "config.json").unlink()
+    (other / "config.json").write_text(json.dumps({**conf, "num_layers": conf["num_layers"] + 1}))
+    for teacher, said in ((other, "is another architecture than this run's model: num_layers="),
+                          (wd.parent / "nowhere", "neither a pixrl checkpoint")):
+        bad = _train(tiny_checkpoint, wd, "bad2", "shapes_diffusion_opd", f"algorithm.teacher={teacher}")
+        assert bad.exit_code != 0 and said in " ".join(bad.output.split()), bad.output

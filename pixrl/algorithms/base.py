@@ -166,14 +166,15 @@ class Algorithm(ABC):
         raise TypeError(f"algorithm {self.name!r} declares no frozen policy {name!r}")
 
     def stored_policies(self) -> dict[str, str]:
-        """Frozen slots (of `frozen_slots`) whose weights are a registered policy version
-        (models:/NAME/VERSION), not the algorithm's state: DiffusionOPD's teacher. The stage layer
-        resolves each to its checkpoint, the engine loads it and gives it with `use_stored_policy`
-        before each update; it never enters the student's checkpoints. None by default."""
+        """Frozen slots (of `frozen_slots`) whose policy is stored outside the algorithm's state —
+        a registered version (models:/NAME/VERSION) or a diffusers directory: DiffusionOPD's
+        teacher. The stage layer resolves each, the engine loads it and gives it with
+        `use_stored_policy` before each update; it never enters the student's checkpoints."""
         return {}
 
-    def use_stored_policy(self, name: str, weights: dict[str, torch.Tensor]) -> None:
-        """The trainable weights of stored policy `name` (loaded by the engine from its checkpoint)."""
+    def use_stored_policy(self, name: str, weights: dict[str, torch.Tensor] | None) -> None:
+        """The trainable weights of stored policy `name` (a registered version's), or None: the
+        engine put a whole module of its own in the slot (a directory), `frozen_weights` returns None."""
         raise TypeError(f"algorithm {self.name!r} reads no stored policy {name!r}")
 
     def end_of_update(self, weights: dict[str, torch.Tensor], optimizer_steps: int) -> dict[str, float]:

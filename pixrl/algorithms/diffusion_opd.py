@@ -18,14 +18,18 @@ term is added to Flow-GRPO's PPO-clip loss with weight `distill_coef` (VeRL-Omni
 `use_distill_loss`). Flow-GRPO's KL to the reference (`beta`) stays a term of its own: the
 reference (the base model) and the teacher are different policies.
 
-The teacher never trains and never enters the student's checkpoints: the stage layer resolves the
-version to its checkpoint, the engine loads its trained tensors into a frozen copy beside the
-student (under LoRA the copy costs the teacher's adapter), so teacher and student train the same
-tensors — the same LoRA settings, or both a full fine-tune. A teacher of another architecture
-(a larger sibling) is not supported.
+The teacher never trains and never enters the student's checkpoints. A registered version: the
+stage layer resolves it to its checkpoint, the engine loads its trained tensors into a frozen copy
+beside the student (under LoRA the copy costs the teacher's adapter), so teacher and student train
+the same tensors — the same LoRA settings, or both a full fine-tune. A diffusers directory of the
+same architecture (a merged fine-tune, VeRL-Omni's teacher_path): its trained component is loaded
+whole as a module of its own (its own memory). A teacher of another architecture (a larger
+sibling) is not supported.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import torch
@@ -36,12 +40,14 @@ from .flow_grpo import FlowGRPO, FlowGRPOSettings, Transition
 from .flow_sde import kl_to_reference
 
 TEACHER = "teacher"
-MODEL_URI = r"^models:/[^/]+/[0-9]+$"
+MODEL_URI = re.compile(r"^models:/[^/]+/[0-9]+$")
+_UNSET = object()
 
 
 class DiffusionOPDSettings(FlowGRPOSettings):
-    teacher: str | None = Field(None, pattern=MODEL_URI, description="the frozen teacher: models:/NAME/VERSION, a "
-                                "registered policy of the same model trained with the same adapter settings")
+    teacher: str | None = Field(None, description="the frozen teacher: models:/NAME/VERSION (a registered policy of "
+                                "this model trained with the same adapter settings) or a diffusers directory of the "
+                                "same architecture (a merged fine-tune)")
     distill_coef: float = Field(1.0, gt=0, description="weight of the transition KL to the teacher")
     policy_gradient: bool = Field(False, description="add Flow-GRPO's PPO-clip loss on the rewards' advantages "
                                   "(VeRL-Omni's use_distill_loss); false: distillation alone, rewards only logged")
@@ -53,13 +59,17 @@ class DiffusionOPD(FlowGRPO):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self._teacher: dict[str, torch.Tensor] | None = None
+        self._teacher = _UNSET  # the engine's: the trained tensors, or None (a module in the teacher slot)
 
     def check_family(self, family, model=None) -> None:
-        if self.settings.teacher is None:
+        t = self.settings.teacher
+        if t is None:
             raise ValueError("algorithm 'diffusion_opd' distills a teacher: set algorithm.teacher=models:/NAME/VERSION "
                              "— a registered policy of this model trained with the same algorithm.lora settings "
-                             "(e.g. a flow_grpo run's published `<experiment>-policy` version)")
+                             "(e.g. a flow_grpo run's published `<experiment>-policy` version) — or a diffusers "
+                             "directory of the same model")
+        if t.startswith("models:") and not MODEL_URI.match(t):
+            raise ValueError(f"algorithm.teacher={t!r}: expected models:/NAME/VERSION, e.g. models:/pixrl-policy/12")
 
     def check_sampling(self, sampling, step: str) -> None:
         if step != "denoise":
@@ -76,7 +86,7 @@ class DiffusionOPD(FlowGRPO):
     def stored_policies(self) -> dict[str, str]:
         return {TEACHER: self.settings.teacher} if self.settings.teacher else {}
 
-    def use_stored_policy(self, name: str, weights: dict[str, torch.Tensor]) -> None:
+    def use_stored_policy(self, name: str, weights: dict[str, torch.Tensor] | None) -> None:
         if name != TEACHER:
             super().use_stored_policy(name, weights)
         self._teacher = weights
@@ -87,7 +97,7 @@ class DiffusionOPD(FlowGRPO):
     def frozen_weights(self, name: str, start: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if name != TEACHER:
             return super().frozen_weights(name, start)
-        if self._teacher is None:
+        if self._teacher is _UNSET:
             raise RuntimeError(f"the teacher {self.settings.teacher} was not loaded: the engine gives it before an "
                                f"update (Engine.train(stored=...), from the stage layer's stored policies)")
         return self._teacher

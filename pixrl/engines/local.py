@@ -243,7 +243,7 @@ class LocalEngine:
         if reference is not None and reference.checkpoint_dir is not None:
             check_trained_part(reference.checkpoint_dir, self.cfg.model.expert)
             self.policy.set_reference(load_weights(reference.checkpoint_dir))
-        self.stored.give(self.algorithm, stored or {}, self.policy.trainable_parameters(), self.cfg.model.expert)
+        self.stored.give(self.algorithm, stored or {}, self.policy, self.cfg)
         try:
             return self._train(policy, batch, plan, recipe, seed, prompt_sets, encodings)
         except BaseException:

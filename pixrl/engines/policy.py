@@ -258,10 +258,24 @@ class TrainablePolicy:
         if self._reference is not None and not self.lora:  # a full fine-tune's copy: refilled with the base
             self._fill(self._reference, self._base_state, "base weights")
 
-    def frozen_view(self, weights: dict[str, torch.Tensor], slot: str = "sampler") -> "_FrozenView":
+    def set_frozen_module(self, slot: str, module: torch.nn.Module) -> None:
+        """Put a whole module of its own in `slot` — a directory teacher: another checkpoint of the
+        same architecture, not the trained module with other trained tensors; `frozen_view(None,
+        slot)` then computes with it as it is."""
+        if self.sharded:
+            raise RuntimeError(f"a sharded trainer holds its {slot!r} copy as shards of the trained module; a module "
+                               f"of its own cannot take its place")
+        self._frozen[slot] = module
+
+    def frozen_view(self, weights: dict[str, torch.Tensor] | None, slot: str = "sampler") -> "_FrozenView":
         """A velocity model with these trainable weights, frozen, beside the trained one (e.g.
         DiffusionNFT's sampling policy, AWM's EMA anchor). One copy of the module per slot is kept
-        and refilled per call: a slot's earlier view takes the new weights too."""
+        and refilled per call: a slot's earlier view takes the new weights too. `weights` None:
+        the slot's module as it is (`set_frozen_module`)."""
+        if weights is None:
+            if slot not in self._frozen:
+                raise RuntimeError(f"no {slot!r} module was set (set_frozen_module) and no weights were given")
+            return _FrozenView(self, self._frozen[slot])
         if slot not in self._frozen:
             if self.sharded:
                 raise RuntimeError(f"a sharded trainer has no {slot!r} copy: the frozen copies are made when the "

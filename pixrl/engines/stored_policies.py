@@ -1,16 +1,52 @@
 """The algorithm's stored policies (`Algorithm.stored_policies`: DiffusionOPD's teacher) as an
-engine holds them: each registered version's trained tensors, loaded once per checkpoint, checked
-against the tensors this policy trains (a LoRA teacher of another rank or target set, or a full
-fine-tune's weights beside a LoRA student, would load into the wrong places or fail mid-update)."""
+engine holds them, loaded once per checkpoint. Two kinds:
+
+- a pixrl checkpoint (a registered version): its trained tensors, checked against the tensors this
+  policy trains — a LoRA teacher of another rank or target set, or a full fine-tune's weights
+  beside a LoRA student, would load into the wrong places or fail mid-update — and given to the
+  algorithm, whose frozen slot is the trained module with them (under LoRA: the adapter's cost);
+- a diffusers directory of the same architecture (a merged fine-tune, another framework's
+  output): the trained component loaded whole, as a module of its own in the slot (its own
+  memory; not on a sharded trainer)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
-from ..artifacts.checkpoints import check_trained_part, load_weights
+from ..artifacts.checkpoints import COUNTERS, check_trained_part, load_weights
 from .base import PolicySource
+
+
+def is_checkpoint(path: Path) -> bool:
+    """A pixrl checkpoint directory (else: a diffusers directory)."""
+    return (Path(path) / COUNTERS).is_file()
+
+
+def component_dir(path: Path, component: str) -> Path:
+    """The trained component's directory: `component/` of a pipeline directory, or the directory
+    itself when it is the component's (its config.json names a class)."""
+    path = Path(path)
+    if (path / component / "config.json").is_file():
+        return path / component
+    if (path / "config.json").is_file() and "_class_name" in json.loads((path / "config.json").read_text()):
+        return path
+    raise FileNotFoundError(f"{path}: neither a pixrl checkpoint, a diffusers pipeline directory with "
+                            f"{component}/config.json, nor a {component} directory with its config.json")
+
+
+def check_same_architecture(theirs_dir: Path, mine_dir: Path, what: str) -> None:
+    """The two component directories' configs describe one architecture (class and every setting)."""
+    theirs, mine = (json.loads((Path(d) / "config.json").read_text()) for d in (theirs_dir, mine_dir))
+    keys = sorted(k for k in set(theirs) | set(mine) if not k.startswith("_") or k == "_class_name")
+    differ = [k for k in keys if theirs.get(k) != mine.get(k)]
+    if differ:
+        k = differ[0]
+        raise ValueError(f"{what} is another architecture than this run's model: {k}={theirs.get(k)!r} against "
+                         f"{mine.get(k)!r}" + (f" (and {len(differ) - 1} more settings)" if len(differ) > 1 else "")
+                         + " — a teacher must be a checkpoint of the same model")
 
 
 def check_same_tensors(weights: dict[str, torch.Tensor], trainable: dict[str, torch.Tensor], what: str) -> None:
@@ -31,27 +67,51 @@ def check_same_tensors(weights: dict[str, torch.Tensor], trainable: dict[str, to
                      f"algorithm.lora settings (enabled, rank, target modules) and model.expert")
 
 
+def load_component(directory: Path, dtype: torch.dtype, device) -> torch.nn.Module:
+    """A diffusers model directory as a frozen module on `device` in `dtype`."""
+    import diffusers
+
+    name = json.loads((Path(directory) / "config.json").read_text())["_class_name"]
+    module = getattr(diffusers, name).from_pretrained(str(directory), torch_dtype=dtype)
+    return module.to(device).eval().requires_grad_(False)
+
+
 class StoredPolicies:
-    """Loaded stored policies by slot, reloaded only when a slot's checkpoint changes."""
+    """Loaded stored policies by slot, reloaded only when a slot's source changes."""
 
     def __init__(self):
-        self._held: dict[str, tuple[tuple, dict[str, torch.Tensor]]] = {}
+        self._held: dict[str, tuple[tuple, dict | None, torch.nn.Module | None]] = {}
 
-    def give(self, algorithm, stored: dict[str, PolicySource], trainable: dict[str, torch.Tensor],
-             expert: str | None) -> None:
-        """Load each slot's checkpoint (once) and hand its weights to the algorithm."""
+    def give(self, algorithm, stored: dict[str, PolicySource], policy, cfg) -> None:
+        """Load each slot's source (once) and hand it to the algorithm (a checkpoint's weights) or
+        to the policy's slot (a directory's module)."""
         wanted = algorithm.stored_policies()
         if set(stored) != set(wanted):
             raise ValueError(f"algorithm {algorithm.name!r} reads the stored policies {sorted(wanted)}; the update "
                              f"was given {sorted(stored)}")
         for name, src in stored.items():
+            what = f"{name} {wanted[name]}"
             if src.checkpoint_dir is None:
-                raise ValueError(f"stored policy {name!r} ({wanted[name]}) has no checkpoint: the base weights are "
-                                 f"not a stored policy — name a trained version")
+                raise ValueError(f"{what}: the base weights are not a stored policy — name a trained version")
             key = (str(Path(src.checkpoint_dir).resolve()), src.checkpoint_id)
             if name not in self._held or self._held[name][0] != key:
-                check_trained_part(src.checkpoint_dir, expert)
-                weights = load_weights(src.checkpoint_dir)
-                check_same_tensors(weights, trainable, f"{name} {wanted[name]}")
-                self._held[name] = (key, weights)
-            algorithm.use_stored_policy(name, self._held[name][1])
+                self._held[name] = (key, *self._load(Path(src.checkpoint_dir), policy, cfg, what))
+            _, weights, module = self._held[name]
+            if module is not None:
+                policy.set_frozen_module(name, module)
+            algorithm.use_stored_policy(name, weights)
+
+    @staticmethod
+    def _load(path: Path, policy, cfg, what: str) -> tuple[dict | None, torch.nn.Module | None]:
+        if is_checkpoint(path):
+            check_trained_part(path, cfg.model.expert)
+            weights = load_weights(path)
+            check_same_tensors(weights, policy.trainable_parameters(), what)
+            return weights, None
+        if policy.sharded:
+            raise ValueError(f"{what}: a diffusers directory is loaded as a whole module of its own, which a sharded "
+                             f"(FSDP) trainer does not hold; train with ray.trainer_sharding=none, or name a "
+                             f"registered version trained with this run's settings")
+        fam = policy.family
+        component = type(fam).trained_component(cfg.model.family_options())
+        return None, load_component(component_dir(path, component), fam.dtype, fam.device)

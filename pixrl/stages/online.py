@@ -38,7 +38,7 @@ from .profiling import StageProfiler
 from .publish import evaluate_policy, evaluated_weights, publish_checkpoint
 from .records import StageRecords, timed_stage
 from .rollout_prefetch import RolloutPrefetch
-from .stored_policies import registered_version
+from .stored_policies import stored_sources
 from .reward_history import reward_history
 
 
@@ -75,9 +75,7 @@ class OnlineStages(GenerateStage, DecodeScoreStages):
     @cached_property
     def stored_sources(self) -> dict[str, PolicySource]:
         """The algorithm's stored policies (DiffusionOPD's teacher) as local checkpoints to load."""
-        return {name: PolicySource(self.stores.policy_dir(registered_version(self.tracker, uri, f"algorithm.{name}")),
-                                   None, with_optimizer=False)
-                for name, uri in self.algorithm.stored_policies().items()}
+        return stored_sources(self.algorithm, self.stores, self.cfg)
 
     def _read(self, ref: TableRef, iteration: int, columns: list[str], where: str | None = None):
         return self.table.read(ref, self.spec.run_id, iteration, columns, where)
