@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..artifacts.checkpoints import COUNTERS, check_trained_part, load_weights
+from ..artifacts.checkpoints import CONFIG, COUNTERS, check_trained_part, load_weights
 from .base import PolicySource
 
 
@@ -67,6 +67,29 @@ def check_same_tensors(weights: dict[str, torch.Tensor], trainable: dict[str, to
                      f"algorithm.lora settings (enabled, rank, target modules) and model.expert")
 
 
+def check_trained_alike(ckpt_dir: Path, cfg, what: str) -> None:
+    """The checkpoint was trained as this run trains — the same family, expert and adapter
+    (LoRA on/off, rank, alpha): its tensors load into this policy's frozen copy and mean there
+    what they meant when trained. Checkpoints without a stored config pass (the engine still
+    checks names and shapes)."""
+    f = Path(ckpt_dir) / CONFIG
+    if not f.is_file():
+        return
+    theirs = json.loads(f.read_text())
+    lora_t, lora_m = (theirs.get("algorithm") or {}).get("lora") or {}, cfg.algorithm.lora
+    pairs = [("model.family", (theirs.get("model") or {}).get("family"), cfg.model.family),
+             ("model.expert", (theirs.get("model") or {}).get("expert"), cfg.model.expert),
+             ("algorithm.lora.enabled", bool(lora_t.get("enabled", False)), lora_m.enabled)]
+    if lora_m.enabled and lora_t.get("enabled"):
+        pairs += [("algorithm.lora.rank", lora_t.get("rank"), lora_m.rank),
+                  ("algorithm.lora.alpha", float(lora_t.get("alpha", 0)), float(lora_m.alpha))]
+    for key, t, m in pairs:
+        if t != m:
+            raise ValueError(f"{what} was trained with {key}={t}; this run has {key}={m} — a stored policy "
+                             f"loads into this policy's frozen copy, so set {key}={t} or name a version "
+                             f"trained with {key}={m}")
+
+
 def load_component(directory: Path, dtype: torch.dtype, device) -> torch.nn.Module:
     """A diffusers model directory as a frozen module on `device` in `dtype`."""
     import diffusers
@@ -105,6 +128,7 @@ class StoredPolicies:
     def _load(path: Path, policy, cfg, what: str) -> tuple[dict | None, torch.nn.Module | None]:
         if is_checkpoint(path):
             check_trained_part(path, cfg.model.expert)
+            check_trained_alike(path, cfg, what)  # also a version downloaded from MLflow's artifacts
             weights = load_weights(path)
             check_same_tensors(weights, policy.trainable_parameters(), what)
             return weights, None

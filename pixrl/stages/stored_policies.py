@@ -6,16 +6,14 @@ the same teacher), or a diffusers directory of the run's model architecture."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 
-from ..artifacts.checkpoints import CONFIG
 from ..artifacts.tracking import PolicyRef, Tracker, local_path
 from ..engines.assets import resolve_model_path
 from ..engines.base import PolicySource
-from ..engines.stored_policies import check_same_architecture, component_dir
+from ..engines.stored_policies import check_same_architecture, check_trained_alike, component_dir
 from ..errors import ExpectedError
 
 
@@ -45,29 +43,6 @@ def registered_version(tracker: Tracker, uri: str, what: str) -> PolicyRef:
         known = f"its versions: {have}" if have else f"no registered model {name!r}"
         raise StoredPolicyError(f"{what}={uri}: no such version in {tracker.uri} ({known}); name a registered "
                                 f"version of this tracking store") from None
-
-
-def check_trained_alike(ckpt_dir: Path, cfg, what: str) -> None:
-    """The checkpoint was trained as this run trains — the same family, expert and adapter
-    (LoRA on/off, rank, alpha): its tensors load into this policy's frozen copy and mean there
-    what they meant when trained. Checkpoints without a stored config pass (the engine still
-    checks names and shapes)."""
-    f = Path(ckpt_dir) / CONFIG
-    if not f.is_file():
-        return
-    theirs = json.loads(f.read_text())
-    lora_t, lora_m = (theirs.get("algorithm") or {}).get("lora") or {}, cfg.algorithm.lora
-    pairs = [("model.family", (theirs.get("model") or {}).get("family"), cfg.model.family),
-             ("model.expert", (theirs.get("model") or {}).get("expert"), cfg.model.expert),
-             ("algorithm.lora.enabled", bool(lora_t.get("enabled", False)), lora_m.enabled)]
-    if lora_m.enabled and lora_t.get("enabled"):
-        pairs += [("algorithm.lora.rank", lora_t.get("rank"), lora_m.rank),
-                  ("algorithm.lora.alpha", float(lora_t.get("alpha", 0)), float(lora_m.alpha))]
-    for key, t, m in pairs:
-        if t != m:
-            raise StoredPolicyError(f"{what} was trained with {key}={t}; this run has {key}={m} — a stored policy "
-                                    f"loads into this policy's frozen copy, so set {key}={t} or name a version "
-                                    f"trained with {key}={m}")
 
 
 def _directory(uri: str, cfg, what: str) -> Path:
@@ -101,7 +76,10 @@ def check_stored_policies(algorithm, cfg, tracker: Tracker) -> None:
         tracker.check_loadable(ref)
         src = local_path(ref.source)
         if src is not None and src.is_dir():
-            check_trained_alike(src, cfg, f"{what}={uri}")
+            try:
+                check_trained_alike(src, cfg, f"{what}={uri}")
+            except ValueError as exc:
+                raise StoredPolicyError(str(exc)) from None
 
 
 def stored_sources(algorithm, stores, cfg) -> dict[str, PolicySource]:
