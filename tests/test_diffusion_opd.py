@@ -120,8 +120,9 @@ def test_every_sample_trains_and_settings_it_cannot_use_are_refused():
     assert algo.stored_policies() == {"teacher": "models:/t-policy/2"} and algo.frozen_slots() == ("teacher",)
     pg = build_algorithm(AlgorithmConfig(name="diffusion_opd", teacher="models:/t-policy/2", policy_gradient=True))
     assert pg.trains_on(np.array([0.0, 1.0]), np.array([0, 0])).tolist() == [False, True]
-    with pytest.raises(RuntimeError, match="was not loaded"):
-        algo.frozen_weights("teacher", {})
+    assert algo.frozen_weights("teacher", {}) is None  # the engine fills the slot from the stored policy
+    with pytest.raises(TypeError, match="no frozen policy 'anchor'"):
+        algo.frozen_weights("anchor", {})
     with pytest.raises(ValueError, match="set algorithm.teacher=models:/NAME/VERSION"):
         build_algorithm(AlgorithmConfig(name="diffusion_opd")).check_family(SD3Family)
     with pytest.raises(ValueError, match="expected models:/NAME/VERSION"):

@@ -160,22 +160,20 @@ class Algorithm(ABC):
         Each is a copy of the module (made up front on a sharded trainer); none by default."""
         return ()
 
-    def frozen_weights(self, name: str, start: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def frozen_weights(self, name: str, start: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """The trainable weights of frozen policy `name` for this update; `start`: the update's
-        starting weights (live tensors: copy them to keep them in the algorithm's state)."""
+        starting weights (live tensors: copy them to keep them in the algorithm's state). None for
+        a stored policy: the engine filled its slot from the stored source."""
+        if name in self.stored_policies():
+            return None
         raise TypeError(f"algorithm {self.name!r} declares no frozen policy {name!r}")
 
     def stored_policies(self) -> dict[str, str]:
         """Frozen slots (of `frozen_slots`) whose policy is stored outside the algorithm's state —
         a registered version (models:/NAME/VERSION) or a diffusers directory: DiffusionOPD's
-        teacher. The stage layer resolves each, the engine loads it and gives it with
-        `use_stored_policy` before each update; it never enters the student's checkpoints."""
+        teacher. The stage layer resolves each, the engine loads it into the policy's slot before
+        an update (engines/stored_policies.py); it never enters the student's checkpoints."""
         return {}
-
-    def use_stored_policy(self, name: str, weights: dict[str, torch.Tensor] | None) -> None:
-        """The trainable weights of stored policy `name` (a registered version's), or None: the
-        engine put a whole module of its own in the slot (a directory), `frozen_weights` returns None."""
-        raise TypeError(f"algorithm {self.name!r} reads no stored policy {name!r}")
 
     def end_of_update(self, weights: dict[str, torch.Tensor], optimizer_steps: int) -> dict[str, float]:
         """Called once after an update with the new trainable weights and how many optimizer steps

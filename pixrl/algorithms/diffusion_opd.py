@@ -41,7 +41,6 @@ from .flow_sde import kl_to_reference
 
 TEACHER = "teacher"
 MODEL_URI = re.compile(r"^models:/[^/]+/[0-9]+$")
-_UNSET = object()
 
 
 class DiffusionOPDSettings(FlowGRPOSettings):
@@ -56,10 +55,6 @@ class DiffusionOPDSettings(FlowGRPOSettings):
 @register_algorithm("diffusion_opd")
 class DiffusionOPD(FlowGRPO):
     Settings = DiffusionOPDSettings
-
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self._teacher = _UNSET  # the engine's: the trained tensors, or None (a module in the teacher slot)
 
     def check_family(self, family, model=None) -> None:
         t = self.settings.teacher
@@ -86,21 +81,8 @@ class DiffusionOPD(FlowGRPO):
     def stored_policies(self) -> dict[str, str]:
         return {TEACHER: self.settings.teacher} if self.settings.teacher else {}
 
-    def use_stored_policy(self, name: str, weights: dict[str, torch.Tensor] | None) -> None:
-        if name != TEACHER:
-            super().use_stored_policy(name, weights)
-        self._teacher = weights
-
     def frozen_slots(self) -> tuple[str, ...]:
-        return (TEACHER,)
-
-    def frozen_weights(self, name: str, start: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if name != TEACHER:
-            return super().frozen_weights(name, start)
-        if self._teacher is _UNSET:
-            raise RuntimeError(f"the teacher {self.settings.teacher} was not loaded: the engine gives it before an "
-                               f"update (Engine.train(stored=...), from the stage layer's stored policies)")
-        return self._teacher
+        return (TEACHER,)  # filled by the engine from the stored policy (frozen_weights: None)
 
     # --- the loss -------------------------------------------------------------------------------
     def step_loss(self, tr: Transition, batch, adv: torch.Tensor, policy):

@@ -274,7 +274,8 @@ class TrainablePolicy:
         the slot's module as it is (`set_frozen_module`)."""
         if weights is None:
             if slot not in self._frozen:
-                raise RuntimeError(f"no {slot!r} module was set (set_frozen_module) and no weights were given")
+                raise RuntimeError(f"the {slot!r} slot holds nothing: a stored policy is put there by the engine "
+                                   f"before an update (Engine.train(stored=...)), and no weights were given")
             return _FrozenView(self, self._frozen[slot])
         if slot not in self._frozen:
             if self.sharded:

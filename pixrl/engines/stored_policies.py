@@ -3,20 +3,24 @@ engine holds them, loaded once per checkpoint. Two kinds:
 
 - a pixrl checkpoint (a registered version): its trained tensors, checked against the tensors this
   policy trains — a LoRA teacher of another rank or target set, or a full fine-tune's weights
-  beside a LoRA student, would load into the wrong places or fail mid-update — and given to the
-  algorithm, whose frozen slot is the trained module with them (under LoRA: the adapter's cost);
+  beside a LoRA student, would load into the wrong places or fail mid-update — filled into the
+  slot's frozen copy of the trained module (under LoRA: the adapter's cost);
 - a diffusers directory of the same architecture (a merged fine-tune, another framework's
   output): the trained component loaded whole, as a module of its own in the slot (its own
-  memory; not on a sharded trainer)."""
+  memory; not on a sharded trainer).
+
+A slot is filled when its source or the policy object changes, not per update: the algorithm's
+`frozen_weights` gives None for a stored slot, and the replay uses the slot as it is."""
 
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 
 import torch
 
-from ..artifacts.checkpoints import CONFIG, COUNTERS, check_trained_part, load_weights
+from ..artifacts.checkpoints import CONFIG, COUNTERS, load_weights
 from .base import PolicySource
 
 
@@ -104,10 +108,11 @@ class StoredPolicies:
 
     def __init__(self):
         self._held: dict[str, tuple[tuple, dict | None, torch.nn.Module | None]] = {}
+        self._filled: dict[str, tuple[weakref.ref, tuple]] = {}  # slot → (the policy, the source) it holds
 
     def give(self, algorithm, stored: dict[str, PolicySource], policy, cfg) -> None:
-        """Load each slot's source (once) and hand it to the algorithm (a checkpoint's weights) or
-        to the policy's slot (a directory's module)."""
+        """Load each slot's source (once) and put it in the policy's slot: a checkpoint's weights
+        into the slot's frozen copy, a directory's module as the slot."""
         wanted = algorithm.stored_policies()
         if set(stored) != set(wanted):
             raise ValueError(f"algorithm {algorithm.name!r} reads the stored policies {sorted(wanted)}; the update "
@@ -119,15 +124,18 @@ class StoredPolicies:
             key = (str(Path(src.checkpoint_dir).resolve()), src.checkpoint_id)
             if name not in self._held or self._held[name][0] != key:
                 self._held[name] = (key, *self._load(Path(src.checkpoint_dir), policy, cfg, what))
-            _, weights, module = self._held[name]
-            if module is not None:
-                policy.set_frozen_module(name, module)
-            algorithm.use_stored_policy(name, weights)
+            filled = self._filled.get(name)
+            if filled is None or filled[0]() is not policy or filled[1] != key:
+                _, weights, module = self._held[name]
+                if module is not None:
+                    policy.set_frozen_module(name, module)
+                else:
+                    policy.frozen_view(weights, slot=name)  # fills the slot's copy (made now, or at shard time)
+                self._filled[name] = (weakref.ref(policy), key)
 
     @staticmethod
     def _load(path: Path, policy, cfg, what: str) -> tuple[dict | None, torch.nn.Module | None]:
         if is_checkpoint(path):
-            check_trained_part(path, cfg.model.expert)
             check_trained_alike(path, cfg, what)  # also a version downloaded from MLflow's artifacts
             weights = load_weights(path)
             check_same_tensors(weights, policy.trainable_parameters(), what)
