@@ -10,8 +10,8 @@ from pixrl.config.schema import AlgorithmConfig
 
 
 def test_unknown_algorithm_lists_registered():
-    with pytest.raises(KeyError, match="registered algorithms: awm, crd, dance_grpo, ddpo, dgpo, diffusion_dpo, diffusion_nft, diffusion_opd, diffusion_sft, flow_dppo, "
-                                       "flow_grpo, gardo, grpo_guard, mix_grpo, mix_grpo_flash, online_dpo, online_sft, srpo, tempflow_grpo, token_dpo, token_grpo, "
+    with pytest.raises(KeyError, match="registered algorithms: awm, crd, dance_grpo, ddpo, dgpo, diffusion_dpo, diffusion_nft, diffusion_opd, diffusion_sft, draft, flow_dppo, "
+                                       "flow_grpo, gardo, grpo_guard, mix_grpo, mix_grpo_flash, online_dpo, online_sft, refl, srpo, tempflow_grpo, token_dpo, token_grpo, "
                                        "token_sft, v_grpo"):
         build_algorithm(AlgorithmConfig(name="dpo-typo"))
 

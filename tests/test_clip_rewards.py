@@ -193,3 +193,24 @@ def test_image_similarity_under_dino_features_is_their_cosine(tiny_dino):
         a, b = (model(**proc(images=list(x), return_tensors="pt")).last_hidden_state[:, 0] for x in (imgs, sources))
     assert np.allclose(got, torch.nn.functional.cosine_similarity(a, b).numpy(), atol=1e-5)
     assert np.allclose(rs.score(sources, PROMPTS, metas, list("abcd"))["image_similarity"], 1.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["clip_score", "pickscore", "aesthetic"])
+def test_the_differentiable_path_is_the_rewards_own_score(tiny_clip, name):
+    """`pixel_scores` (what DRaFT and ReFL train through) equals `score` on an image at the tower's
+    size, and carries a gradient to the pixels at any size."""
+    clip, head = tiny_clip
+    options = {"path": str(clip), **({"head": str(head)} if name == "aesthetic" else {})}
+    reward = RewardSet({name: 1.0}, {name: options}).rewards[name]
+    reward.ensure_setup("cpu")
+    images = np.random.default_rng(3).integers(0, 256, (4, 32, 32, 3), dtype=np.uint8)
+    want = reward.score(images, PROMPTS, [{}] * 4)[name]
+    pixels = torch.from_numpy(images).permute(0, 3, 1, 2).float().div(255).requires_grad_(True)
+    got = reward.pixel_scores(pixels, PROMPTS)
+    assert got.shape == (4,) and np.allclose(got.detach().numpy(), want, atol=1e-5), (got, want)
+    got.sum().backward()
+    assert pixels.grad.abs().sum() > 0
+    other = torch.from_numpy(_images()).permute(0, 3, 1, 2).float().div(255).requires_grad_(True)
+    moved = reward.pixel_scores(other, PROMPTS)
+    moved.sum().backward()
+    assert torch.isfinite(moved).all() and other.grad.abs().sum() > 0

@@ -235,3 +235,21 @@ def test_bad_paths_and_mismatched_parts_are_named(released, tmp_path):
     r = build_reward("imagereward", **{**_options(released), "tokenizer": str(tmp_path / "other_tok")})
     with pytest.raises(ScoringError, match="bert-base-uncased"):
         r.ensure_setup("cpu")
+
+
+def test_the_differentiable_path_is_the_score_refl_trains_through(released):
+    """`pixel_scores` — ReFL's score_gard on tensor Resize/CenterCrop/Normalize — equals the score of
+    an image at the model's size, and carries a gradient to the pixels at another size."""
+    reward = RewardSet({"imagereward": 1.0}, {"imagereward": _options(released)}).rewards["imagereward"]
+    reward.ensure_setup("cpu")
+    imgs = _images(shape=(IMAGE, IMAGE))
+    want = reward.score(imgs, PROMPTS, [{}] * 4)["imagereward"]
+    pixels = torch.from_numpy(imgs).permute(0, 3, 1, 2).float().div(255).requires_grad_(True)
+    got = reward.pixel_scores(pixels, PROMPTS)
+    assert np.allclose(got.detach().numpy(), want, atol=1e-5), (got, want)
+    other = torch.from_numpy(_images()).permute(0, 3, 1, 2).float().div(255).requires_grad_(True)
+    moved = reward.pixel_scores(other, PROMPTS)
+    moved.sum().backward()
+    assert torch.isfinite(moved).all() and other.grad.abs().sum() > 0
+    near = reward.score(_images(), PROMPTS, [{}] * 4)["imagereward"]  # PIL's bicubic vs torch's antialiased one
+    assert np.corrcoef(moved.detach().numpy(), near)[0, 1] > 0.9

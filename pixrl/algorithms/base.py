@@ -237,7 +237,7 @@ def _own_settings(model: type[BaseModel], name: str, values: dict) -> BaseModel:
 
 
 def _builtin() -> None:
-    from . import (awm, crd, dance_grpo, ddpo, dgpo, diffusion_dpo, diffusion_nft, diffusion_opd,  # noqa: F401
+    from . import (awm, crd, dance_grpo, ddpo, dgpo, diffusion_dpo, diffusion_nft, diffusion_opd, draft,  # noqa: F401
                    diffusion_sft, flow_dppo, flow_grpo, gardo, grpo_guard, mix_grpo, online_dpo, online_sft, srpo,
                    tempflow_grpo, token_dpo, token_grpo, token_sft, v_grpo)  # (importing registers them)
 

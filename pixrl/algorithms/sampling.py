@@ -190,7 +190,8 @@ def sample(policy, cond, neg, generators: list[torch.Generator], recipe: Sampler
                 stored_memory.append(before.float())
             stored_x.append(x)
             stored_next.append(out.prev_sample)
-            stored_lp.append(out.log_prob)
+            # a deterministic step has no density: its row's log-prob is NaN (DRaFT's stored start latent)
+            stored_lp.append(out.log_prob if recipe.is_sde(k) else torch.full_like(out.log_prob, float("nan")))
             stored_mean.append(out.mean)
         if tail < recipe.steps:
             prev_x0 = x.float() - float(sigmas[k]) * out.velocity

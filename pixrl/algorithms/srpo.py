@@ -45,6 +45,7 @@ from ..config.schema import SamplingConfig
 from .advantages import GroupAdvantages, group_advantages
 from .base import Algorithm, register_algorithm
 from .recipe import ode_recipe
+from .reward_gradient import bound_reward, check_gradient_family, check_gradient_reward
 from .sampling import SamplerRecipe, generators, initial_noise, model_timesteps
 
 POSITIVE_WORDS = ["Natural-lighting", "Detail", "Detailed", "Real"]  # SRPO.py's realism adjectives
@@ -112,17 +113,7 @@ class SRPO(Algorithm):
                              "sampling.max_rounds=1")
 
     def check_family(self, family, model=None) -> None:
-        from ..models.pipelines import decodes_pixels
-        from ..models.registry import get_family, registered_families
-
-        why = None if _trainable(family) else (
-            "its decode is not differentiable here (a video, packed or own-normalisation decode)"
-            if not decodes_pixels(family) else "it is not a flow-matching model with plain guidance (a "
-            "variance-preserving schedule, or a guider whose phases follow the grid steps)")
-        if why:
-            able = [n for n in registered_families() if _trainable(get_family(n))]
-            raise ValueError(f"algorithm 'srpo' backpropagates a reward through the {family.name} family's decode, "
-                             f"and {why}; families it trains: {', '.join(able)}")
+        check_gradient_family("srpo", family)
         sigmas = getattr(model, "sigmas", None)
         if sigmas is not None and len(sigmas) != self.settings.grid_steps:
             raise ValueError(f"model.sigmas holds {len(sigmas)} noise levels, and srpo spreads its levels on the "
@@ -138,14 +129,7 @@ class SRPO(Algorithm):
         from ..rewards.clip_backbone import PixelGradientReward
 
         able = sorted(n for n in REWARDS.names() if issubclass(REWARDS.get(n), PixelGradientReward))
-        name = self.settings.reward
-        if name not in able:
-            raise ValueError(f"algorithm.reward={name!r}: srpo needs a reward it can differentiate through its "
-                             f"image path; choose one of {', '.join(able)}")
-        if name not in rewards.rewards:
-            raise ValueError(f"algorithm.reward={name!r} is not one of the run's rewards ({', '.join(rewards.rewards)});"
-                             f" add it to reward.weights with its options (weight 0 scores it without adding it "
-                             f"to the total)")
+        check_gradient_reward("srpo", self.settings.reward, rewards, able)
 
     def bind_rewards(self, rewards) -> None:
         self._rewards = rewards
@@ -193,12 +177,7 @@ class SRPO(Algorithm):
                          f"srpo/{branch}_gap": (end - start).abs().float().mean()}
 
     def _reward(self):
-        if self._rewards is None:
-            raise RuntimeError("srpo's loss scores its recovered images: its engine binds the run's rewards "
-                               "(Algorithm.bind_rewards) before an update")
-        r = self._rewards.rewards[self.settings.reward]
-        r.ensure_setup(self._rewards.device)
-        return r
+        return bound_reward("srpo", self._rewards, self.settings.reward)
 
     def _levels(self, fam) -> torch.Tensor:
         """σ_l: N levels from the window's first grid step's σ to its last's, linearly."""
@@ -218,11 +197,3 @@ class SRPO(Algorithm):
         neg = [c.control_template.format(word=c.negative_words[a], prompt=p) for a, p in zip(j, prompts)]
         return mid, gap, pos, neg
 
-
-def _trainable(family) -> bool:
-    """A flow-matching family with plain guidance whose decode is differentiable (`decode_pixels`)."""
-    from ..models.pipelines import decodes_pixels
-
-    return (decodes_pixels(family) and not getattr(family, "variance_preserving", False)
-            and not hasattr(family, "guidance_memory") and not getattr(family, "video", False)
-            and not hasattr(family, "latent_scales"))

@@ -13,6 +13,7 @@ import torch
 
 from .base import Reward, ScoringError, register_reward
 from .clip_backbone import check_clip_dir
+from .differentiable import DifferentiableReward
 
 
 def aesthetic_head(embed_dim: int) -> torch.nn.Sequential:
@@ -24,7 +25,7 @@ def aesthetic_head(embed_dim: int) -> torch.nn.Sequential:
 
 
 @register_reward("aesthetic")
-class Aesthetic(Reward):
+class Aesthetic(DifferentiableReward, Reward):
     value_range = (-np.inf, np.inf)  # a regression head; ratings of real images fall in about 1–10
 
     def __init__(self, path: str = "", head: str = "", batch_size: int = 32):
@@ -51,6 +52,10 @@ class Aesthetic(Reward):
             raise ScoringError(f"reward 'aesthetic': {str(hp)!r} is not a predictor head for {dim}-d CLIP embeddings: "
                                f"{exc}") from exc
         self.head = head.to(device).eval().requires_grad_(False)
+
+    def pixel_scores(self, pixels: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """The predicted rating, differentiable in the pixels (DRaFT's and AlignProp's aesthetic reward)."""
+        return self.head(self.clip.pixel_embeds(pixels)).squeeze(-1).float()
 
     @torch.no_grad()
     def score(self, images, prompts, metadata):

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from .base import ScoringError
+from .differentiable import DifferentiableReward
 
 
 def check_clip_dir(path: str, reward: str) -> None:
@@ -74,19 +75,13 @@ class ClipBackbone:
         in the pixels: the processor's steps as tensor operations — shortest edge to its size
         (bicubic, antialiased), centre crop, mean/std — where `image_embeds` runs them in PIL
         (equal for images already at the crop size)."""
+        from .differentiable import normalize, resize_crop
+
         ip = self.processor.image_processor
         short = _size_of(ip.size, "shortest_edge")
-        ch, cw = _size_of(ip.crop_size, "height"), _size_of(ip.crop_size, "width")
-        h, w = pixels.shape[-2:]
-        if min(h, w) != short:  # the long side as transformers sizes it: int(short · long / short side)
-            size = (int(short * h / w), short) if w <= h else (short, int(short * w / h))
-            pixels = torch.nn.functional.interpolate(pixels, size=size, mode="bicubic", antialias=True,
-                                                     align_corners=False)
-        top, left = (pixels.shape[-2] - ch) // 2, (pixels.shape[-1] - cw) // 2
-        x = pixels[..., top:top + ch, left:left + cw]
-        mean = torch.tensor(ip.image_mean, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
-        std = torch.tensor(ip.image_std, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
-        emb = self.model.get_image_features(pixel_values=((x - mean) / std).to(self.device))
+        x = resize_crop(pixels, short, _size_of(ip.crop_size, "height"), _size_of(ip.crop_size, "width"))
+        x = normalize(x, ip.image_mean, ip.image_std)
+        emb = self.model.get_image_features(pixel_values=x.to(self.device))
         emb = getattr(emb, "pooler_output", emb)
         return torch.nn.functional.normalize(emb.float(), dim=-1)
 
@@ -105,7 +100,7 @@ def _size_of(size, key: str) -> int:
     return int(value if value is not None else size[key])
 
 
-class PixelGradientReward:
+class PixelGradientReward(DifferentiableReward):
     """What a reward-gradient algorithm (`srpo`) reads of a CLIP-based reward (mixed into it):
     embeddings of decoded pixels, differentiable; of texts, frozen; and the factor SRPO scales
     their similarity by (HPSv2: 1 — the cosine; CLIP and PickScore: exp(logit_scale)/20, SRPO's
@@ -121,3 +116,11 @@ class PixelGradientReward:
 
     def srp_scale(self) -> float:
         return float(torch.exp(self.clip.model.logit_scale.detach().float())) / 20.0
+
+    def pixel_cosines(self, pixels: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """cos(image, its prompt) per sample [B], differentiable in the pixels."""
+        return (self.embed_pixels(pixels) * self.embed_texts(list(prompts))).sum(-1)
+
+    def pixel_scores(self, pixels: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """The reward's main value (the cosine: clip_score, hpsv2), differentiable (`draft`, `refl`)."""
+        return self.pixel_cosines(pixels, prompts)

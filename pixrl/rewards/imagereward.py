@@ -21,6 +21,7 @@ import torch
 from PIL import Image
 
 from .base import Reward, ScoringError, register_reward
+from .differentiable import DifferentiableReward, normalize, resize_crop
 
 CLIP_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], np.float32)
 CLIP_STD = np.array([0.26862954, 0.26130258, 0.27577711], np.float32)
@@ -44,7 +45,7 @@ def preprocess(image: np.ndarray, size: int) -> np.ndarray:
 
 
 @register_reward("imagereward")
-class ImageReward(Reward):
+class ImageReward(DifferentiableReward, Reward):
     value_range = (-np.inf, np.inf)
 
     def __init__(self, path: str = "", med_config: str = "", tokenizer: str = "", batch_size: int = 16,
@@ -98,6 +99,10 @@ class ImageReward(Reward):
     @torch.no_grad()
     def _batch(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
         pixels = torch.from_numpy(np.stack([preprocess(im, self.image_size) for im in images])).to(self.device)
+        return self._forward(pixels, prompts).cpu().numpy()
+
+    def _forward(self, pixels: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """The z-scored head of [CLS] after attending to the preprocessed images [B, 3, S, S]."""
         image_embeds = self.vision(pixel_values=pixels).last_hidden_state
         tok = self.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=self.max_length,
                              return_tensors="pt").to(self.device)
@@ -106,7 +111,13 @@ class ImageReward(Reward):
                         encoder_attention_mask=torch.ones(image_embeds.shape[:-1], dtype=torch.long,
                                                           device=self.device))
         raw = self.head(out.last_hidden_state[:, 0, :].float())[:, 0]
-        return ((raw - self.mean) / self.std).cpu().numpy()
+        return (raw - self.mean) / self.std
+
+    def pixel_scores(self, pixels: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """The score, differentiable in the pixels — ReFL's `score_gard` on the tensor Resize(224,
+        bicubic), CenterCrop and Normalize it trains through."""
+        x = resize_crop(pixels, self.image_size, self.image_size, self.image_size, round_offsets=True)
+        return self._forward(normalize(x, CLIP_MEAN, CLIP_STD).to(self.device), prompts)
 
     def score(self, images, prompts, metadata):
         out = [self._batch(images[s:s + self.batch_size], prompts[s:s + self.batch_size])

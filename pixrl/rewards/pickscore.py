@@ -34,6 +34,11 @@ class PickScore(PixelGradientReward, Reward):
         super().setup(device)
         self.clip = ClipBackbone(self.path, device, self.name, self.processor_path)
 
+    def pixel_scores(self, pixels: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """exp(logit_scale) · cos / divisor, differentiable in the pixels."""
+        scale = float(torch.exp(self.clip.model.logit_scale.detach().float()))
+        return scale * self.pixel_cosines(pixels, prompts) / self.divisor
+
     def score(self, images, prompts, metadata):
         scale = float(torch.exp(self.clip.model.logit_scale.detach().float()))
         r = (scale * self.clip.cosines(images, prompts, self.batch_size)).astype(np.float32)
