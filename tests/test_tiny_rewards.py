@@ -27,6 +27,12 @@ def test_the_printed_overrides_score_with_the_real_reward(tmp_path):
         images, ["a red circle", "a blue square"], [{}, {}], ["a", "b"])
     assert np.isfinite(scores["clip_score"]).all()
 
+    res = runner.invoke(app, ["tiny-reward", "aesthetic", "--out", str(tmp_path / "aesthetic")])
+    assert res.exit_code == 0, res.output
+    aesthetic = _options(json.loads(res.stdout.strip().splitlines()[-1]), "aesthetic")
+    got = RewardSet({"aesthetic": 1.0}, {"aesthetic": aesthetic}).score(images, ["x", "y"], [{}, {}], ["a", "b"])
+    assert np.isfinite(got["aesthetic"]).all()
+
     res = runner.invoke(app, ["tiny-reward", "clap_score", "--out", str(tmp_path / "clap"), "--seed", "1"])
     assert res.exit_code == 0, res.output
     clap = _options(json.loads(res.stdout.strip().splitlines()[-1]), "clap_score")

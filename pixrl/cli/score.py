@@ -167,12 +167,12 @@ def reward_serve(
 
 @app.command("tiny-reward")
 def tiny_reward(
-    reward: str = typer.Argument(..., help="clip_score, pickscore, clap_score, hpsv3, editreward or videoalign"),
+    reward: str = typer.Argument(..., help="clip_score, pickscore, aesthetic, clap_score, hpsv3, editreward or videoalign"),
     out: str = typer.Option(..., "--out", help="new directory for the checkpoint (must not exist)"),
     seed: int = typer.Option(0),
 ) -> None:
     """Write a tiny random checkpoint of a model-based REWARD in its released layout — to try the
-    reward (or srpo's gradient, a soundtrack reward) without its weights — and print its options."""
+    reward (or srpo's and draft's gradient, a soundtrack reward) without its weights — and print its options."""
     from ..rewards.tiny import TINY_REWARDS, write_tiny_reward
 
     if reward not in TINY_REWARDS:

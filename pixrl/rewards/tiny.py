@@ -1,5 +1,5 @@
 """Tiny random checkpoints of the model-based rewards in their released layouts (`pixrl
-tiny-reward NAME --out DIR`): to try a reward — and what reads one, srpo's gradient, a soundtrack
+tiny-reward NAME --out DIR`): to try a reward — and what reads one, srpo's or draft's gradient, a soundtrack
 reward on LTX-2 — without its weights, as `pixrl tiny FAMILY` does for the models. Each writer
 returns the reward.options that load what it wrote."""
 
@@ -12,6 +12,20 @@ def _clip(out: Path, seed: int) -> dict:
     from .clip_tiny import write_tiny_clip
 
     return {"path": str(write_tiny_clip(out, seed=seed))}
+
+
+def _aesthetic(out: Path, seed: int) -> dict:
+    """A tiny CLIP and a random LAION predictor head for its embeddings, as the release saves it."""
+    import torch
+
+    from .aesthetic import aesthetic_head
+    from .clip_tiny import write_tiny_clip
+
+    clip = write_tiny_clip(out / "clip", seed=seed)
+    torch.manual_seed(seed)
+    head = aesthetic_head(24)  # the tiny CLIP's projection width
+    torch.save({f"layers.{k}": v for k, v in head.state_dict().items()}, str(out / "head.pth"))
+    return {"path": str(clip), "head": str(out / "head.pth")}
 
 
 def _clap(out: Path, seed: int) -> dict:
@@ -42,7 +56,7 @@ def _videoalign(out: Path, seed: int) -> dict:
 
 
 #: reward → its tiny writer (a PickScore directory is a CLIP one: its processor beside it)
-TINY_REWARDS = {"clip_score": _clip, "pickscore": _clip, "clap_score": _clap, "hpsv3": _hpsv3,
+TINY_REWARDS = {"clip_score": _clip, "pickscore": _clip, "aesthetic": _aesthetic, "clap_score": _clap, "hpsv3": _hpsv3,
                 "editreward": _editreward, "videoalign": _videoalign}
 
 
