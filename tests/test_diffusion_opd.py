@@ -93,6 +93,45 @@ def test_with_policy_gradient_a_term_adds_the_weighted_kl_to_flow_grpos(pair):
         assert torch.allclose(loss, pg + 2.0 * kl, rtol=1e-6) and "clipfrac" in m
 
 
+def test_several_teachers_each_take_the_rows_of_their_task(pair):
+    """Multi-teacher (MOPD): each row's transition is distilled toward the teacher its prompt's task
+    routes to — the term's KL is the mean of each row's KL under its own teacher, each teacher
+    stepping only its rows; 'default' takes the tasks no key names; unknown tasks are refused."""
+    student, teacher = pair
+    other = copy.copy(teacher)
+    other.transformer = copy.deepcopy(teacher.transformer)
+    with torch.no_grad():
+        for p in other.transformer.parameters():
+            p.mul_(-1.0)
+    cond, traj, batch = _rollout(student)
+    batch["prompt_meta"] = np.array([json.dumps({"category": c}) for c in ("ocr", "aes", "aes", "ocr")])
+    routed = {"ocr": teacher, "aes": other}
+    algo = build_algorithm(AlgorithmConfig(name="diffusion_opd", teachers={"ocr": "models:/t/1", "aes": "models:/t/2"}))
+    assert set(algo.stored_policies()) == set(algo.frozen_slots()) == {"teacher:ocr", "teacher:aes"}
+    assert "prompt_meta" in algo.needs
+    policy = ReplayPolicy(student, None, cond, None, traj.sigmas, traj.timesteps, RECIPE, torch.device("cpu"),
+                          frozen={f"teacher:{k}": v for k, v in routed.items()})
+    for j, (loss, metrics) in enumerate(algo.losses(batch, policy)):
+        rows = []
+        for i, task in enumerate(("ocr", "aes", "aes", "ocr")):
+            one = {k: v[i:i + 1] for k, v in batch.items() if k != "sample_id"}
+            rows.append(_distill_kl(student, routed[task], cond.select([i]), traj, one, j))
+        want = torch.stack(rows).mean()
+        assert torch.allclose(metrics["distill_kl"], want.detach(), rtol=1e-5), (metrics["distill_kl"], want)
+        mixed = _distill_kl(student, teacher, cond, traj, batch, j).detach()  # one teacher for all: another value
+        assert not torch.allclose(metrics["distill_kl"], mixed, rtol=1e-3)
+    fallback = build_algorithm(AlgorithmConfig(name="diffusion_opd", teachers={"ocr": "models:/t/1", "default": "models:/t/2"}))
+    assert fallback.routes(batch["prompt_meta"]) == ["teacher:ocr", "teacher:default", "teacher:default", "teacher:ocr"]
+    fallback.check_prompt_meta([{"category": "anything"}])
+    with pytest.raises(ValueError, match="no teacher for the prompts whose 'category' is 'geneval'.*keys: aes, ocr"):
+        algo.check_prompt_meta([{"category": "ocr"}, {"category": "geneval"}])
+    with pytest.raises(ValueError, match="teacher and algorithm.teachers both set"):
+        build_algorithm(AlgorithmConfig(name="diffusion_opd", teacher="models:/t/1",
+                                        teachers={"a": "models:/t/2"})).check_family(None)
+    with pytest.raises(ValueError, match="expected models:/NAME/VERSION"):
+        build_algorithm(AlgorithmConfig(name="diffusion_opd", teachers={"a": "models:/t"})).check_family(None)
+
+
 def test_no_distance_to_itself_and_a_step_moves_the_student_toward_the_teacher(pair, tiny_checkpoint):
     student, teacher = pair
     cond, traj, batch = _rollout(student)
@@ -194,6 +233,7 @@ def test_a_student_distils_a_published_teacher_and_resumes_bit_for_bit(tiny_chec
     assert set(weights) == set(teacher_w) and any(not torch.equal(weights[k], base[k]) for k in base if k in weights)
     assert hashlib.sha256((teacher_ck / "trainable.safetensors").read_bytes()).hexdigest() == digest  # untouched
 
+    _several_teachers_by_category(tiny_checkpoint, wd, client, model)
     _a_directory_teacher_is_the_same_teacher(tiny_checkpoint, wd, teacher_ck, weights)
     rep = CliRunner().invoke(app, ["replay", "S", "--iteration", "1", "--workdir", str(wd)])
     assert rep.exit_code == 0 and json.loads(rep.stdout.strip().splitlines()[-1])["equal"] is True, rep.output
@@ -238,3 +278,18 @@ def _a_directory_teacher_is_the_same_teacher(tiny_checkpoint, wd, teacher_ck, we
                           (wd.parent / "nowhere", "neither a pixrl checkpoint")):
         bad = _train(tiny_checkpoint, wd, "bad2", "shapes_diffusion_opd", f"algorithm.teacher={teacher}")
         assert bad.exit_code != 0 and said in " ".join(bad.output.split()), bad.output
+
+
+def _several_teachers_by_category(tiny_checkpoint, wd, client, model):
+    """Multi-teacher through the flow: a teacher per category (two registered versions, 'default' for the
+    rest) distils; a task with no teacher is refused before any run, naming the categories."""
+    teachers = [f"algorithm.teachers.position=models:/{model}/1", f"algorithm.teachers.color_attr=models:/{model}/2"]
+    bad = _train(tiny_checkpoint, wd, "bad3", "shapes_diffusion_opd", *teachers)
+    said = "no teacher for the prompts whose 'category' is 'colors', 'counting', 'two_object' (its keys: color_attr, position)"
+    assert bad.exit_code != 0 and said in " ".join(bad.output.split()), bad.output
+    assert not client.search_runs([e.experiment_id for e in client.search_experiments()], "attributes.run_name = 'bad3'")
+    res = _train(tiny_checkpoint, wd, "M", "shapes_diffusion_opd", *teachers, f"algorithm.teachers.default=models:/{model}/2",
+                 iterations=1)
+    assert res.exit_code == 0, res.output
+    hist = client.get_metric_history(json.loads(res.stdout.strip().splitlines()[-1])["run_id"], "distill_kl")
+    assert len(hist) == 1 and hist[0].value > 0

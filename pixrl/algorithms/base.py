@@ -116,6 +116,10 @@ class Algorithm(ABC):
     def check_rewards(self, rewards) -> None:
         """Refuse, before a run starts, a reward set (RewardSet) this algorithm's loss cannot use."""
 
+    def check_prompt_meta(self, metas: list[dict]) -> None:
+        """Refuse, before a run starts, training prompts whose metadata the loss cannot use (a
+        multi-teacher distillation's task without a teacher)."""
+
     def bind_rewards(self, rewards) -> None:
         """The run's RewardSet, given by the engine that builds the algorithm: for a loss that
         scores its own images (srpo's reward gradient); ignored by every other algorithm."""

@@ -6,7 +6,7 @@ any update is exactly 1."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -47,6 +47,14 @@ class ReplayPolicy:
                              f"{under or 'reference'}")
         memory = None if self.memory is None else self.memory[k]
         return replay_step(model, x, x_next, k, self.sigmas, self.timesteps, self.cond, self.neg, self.recipe, memory)
+
+
+def policy_rows(policy: ReplayPolicy, rows: list[int]) -> ReplayPolicy:
+    """The replay policy of some rows of its micro-batch (their conditioning and guider memory):
+    to step those rows alone, e.g. under the frozen policy they are routed to (multi-teacher OPD)."""
+    memory = None if policy.memory is None else {k: m[rows] for k, m in policy.memory.items()}
+    return replace(policy, cond=policy.cond.select(rows), neg=None if policy.neg is None else policy.neg.select(rows),
+                   memory=memory)
 
 
 def trained_grid_steps(model, timesteps: torch.Tensor | None) -> frozenset[int] | None:

@@ -56,6 +56,7 @@ def preflight(cfg: ExperimentConfig, online: bool = True) -> None:
         items = select_categories(load_prompt_set(resolve_asset(cfg.dataset.path), cfg.dataset.name),
                                   cfg.dataset.categories)
         check_source_images(cfg, family, items)
+        algo.check_prompt_meta([it.meta for it in items])
         s = cfg.sampling
         check_sampling_settings(s, family, algo)
         if hasattr(family, "check_prompts"):  # a token family: prompt + image tokens within the context
