@@ -326,6 +326,30 @@ def test_a_teacher_on_two_sharded_ranks_equals_one_process(ray_cluster, tiny_che
     np.testing.assert_allclose(got.metrics["distill_kl"], want.metrics["distill_kl"], rtol=1e-4)
 
 
+def test_a_reward_gradient_on_two_ranks_equals_one_process(ray_cluster, tiny_checkpoint, tmp_path):
+    """DRaFT's loss scores its own decoded images: every trainer rank binds the run's rewards and
+    backpropagates the tiny CLIP's gradient through the last steps; two ranks equal one process."""
+    from pixrl.engines.ray_engine import RayEngine
+    from pixrl.rewards.clip_tiny import write_tiny_clip
+
+    clip = write_tiny_clip(tmp_path / "clip", seed=0, image_size=16)
+    cfg = _cfg(tiny_checkpoint, tmp_path, "ray.rollout_workers=1", "algorithm=draft", "algorithm.reward=clip_score",
+               "algorithm.grad_steps=2", "reward.weights.clip_score=0.0", f"reward.options.clip_score.path={clip}",
+               "algorithm.lora.enabled=false", "algorithm.lr=1e-4")
+    local = LocalEngine(cfg)
+    recipe = SamplerRecipe(steps=4, noise_level=0.0, sde_steps=(), train_steps=(2,))
+    batch, plan = _update_batch(local, recipe)
+    want = local.train(PolicySource(), batch, plan, recipe, seed=3)
+    engine = RayEngine(cfg)
+    try:
+        got = engine.train(PolicySource(), batch, plan, recipe, seed=3)
+    finally:
+        engine.close()
+    _close(got.weights, want.weights, cfg.algorithm.lr)
+    assert want.metrics["draft/grad_steps"] == 2 and want.metrics["grad_norm"] > 0
+    np.testing.assert_allclose(got.metrics["draft/reward"], want.metrics["draft/reward"], rtol=1e-5)
+
+
 def _train(tmp_path: Path, ckpt: Path, run: str, *extra: str):
     res = CliRunner().invoke(app, ["train", "--iterations", "2", "--run", run, "reward=jpeg_compressibility",
                                    *tiny_overrides(ckpt, tmp_path), *RAY_RUN, *extra])
