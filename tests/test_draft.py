@@ -122,6 +122,40 @@ def test_the_chain_from_the_stored_start_reproduces_the_rollout_on_policy(family
     assert torch.allclose(x, traj.final, atol=1e-5), float((x - traj.final).abs().max())
 
 
+def test_on_a_ddpm_family_the_jump_is_ddims_predicted_clean_latent(tiny_sd15, clip_dir):
+    """DRaFT's and ReFL's home, Stable Diffusion 1.x: stepped as its equivalent flow, the stored
+    flow latent's jump x − σ·v is DDIMScheduler.step's pred_original_sample of the same UNet output
+    (what ReFL.py decodes), and the reward's gradient reaches the UNet through it."""
+    from copy import deepcopy
+
+    from pixrl.algorithms.draft import clean_estimate
+    from pixrl.algorithms.sampling import vp_scale
+    from pixrl.models.sd15 import SD15Family
+
+    fam = SD15Family.load(tiny_sd15[0], resolution=tiny_sd15[1]["model.resolution"])
+    algo = _bound(clip_dir, name="refl", start_fraction=(0.5, 0.51))
+    algo.check_family(fam)
+    recipe = algo.rollout_recipe(SamplingConfig(steps=4), np.random.default_rng(0), "denoise", 0)
+    cond = fam.encode_prompts(PROMPTS)
+    traj = sample(fam, cond, None, generators(SEEDS), recipe)
+    (k,) = recipe.train_steps
+    policy = ReplayPolicy(fam, None, cond, None, traj.sigmas, traj.timesteps, recipe, torch.device("cpu"))
+    with torch.no_grad():
+        got = clean_estimate(policy, traj.latents[:, 0].float(), k, 1)
+        sched = deepcopy(fam.ddim)
+        sched.set_timesteps(4)
+        t = sched.timesteps[k]
+        x_t = traj.latents[:, 0] / vp_scale(fam, traj.sigmas[k])
+        eps = fam.unet_output(x_t, t.reshape(1).expand(3), cond)
+        want = sched.step(eps, t, x_t).pred_original_sample
+    assert torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())
+    batch = {"stored_steps": np.full((3, 1), k, np.int32), "latents": traj.latents.numpy(),
+             "final_latent": traj.final.numpy(), "prompt": np.array(PROMPTS)}
+    ((loss, _),) = list(algo.losses(batch, policy))
+    loss.backward()
+    assert sum(float(p.grad.abs().sum()) for p in fam.transformer.parameters() if p.grad is not None) > 0
+
+
 def test_refl_draws_its_start_in_the_last_quarter_and_alignprop_its_depth(clip_dir):
     refl = build_algorithm(AlgorithmConfig(name="refl"))
     s = refl.settings
@@ -201,8 +235,8 @@ def test_misuse_is_refused_before_a_run(tiny_checkpoint, clip_dir, tmp_path):
             RewardSet({"jpeg_compressibility": 1.0}))
     with pytest.raises(ValueError, match="wan family's decode, and its decode is not differentiable"):
         algo.check_family(get_family("wan"))
-    with pytest.raises(ValueError, match="refl.*sd15 family's decode, and it is not a flow-matching model"):
-        build_algorithm(AlgorithmConfig(name="refl")).check_family(get_family("sd15"))
+    with pytest.raises(ValueError, match="refl.*hunyuan_image family's decode, and its guider's phases.*pixart_sigma"):
+        build_algorithm(AlgorithmConfig(name="refl")).check_family(get_family("hunyuan_image"))
     with pytest.raises(ValueError, match=r"grad_steps=12\) do not fit sampling.steps=10"):
         build_algorithm(AlgorithmConfig(name="draft", grad_steps=12)).check_sampling(SamplingConfig(steps=10), "denoise")
     with pytest.raises(ValueError, match="max_rounds=1"):

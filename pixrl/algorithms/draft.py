@@ -28,6 +28,11 @@ Which k and K:
   step's σ, x_i = σ·ε_i + (1 − σ)·x_0 (ε_i from the update's seeded generator), each denoised in
   one step and scored — n loss terms in place of the stored x_{T−1}'s.
 
+Families: the flow-matching ones with a differentiable decode, and the DDPM ones the papers trained
+(SD1.x, SDXL, PixArt-Σ), stepped as their equivalent flow — there the jump is DDIM's predicted
+clean latent x̂0 of the model's output (what ReFL.py decodes), and DRaFT's chain to the end the DDIM
+steps then x̂0 of the last.
+
 Where pixrl departs, and why: the draws are per iteration (ReFL and AlignProp draw per batch),
 recorded in the row's recipe and stored steps, so an update is a function of its rows and replays
 bit for bit; ReFL.py hands its U-Net the step *index* as the timestep (and steps the scheduler
@@ -104,7 +109,7 @@ class DRaFT(Algorithm):
                              f"sampling.steps={sampling.steps}; lower them or raise sampling.steps")
 
     def check_family(self, family, model=None) -> None:
-        check_gradient_family(self.name, family)
+        check_gradient_family(self.name, family, variance_preserving=True)
 
     def check_rewards(self, rewards) -> None:
         from ..rewards.differentiable import differentiable_rewards

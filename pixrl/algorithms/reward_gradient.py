@@ -6,26 +6,31 @@ by the run, both before anything is written."""
 from __future__ import annotations
 
 
-def differentiable_family(family) -> bool:
-    """A flow-matching family with plain guidance whose decode is differentiable (`decode_pixels`)."""
+def differentiable_family(family, variance_preserving: bool = False) -> bool:
+    """A family with plain guidance whose decode is differentiable (`decode_pixels`): a flow-matching
+    one, or also (`variance_preserving`) a DDPM one stepped as its equivalent flow (SD1.x, SDXL,
+    PixArt-Σ) — where the algorithm needs only the policy's own steps and x̂0, not the flow's
+    forward process from a clean sample (SRPO's Direct-Align does)."""
     from ..models.pipelines import decodes_pixels
 
-    return (decodes_pixels(family) and not getattr(family, "variance_preserving", False)
+    return (decodes_pixels(family) and (variance_preserving or not getattr(family, "variance_preserving", False))
             and not hasattr(family, "guidance_memory") and not getattr(family, "video", False)
             and not hasattr(family, "latent_scales"))
 
 
-def check_gradient_family(algorithm: str, family) -> None:
+def check_gradient_family(algorithm: str, family, variance_preserving: bool = False) -> None:
     """Refuse a family the reward's gradient cannot reach, naming the ones it can."""
     from ..models.pipelines import decodes_pixels
     from ..models.registry import get_family, registered_families
 
-    if differentiable_family(family):
+    if differentiable_family(family, variance_preserving):
         return
     why = ("its decode is not differentiable here (a video, packed or own-normalisation decode)"
            if not decodes_pixels(family) else "it is not a flow-matching model with plain guidance (a "
            "variance-preserving schedule, or a guider whose phases follow the grid steps)")
-    able = [n for n in registered_families() if differentiable_family(get_family(n))]
+    if variance_preserving and decodes_pixels(family):
+        why = "its guider's phases follow the grid steps, or its latents have coordinates of their own"
+    able = [n for n in registered_families() if differentiable_family(get_family(n), variance_preserving)]
     raise ValueError(f"algorithm '{algorithm}' backpropagates a reward through the {family.name} family's decode, "
                      f"and {why}; families it trains: {', '.join(able)}")
 
