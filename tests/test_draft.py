@@ -4,7 +4,8 @@ x_k, the policy's Euler steps with the gradient on, the clean-estimate jump, the
 cosine — value and gradient; the update's chain from the stored start reproduces the rollout's
 final latent (on policy); ReFL's start steps and hinge, DRaFT-LV's re-noisings; the differentiable
 reward paths equal the rewards' own scores; two iterations through the real flow move the weights,
-store x_k with a NaN log-prob, and a fault in update resumes bit for bit; misuse is refused
+store x_k with a NaN log-prob, `pixrl replay` repeats an update and a fault in update resumes bit
+for bit; misuse is refused
 before a run."""
 
 from __future__ import annotations
@@ -216,6 +217,8 @@ def test_two_iterations_train_and_a_fault_in_update_resumes_bit_for_bit(tiny_che
     assert first and all("lora" in k for k in first)  # the preset's LoRA adapter
     assert any(not torch.equal(first[k], last[k]) for k in first), "the update changed no adapter weight"
     weights = last
+    rep = CliRunner().invoke(app, ["replay", "ref", "--iteration", "1", "--workdir", str(tmp_path / "ref")])
+    assert rep.exit_code == 0 and json.loads(rep.stdout.strip().splitlines()[-1])["equal"] is True, rep.output
     wd = tmp_path / "A"
     fault_then_resume(monkeypatch, lambda: train(wd, "A"), wd, "A")
     (again,) = (wd / "checkpoints" / "A").glob("*/it_0001")
