@@ -122,7 +122,7 @@ class Algorithm(ABC):
 
     def bind_rewards(self, rewards) -> None:
         """The run's RewardSet, given by the engine that builds the algorithm: for a loss that
-        scores its own images (srpo's reward gradient); ignored by every other algorithm."""
+        scores its own images (the reward gradients of srpo, draft and refl); ignored by the others."""
 
     def check_sampling(self, sampling: SamplingConfig, step: str) -> None:
         """Refuse sampling settings this algorithm cannot train on: a ValueError naming the fix
@@ -241,8 +241,8 @@ def _own_settings(model: type[BaseModel], name: str, values: dict) -> BaseModel:
 
 
 def _builtin() -> None:
-    from . import (awm, crd, dance_grpo, ddpo, dgpo, diffusion_dpo, diffusion_nft, diffusion_opd, draft,  # noqa: F401
-                   diffusion_sft, flow_dppo, flow_grpo, gardo, grpo_guard, mix_grpo, online_dpo, online_sft, srpo,
+    from . import (awm, crd, dance_grpo, ddpo, dgpo, diffusion_dpo, diffusion_nft, diffusion_opd,  # noqa: F401
+                   diffusion_sft, draft, flow_dppo, flow_grpo, gardo, grpo_guard, mix_grpo, online_dpo, online_sft, srpo,
                    tempflow_grpo, token_dpo, token_grpo, token_sft, v_grpo)  # (importing registers them)
 
 
