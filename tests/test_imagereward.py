@@ -253,3 +253,28 @@ def test_the_differentiable_path_is_the_score_refl_trains_through(released):
     assert torch.isfinite(moved).all() and other.grad.abs().sum() > 0
     near = reward.score(_images(), PROMPTS, [{}] * 4)["imagereward"]  # PIL's bicubic vs torch's antialiased one
     assert np.corrcoef(moved.detach().numpy(), near)[0, 1] > 0.9
+
+
+def test_the_tiny_writer_writes_the_release_layout(tmp_path):
+    """`pixrl tiny-reward imagereward` (what ReFL's default reward runs on without weights): its
+    ImageReward.pt loads into the upstream-layout module above, and the reward scores as it does."""
+    from transformers import BertTokenizer
+
+    from pixrl.rewards.tiny import write_tiny_reward
+
+    options = write_tiny_reward("imagereward", tmp_path / "ir", seed=1)
+    sd = torch.load(options["path"], weights_only=True)
+    tok = BertTokenizer.from_pretrained(options["tokenizer"])
+    ref = _ImageRewardRef(len(tok) + 2).eval()
+    missing, unexpected = ref.load_state_dict(sd, strict=False)
+    assert not unexpected and set(missing) == {"blip.vision_proj.weight", "blip.vision_proj.bias",
+                                               "blip.text_proj.weight", "blip.text_proj.bias",
+                                               "blip.text_encoder.embeddings.position_ids"}
+    imgs = _images(shape=(IMAGE, IMAGE))
+    got = RewardSet({"imagereward": 1.0}, {"imagereward": options}).score(imgs, PROMPTS, [{}] * 4, list("abcd"))
+    tok.add_special_tokens({"bos_token": "[DEC]"})
+    tok.add_special_tokens({"additional_special_tokens": ["[ENC]"]})
+    t = tok(PROMPTS, padding="max_length", truncation=True, max_length=MAXLEN, return_tensors="pt")
+    with torch.no_grad():
+        want = ref(torch.stack([_reference_pixels(im) for im in imgs]), t["input_ids"], t["attention_mask"]).numpy()
+    assert np.allclose(got["imagereward"], want, atol=1e-4) and np.std(want) > 1e-3

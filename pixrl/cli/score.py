@@ -167,7 +167,7 @@ def reward_serve(
 
 @app.command("tiny-reward")
 def tiny_reward(
-    reward: str = typer.Argument(..., help="clip_score, pickscore, aesthetic, clap_score, hpsv3, editreward or videoalign"),
+    reward: str = typer.Argument(..., help="clip_score, pickscore, aesthetic, imagereward, clap_score, hpsv3, editreward or videoalign"),
     out: str = typer.Option(..., "--out", help="new directory for the checkpoint (must not exist)"),
     seed: int = typer.Option(0),
 ) -> None:

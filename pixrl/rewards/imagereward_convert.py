@@ -76,7 +76,7 @@ def vision_config(sd: dict, heads: int, layer_norm_eps: float = 1e-6):
     grid = round((v["pos_embed"].shape[1] - 1) ** 0.5)
     depth = 1 + max(int(k.split(".")[1]) for k in v if k.startswith("blocks."))
     heads = heads or width // 64  # BLIP's base (768/12) and large (1024/16) both use 64-wide heads
-    if width % heads:
+    if not heads or width % heads:
         raise ValueError(f"ImageReward checkpoint: vision width {width} is not divisible by {heads} heads; "
                          f"set reward.options.imagereward.vision_heads")
     return BlipVisionConfig(hidden_size=width, intermediate_size=v["blocks.0.mlp.fc1.weight"].shape[0],

@@ -28,6 +28,13 @@ def _aesthetic(out: Path, seed: int) -> dict:
     return {"path": str(clip), "head": str(out / "head.pth")}
 
 
+def _imagereward(out: Path, seed: int) -> dict:
+    from .imagereward_tiny import write_tiny_imagereward
+
+    path, tokenizer = write_tiny_imagereward(out, seed=seed)
+    return {"path": str(path), "tokenizer": str(tokenizer), "vision_heads": 2}
+
+
 def _clap(out: Path, seed: int) -> dict:
     from .clap_tiny import write_tiny_clap
 
@@ -56,7 +63,7 @@ def _videoalign(out: Path, seed: int) -> dict:
 
 
 #: reward → its tiny writer (a PickScore directory is a CLIP one: its processor beside it)
-TINY_REWARDS = {"clip_score": _clip, "pickscore": _clip, "aesthetic": _aesthetic, "clap_score": _clap, "hpsv3": _hpsv3,
+TINY_REWARDS = {"clip_score": _clip, "pickscore": _clip, "aesthetic": _aesthetic, "imagereward": _imagereward, "clap_score": _clap, "hpsv3": _hpsv3,
                 "editreward": _editreward, "videoalign": _videoalign}
 
 
