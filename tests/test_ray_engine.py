@@ -152,6 +152,17 @@ def _update_batch(local: LocalEngine, recipe=RECIPE):
     return batch.with_columns(prompt=PROMPTS, advantage=adv, sample_id=ids), [mb[:3], [mb[3]], [mb[4]]]
 
 
+def _ray_train(cfg, batch, plan, recipe, **kw):
+    """The update of `batch` on the Ray engine's trainer ranks (seed 3, from the base weights)."""
+    from pixrl.engines.ray_engine import RayEngine
+
+    engine = RayEngine(cfg)
+    try:
+        return engine.train(PolicySource(), batch, plan, recipe, seed=3, **kw)
+    finally:
+        engine.close()
+
+
 def _close(got: dict, want: dict, lr: float = 0.0, rtol: float = 1e-6) -> None:
     """Equal tensors up to the reduction order of a sum over ranks: 1e-6 of each tensor's scale,
     plus, for weights, 1e-2 of one Adam step (lr). Adam moves a weight by about lr whatever its
@@ -276,7 +287,6 @@ def test_awms_frozen_copies_sharded_over_two_ranks_equal_one_process(ray_cluster
     (the ratio) — each made from the base weights when the group shards and refilled per update.
     Two FSDP ranks equal one process: weights, the anchor the state carries, the ratio's range."""
     from pixrl.engines.policy import ALGORITHM_STATE
-    from pixrl.engines.ray_engine import RayEngine
 
     cfg = _cfg(tiny_checkpoint, tmp_path, "ray.rollout_workers=1", "ray.trainer_sharding=fsdp", "algorithm=awm",
                "algorithm.lora.enabled=false", "algorithm.train_timesteps=2", "algorithm.optimizer_steps_per_iteration=3",
@@ -285,11 +295,7 @@ def test_awms_frozen_copies_sharded_over_two_ranks_equal_one_process(ray_cluster
     local = LocalEngine(cfg)
     batch, plan = _update_batch(local, recipe)
     want = local.train(PolicySource(), batch, plan, recipe, seed=3)
-    engine = RayEngine(cfg)
-    try:
-        got = engine.train(PolicySource(), batch, plan, recipe, seed=3)
-    finally:
-        engine.close()
+    got = _ray_train(cfg, batch, plan, recipe)
     lr = cfg.algorithm.lr
     _close(got.weights, want.weights, lr)
     _close(got.optimizer[ALGORITHM_STATE]["ema"], want.optimizer[ALGORITHM_STATE]["ema"], lr)
@@ -303,7 +309,6 @@ def test_a_teacher_on_two_sharded_ranks_equals_one_process(ray_cluster, tiny_che
     """DiffusionOPD's teacher — a stored checkpoint of moved weights — is loaded by every rank
     into its sharded frozen copy: two FSDP ranks equal one process, and the KL to it is not 0."""
     from pixrl.artifacts.checkpoints import save_checkpoint
-    from pixrl.engines.ray_engine import RayEngine
 
     cfg = _cfg(tiny_checkpoint, tmp_path, "ray.rollout_workers=1", "ray.trainer_sharding=fsdp",
                "algorithm=diffusion_opd", "algorithm.teacher=models:/t-policy/1", "algorithm.lora.enabled=false",
@@ -316,11 +321,7 @@ def test_a_teacher_on_two_sharded_ranks_equals_one_process(ray_cluster, tiny_che
     stored = {"teacher": PolicySource(Path(teacher.uri), None, with_optimizer=False)}
     batch, plan = _update_batch(local)
     want = local.train(PolicySource(), batch, plan, RECIPE, seed=3, stored=stored)
-    engine = RayEngine(cfg)
-    try:
-        got = engine.train(PolicySource(), batch, plan, RECIPE, seed=3, stored=stored)
-    finally:
-        engine.close()
+    got = _ray_train(cfg, batch, plan, RECIPE, stored=stored)
     _close(got.weights, want.weights, cfg.algorithm.lr)
     assert want.metrics["distill_kl"] > 0
     np.testing.assert_allclose(got.metrics["distill_kl"], want.metrics["distill_kl"], rtol=1e-4)
@@ -329,7 +330,6 @@ def test_a_teacher_on_two_sharded_ranks_equals_one_process(ray_cluster, tiny_che
 def test_a_reward_gradient_on_two_ranks_equals_one_process(ray_cluster, tiny_checkpoint, tmp_path):
     """DRaFT's loss scores its own decoded images: every trainer rank binds the run's rewards and
     backpropagates the tiny CLIP's gradient through the last steps; two ranks equal one process."""
-    from pixrl.engines.ray_engine import RayEngine
     from pixrl.rewards.clip_tiny import write_tiny_clip
 
     clip = write_tiny_clip(tmp_path / "clip", seed=0, image_size=16)
@@ -340,11 +340,7 @@ def test_a_reward_gradient_on_two_ranks_equals_one_process(ray_cluster, tiny_che
     recipe = SamplerRecipe(steps=4, noise_level=0.0, sde_steps=(), train_steps=(2,))
     batch, plan = _update_batch(local, recipe)
     want = local.train(PolicySource(), batch, plan, recipe, seed=3)
-    engine = RayEngine(cfg)
-    try:
-        got = engine.train(PolicySource(), batch, plan, recipe, seed=3)
-    finally:
-        engine.close()
+    got = _ray_train(cfg, batch, plan, recipe)
     _close(got.weights, want.weights, cfg.algorithm.lr)
     assert want.metrics["draft/grad_steps"] == 2 and want.metrics["grad_norm"] > 0
     np.testing.assert_allclose(got.metrics["draft/reward"], want.metrics["draft/reward"], rtol=1e-5)
