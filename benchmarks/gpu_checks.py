@@ -117,6 +117,9 @@ CHECKS = {
     # new since: SRPO's reward-gradient update on SD3.5-Medium (full fine-tune) through the VAE decode and
     # a CLIP of ViT-H/14's shapes (HPSv2's) — the memory a Direct-Align update takes at real widths
     "sd3_srpo": ([SMOKE, "--family", "sd3", "--srpo"], 240, None),
+    # new since: DRaFT-2's update on SD3.5-Medium (full fine-tune): two steps' activations, the decode and
+    # the ViT-H/14-shaped CLIP with the gradient on
+    "sd3_draft": ([SMOKE, "--family", "sd3", "--draft", "2"], 240, None),
     "qwen_image": ([SMOKE, "--family", "qwen_image", "--layers", "12"], 200, None),
     # the same without the offload: the accelerator memory the offload frees (Mistral-3 at real width)
     "flux2_resident": ([SMOKE, "--family", "flux2", "--layers", "2", "--set", "model.offload_text_encoders=false"],

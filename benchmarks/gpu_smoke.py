@@ -264,14 +264,18 @@ def _edits(family: str, work: Path) -> list[str]:
 
 def _srpo(args, work: Path) -> list[str]:
     """`--srpo`: the update is SRPO's (Direct-Align through the VAE decode and a CLIP's image
-    tower) against a random CLIP of ViT-H/14's shapes — HPSv2's and PickScore's — at 224²
+    tower); `--draft K`: DRaFT-K's (the gradient through the last K sampling steps, the decode and
+    the CLIP) — against a random CLIP of ViT-H/14's shapes — HPSv2's and PickScore's — at 224²
     (`--tiny`: the tiny CLIP): the memory and time of a reward-gradient update at real widths."""
-    if not getattr(args, "srpo", False):
+    draft = getattr(args, "draft", 0)
+    if not getattr(args, "srpo", False) and not draft:
         return []
     from pixrl.rewards.clip_tiny import CLIP_H, write_random_clip, write_tiny_clip
 
     clip = write_tiny_clip(work / "clip") if args.tiny else write_random_clip(work / "clip", 0, **CLIP_H)
-    return ["algorithm=srpo", "algorithm.reward=clip_score", "reward=clip_score",
+    algo = ["algorithm=draft", f"algorithm.grad_steps={draft}", "algorithm.lora.enabled=false"] if draft else \
+        ["algorithm=srpo"]
+    return [*algo, "algorithm.reward=clip_score", "reward=clip_score",
             f"reward.options.clip_score.path={clip}", "algorithm.optimizer_steps_per_iteration=1"]
 
 
@@ -342,6 +346,8 @@ def main() -> None:
     ap.add_argument("--cot", type=int, default=0, help="janus_pro: a chain of thought of at most N text tokens first")
     ap.add_argument("--srpo", action="store_true", help="update with SRPO against a random CLIP of ViT-H/14's shapes "
                                                          "(the reward-gradient path at real widths)")
+    ap.add_argument("--draft", type=int, default=0, metavar="K", help="update with DRaFT-K (full fine-tune) against "
+                                                                     "that CLIP: the gradient through the last K steps")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a further config override, last (e.g. model.offload_text_encoders=false)")
     args = ap.parse_args()
