@@ -262,7 +262,7 @@ def _edits(family: str, work: Path) -> list[str]:
     return ["dataset=edits", f"dataset.path={path}"]
 
 
-def _srpo(args, work: Path) -> list[str]:
+def _reward_gradient(args, work: Path) -> list[str]:
     """`--srpo`: the update is SRPO's (Direct-Align through the VAE decode and a CLIP's image
     tower); `--draft K`: DRaFT-K's (the gradient through the last K sampling steps, the decode and
     the CLIP) — against a random CLIP of ViT-H/14's shapes — HPSv2's and PickScore's — at 224²
@@ -310,7 +310,7 @@ def run(args) -> dict:
         f"sampling.micro_batch={args.micro_batch}", f"sampling.steps={args.steps}",
         "algorithm.optimizer_steps_per_iteration=1",
         "reward=jpeg_compressibility", "dataset.categories=null", *_cot(args), *_edits(family, work),
-        *_srpo(args, work), *getattr(args, "set", [])])
+        *_reward_gradient(args, work), *getattr(args, "set", [])])
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     t1 = time.perf_counter()

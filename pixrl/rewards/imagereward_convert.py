@@ -16,17 +16,29 @@ from torch import nn
 
 VISION, TEXT, HEAD = "blip.visual_encoder.", "blip.text_encoder.", "mlp."
 
-_VISION_RENAMES = [
-    (r"^cls_token$", "embeddings.class_embedding"),
-    (r"^pos_embed$", "embeddings.position_embedding"),
-    (r"^patch_embed\.proj\.", "embeddings.patch_embedding."),
-    (r"^blocks\.(\d+)\.norm1\.", r"encoder.layers.\1.layer_norm1."),
-    (r"^blocks\.(\d+)\.norm2\.", r"encoder.layers.\1.layer_norm2."),
-    (r"^blocks\.(\d+)\.attn\.qkv\.", r"encoder.layers.\1.self_attn.qkv."),
-    (r"^blocks\.(\d+)\.attn\.proj\.", r"encoder.layers.\1.self_attn.projection."),
-    (r"^blocks\.(\d+)\.mlp\.", r"encoder.layers.\1.mlp."),
-    (r"^norm\.", "post_layernorm."),
+#: the release's timm-style vision names (prefixes; {n} a block's index) ↔ transformers' BlipVisionModel's
+_VISION_NAMES = [
+    ("cls_token", "embeddings.class_embedding"),
+    ("pos_embed", "embeddings.position_embedding"),
+    ("patch_embed.proj.", "embeddings.patch_embedding."),
+    ("blocks.{n}.norm1.", "encoder.layers.{n}.layer_norm1."),
+    ("blocks.{n}.norm2.", "encoder.layers.{n}.layer_norm2."),
+    ("blocks.{n}.attn.qkv.", "encoder.layers.{n}.self_attn.qkv."),
+    ("blocks.{n}.attn.proj.", "encoder.layers.{n}.self_attn.projection."),
+    ("blocks.{n}.mlp.", "encoder.layers.{n}.mlp."),
+    ("norm.", "post_layernorm."),
 ]
+
+
+def vision_name(key: str, to_release: bool = False) -> str | None:
+    """A vision tensor's transformers name from its release name (or, `to_release`, the other way:
+    the tiny writer's); None for a name the table does not know."""
+    for release, ours in _VISION_NAMES:
+        src, dst = (ours, release) if to_release else (release, ours)
+        new, n = re.subn("^" + re.escape(src).replace(r"\{n\}", r"(\d+)"), dst.replace("{n}", r"\1"), key)
+        if n:
+            return new
+    return None
 
 
 def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
@@ -50,13 +62,10 @@ def vision_state(sd: dict) -> dict[str, torch.Tensor]:
     """`blip.visual_encoder.*` under BlipVisionModel's names."""
     out = {}
     for key, value in _part(sd, VISION).items():
-        for pattern, repl in _VISION_RENAMES:
-            new, n = re.subn(pattern, repl, key)
-            if n:
-                out[new] = value
-                break
-        else:
+        new = vision_name(key)
+        if new is None:
             raise ValueError(f"ImageReward checkpoint: unexpected vision tensor {VISION}{key}")
+        out[new] = value
     return out
 
 

@@ -7,30 +7,7 @@ med_config.json, with a bert-base-uncased-style WordPiece tokenizer over the tin
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
-
-#: transformers' BlipVisionModel names → the release's timm-style names (imagereward_convert's inverse)
-_TO_RELEASE = [
-    (r"^embeddings\.class_embedding$", "cls_token"),
-    (r"^embeddings\.position_embedding$", "pos_embed"),
-    (r"^embeddings\.patch_embedding\.", "patch_embed.proj."),
-    (r"^encoder\.layers\.(\d+)\.layer_norm1\.", r"blocks.\1.norm1."),
-    (r"^encoder\.layers\.(\d+)\.layer_norm2\.", r"blocks.\1.norm2."),
-    (r"^encoder\.layers\.(\d+)\.self_attn\.qkv\.", r"blocks.\1.attn.qkv."),
-    (r"^encoder\.layers\.(\d+)\.self_attn\.projection\.", r"blocks.\1.attn.proj."),
-    (r"^encoder\.layers\.(\d+)\.mlp\.", r"blocks.\1.mlp."),
-    (r"^post_layernorm\.", "norm."),
-]
-
-
-def _release_name(key: str) -> str:
-    for pattern, repl in _TO_RELEASE:
-        new, n = re.subn(pattern, repl, key)
-        if n:
-            return new
-    raise ValueError(f"unexpected BlipVisionModel tensor {key}")
-
 
 def write_tiny_imagereward(out_dir: Path, seed: int = 0, width: int = 32, text_width: int = 24,
                            image_size: int = 32, max_length: int = 35) -> tuple[Path, Path]:
@@ -40,7 +17,7 @@ def write_tiny_imagereward(out_dir: Path, seed: int = 0, width: int = 32, text_w
     from transformers.models.blip.modeling_blip_text import BlipTextModel
 
     from ..models.tiny_parts import tiny_vocabulary
-    from .imagereward_convert import HEAD, TEXT, VISION
+    from .imagereward_convert import HEAD, TEXT, VISION, vision_name
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -68,7 +45,7 @@ def write_tiny_imagereward(out_dir: Path, seed: int = 0, width: int = 32, text_w
     with torch.no_grad():  # a head that tells images apart at these widths
         for lin in head:
             lin.weight.normal_(0, 0.5)
-    state = {VISION + _release_name(k): v for k, v in vision.state_dict().items()}
+    state = {VISION + vision_name(k, to_release=True): v for k, v in vision.state_dict().items()}
     state.update({TEXT + k: v for k, v in text.state_dict().items() if k != "embeddings.position_ids"})
     for index, lin in zip((0, 2, 4, 6, 7), head):  # the release's indices (dropouts between)
         state.update({f"{HEAD}layers.{index}.{k}": v for k, v in lin.state_dict().items()})
