@@ -272,9 +272,11 @@ def fixed_list(values: np.ndarray, size: int, dtype=pa.float32()) -> pa.Array:
 
 
 def rewards_column(components: dict[str, np.ndarray], n: int) -> pa.Array:
+    """Each sample's stored scores, by name. NaN marks a reward that did not score the sample (per-task
+    rewards, rewards/routing.py — a scorer's own NaN is refused before this): it has no entry."""
     names = sorted(k for k in components if k != "reward")
-    return pa.array([[{"name": k, "value": float(components[k][i])} for k in names] for i in range(n)],
-                    type=pa.list_(REWARD_ITEM))
+    return pa.array([[{"name": k, "value": float(components[k][i])} for k in names if not np.isnan(components[k][i])]
+                     for i in range(n)], type=pa.list_(REWARD_ITEM))
 
 
 def meta_json(meta: dict) -> str:

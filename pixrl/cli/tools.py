@@ -154,7 +154,7 @@ def eval_cmd(
         res, what = evaluate(policy.family, items, recipe, per_category), ("shapes eval", "accuracy")
     else:  # a prompt set without its own evaluator: the run's rewards on it (datasets/reward_eval.py)
         sampling = cfg.sampling.model_copy(update={"eval_steps": steps} if steps else {})
-        rewards = RewardSet(cfg.reward.weights, cfg.reward.options, device=cfg.model.device)
+        rewards = RewardSet.from_config(cfg.reward, device=cfg.model.device)
         res, what = reward_evaluation(policy.family, items, sampling, per_category, rewards), ("reward eval", "reward")
     how = (f"{recipe.steps} ODE steps" if hasattr(recipe, "steps") else
            f"token sampling, temperature {recipe.temperature}, top-k {recipe.top_k or 'off'}")

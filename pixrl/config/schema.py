@@ -68,6 +68,11 @@ class RewardConfig(_Section):
         "reward's own or one of the components it stores (videoalign.vq, videoalign.mq: DanceGRPO's vq_coef and "
         "mq_coef; editreward.following, editreward.quality); None: reward.weights")
     options: dict[str, dict] = Field(default_factory=dict, description="per-reward constructor options")
+    tasks: dict[str, dict[str, float]] = Field(
+        default_factory=dict, description="per-task rewards: a task (the prompt metadata field route_by) → its "
+        "weights {reward: weight}; a prompt whose task is not a key is scored by reward.weights, and a sample "
+        "stores only its task's scores (rewards/routing.py)")
+    route_by: str = Field("category", description="reward.tasks: the prompt metadata field that names a prompt's task")
     overlap: bool = Field(False, description="decode and score each generated micro-batch in a background thread "
                                              "while the next one generates (local engine); decode and score then "
                                              "run per micro-batch, prefetched or not, so results do not depend on it")
@@ -81,6 +86,14 @@ class RewardConfig(_Section):
                              "(or unset reward.advantage_weights)")
         if self.advantage_weights == {}:
             raise ValueError("reward.advantage_weights is empty; name at least one stored score, or unset it")
+        empty = [t for t, w in self.tasks.items() if not w]
+        if empty:
+            raise ValueError(f"reward.tasks[{empty[0]!r}] is empty; give the task at least one reward, e.g. "
+                             f"reward.tasks={{{empty[0]}: {{shapes: 1.0}}}}, or drop the key")
+        if self.tasks and self.aggregate == "advantage":
+            raise ValueError("reward.tasks with reward.aggregate=advantage is not supported: each task scores its own "
+                             "rewards, and advantages normalised per reward need every sample to store them; use "
+                             "reward.aggregate=reward (each task's weighted total, normalised in its group)")
         return self
 
     def advantage_parts(self) -> dict[str, float] | None:

@@ -93,7 +93,8 @@ class RewardEvaluator:
         total = np.asarray(scores["reward"], np.float64)
         per_cat = {c or "all": float(total[[k == c for k in cats]].mean()) for c in sorted(set(cats))}
         out = {"accuracy": float(np.mean(list(per_cat.values()))), "n": len(pairs), "metric": "reward",
-               **{f"reward/{k}": float(np.mean(v)) for k, v in scores.items() if k != "reward"}}
+               **{f"reward/{k}": float(np.nanmean(v)) for k, v in scores.items()  # per-task: its samples
+                  if k != "reward" and not np.all(np.isnan(v))}}
         if len(per_cat) > 1:
             out.update({f"category/{c}": v for c, v in per_cat.items()})
         return out

@@ -45,7 +45,7 @@ class LocalEngine:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         self.algorithm = build_algorithm(cfg.algorithm)
-        self.rewards = RewardSet(cfg.reward.weights, cfg.reward.options, device=cfg.model.device)
+        self.rewards = RewardSet.from_config(cfg.reward, device=cfg.model.device)
         self.algorithm.bind_rewards(self.rewards)  # a loss that scores its own images reads them (srpo)
         self._policy: TrainablePolicy | None = None
         self._prompts: PromptCache | None = None

@@ -44,6 +44,7 @@ from ..artifacts.rollout_rows import discard_fragments
 from ..errors import exception_chain
 from ..models.source_images import condition_keys
 from ..rewards.base import ScoringError, group_keys
+from ..rewards.routing import merge_parts
 from ..stages.faults import TransientError
 from .base import PolicySource, TrainResult
 from .ray_cluster import actor_options, connect, import_ray, worker_threads
@@ -261,14 +262,15 @@ class RayEngine:
         refs = [w.score_rows.remote(replace(rows, sample_ids=ids[lo:hi]), iteration)
                 for w, (lo, hi) in zip(self.reward_workers, shards)]
         parts = self._get(refs, "reward", self.reward_workers, [(ids[lo], ids[hi - 1]) for lo, hi in shards])
-        return {k: np.concatenate([p[k] for p, _ in parts]) for k in parts[0][0]}, max(sec for _, sec in parts)
+        sizes = [hi - lo for _, (lo, hi) in zip(parts, shards)]
+        return merge_parts([p for p, _ in parts], sizes), max(sec for _, sec in parts)
 
     def _score_shards(self, sample_ids: list[str], prompts: list[str]) -> list[tuple[int, int]]:
         """The reward workers' contiguous shares: any rows, or whole groups for a group reward."""
         if self._groupwise is None:
             from ..rewards.compose import RewardSet
 
-            self._groupwise = RewardSet(self.cfg.reward.weights, self.cfg.reward.options).groupwise
+            self._groupwise = RewardSet.from_config(self.cfg.reward).groupwise
         if self._groupwise:
             return _group_shards(group_keys(prompts, sample_ids), len(self.reward_workers))
         return _shards(len(sample_ids), 1, len(self.reward_workers))
@@ -280,7 +282,7 @@ class RayEngine:
                 for w, (lo, hi) in zip(self.reward_workers, shards)]
         names = [(sample_ids[lo], sample_ids[hi - 1]) for lo, hi in shards]
         parts = self._get(refs, "reward", self.reward_workers, names)
-        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        return merge_parts(parts, [hi - lo for _, (lo, hi) in zip(parts, shards)])
 
     # --- train --------------------------------------------------------------------------------
     def _trainer_group(self) -> list:

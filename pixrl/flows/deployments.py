@@ -89,7 +89,7 @@ def evaluation(params: EvalParameters) -> dict:
     policy, cfg, ref = load_policy_version(tracker, params.run_name, params.alias, params.workdir,
                                            None if params.weights == "default" else params.weights)
     res = evaluate_split(policy.family, cfg.dataset, params.split, cfg.sampling, params.per_category,
-                         RewardSet(cfg.reward.weights, cfg.reward.options, device=cfg.model.device))
+                         RewardSet.from_config(cfg.reward, device=cfg.model.device))
     run_id = tracker.find_run("pixrl.run_name", params.run_name)
     tracker.log_metrics(run_id, {f"eval/{params.split}/{k}": v for k, v in res.items() if isinstance(v, float)},
                         step=ref.version)

@@ -9,18 +9,30 @@ from __future__ import annotations
 import numpy as np
 
 from .base import Reward, ScoringError, build_reward, group_keys
+from .routing import RewardRoutes
 
 
 class RewardSet:
-    def __init__(self, weights: dict[str, float], options: dict[str, dict] | None = None, device: str = "cpu"):
+    """The run's rewards. `tasks` (rewards/routing.py): per-task weights for the prompts whose
+    metadata field `route_by` names a task; the others are scored by `weights`."""
+
+    def __init__(self, weights: dict[str, float], options: dict[str, dict] | None = None, device: str = "cpu",
+                 tasks: dict[str, dict[str, float]] | None = None, route_by: str = "category"):
         options = options or {}
-        unknown = set(options) - set(weights)
+        self.routes = RewardRoutes(weights, tasks, route_by)
+        names = self.routes.names()
+        unknown = set(options) - set(names)
         if unknown:
             raise ValueError(f"reward.options given for {sorted(unknown)} which are not in reward.weights "
-                             f"({', '.join(weights)})")
+                             f"{'or reward.tasks ' if tasks else ''}({', '.join(names)})")
         self.weights = dict(weights)
         self.device = device
-        self.rewards: dict[str, Reward] = {n: build_reward(n, **options.get(n, {})) for n in weights}
+        self.rewards: dict[str, Reward] = {n: build_reward(n, **options.get(n, {})) for n in names}
+
+    @classmethod
+    def from_config(cls, r, device: str = "cpu") -> RewardSet:
+        """From the config's `reward` section (RewardConfig)."""
+        return cls(r.weights, r.options, device=device, tasks=r.tasks, route_by=r.route_by)
 
     @property
     def groupwise(self) -> bool:
@@ -30,35 +42,60 @@ class RewardSet:
     def score(self, images: np.ndarray, prompts: list[str], metadata: list[dict],
               sample_ids: list[str], groups: list[str] | None = None) -> dict[str, np.ndarray]:
         """{'reward': total [B], '<name>': [B], '<name>.<diag>': [B], ...}; raises ScoringError.
-        `groups`: each sample's group for group rewards (default: `group_keys`)."""
+        `groups`: each sample's group for group rewards (default: `group_keys`). With per-task
+        rewards a reward's keys are NaN on the samples it does not score (rewards/routing.py)."""
         n = len(images)
         if self.groupwise and groups is None:
             groups = group_keys(prompts, sample_ids)
+        if not self.routes.routed:
+            out: dict[str, np.ndarray] = {}
+            total = np.zeros(n, dtype=np.float32)
+            for name, reward in self.rewards.items():
+                out.update(self._checked(name, reward, images, prompts, metadata, sample_ids, groups))
+                total += self.weights[name] * out[name]
+            out["reward"] = total
+            return out
+        return self._score_routed(images, prompts, metadata, sample_ids, groups)
+
+    def _score_routed(self, images, prompts, metadata, sample_ids, groups) -> dict[str, np.ndarray]:
+        """Each reward on the samples its task routes to it; the total of each sample's own weights."""
+        n = len(images)
         out: dict[str, np.ndarray] = {}
         total = np.zeros(n, dtype=np.float32)
-        for name, reward in self.rewards.items():
-            try:
-                reward.ensure_setup(self.device)
-                scores = self._score_one(reward, images, prompts, metadata, groups)
-            except ScoringError:
-                raise
-            except Exception as exc:
-                raise ScoringError(f"scorer {name!r} failed: {type(exc).__name__}: {exc}") from exc
-            if name not in scores:
-                raise ScoringError(f"scorer {name!r} returned no {name!r} key (got {sorted(scores)})")
+        for name, idx in self.routes.members(metadata).items():
+            pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
+            scores = self._checked(name, self.rewards[name], images[idx], pick(prompts), pick(metadata),
+                                   pick(sample_ids), pick(groups))
             for key, vals in scores.items():
-                vals = np.asarray(vals, dtype=np.float32)
-                if vals.shape != (n,):
-                    raise ScoringError(f"scorer {name!r} key {key!r}: expected {n} scores, got shape {vals.shape}")
-                bad = np.flatnonzero(~np.isfinite(vals))
-                if bad.size:
-                    i = int(bad[0])
-                    raise ScoringError(f"scorer {name!r} returned {vals[i]} for sample {sample_ids[i]!r} "
-                                       f"(prompt {prompts[i]!r}, key {key!r}); {bad.size} sample(s) affected — "
-                                       f"fix the scorer; nothing was written")
-                out[key] = vals
-            total += self.weights[name] * out[name]
+                out.setdefault(key, np.full(n, np.nan, np.float32))[idx] = vals
+            total[idx] += self.routes.weight_matrix(name, metadata)[idx] * out[name][idx]
         out["reward"] = total
+        return out
+
+    def _checked(self, name: str, reward: Reward, images, prompts, metadata, sample_ids, groups) -> dict:
+        """One reward's scores of these samples, every key [B] and finite — or a ScoringError."""
+        n = len(images)
+        try:
+            reward.ensure_setup(self.device)
+            scores = self._score_one(reward, images, prompts, metadata, groups)
+        except ScoringError:
+            raise
+        except Exception as exc:
+            raise ScoringError(f"scorer {name!r} failed: {type(exc).__name__}: {exc}") from exc
+        if name not in scores:
+            raise ScoringError(f"scorer {name!r} returned no {name!r} key (got {sorted(scores)})")
+        out = {}
+        for key, vals in scores.items():
+            vals = np.asarray(vals, dtype=np.float32)
+            if vals.shape != (n,):
+                raise ScoringError(f"scorer {name!r} key {key!r}: expected {n} scores, got shape {vals.shape}")
+            bad = np.flatnonzero(~np.isfinite(vals))
+            if bad.size:
+                i = int(bad[0])
+                raise ScoringError(f"scorer {name!r} returned {vals[i]} for sample {sample_ids[i]!r} "
+                                   f"(prompt {prompts[i]!r}, key {key!r}); {bad.size} sample(s) affected — "
+                                   f"fix the scorer; nothing was written")
+            out[key] = vals
         return out
 
     def connect(self) -> None:
@@ -78,8 +115,27 @@ class RewardSet:
                                  f"`pip install 'pixrl[{r.extra}]'`")
 
     def check_prompts(self, prompts: list[str], metadata: list[dict]) -> None:
-        for r in self.rewards.values():
-            r.check_prompts(prompts, metadata)
+        """Each reward accepts the prompts it will score (with per-task rewards: its tasks' own)."""
+        if not self.routes.routed:
+            for r in self.rewards.values():
+                r.check_prompts(prompts, metadata)
+            return
+        self.routes.check_tasks_present(metadata)
+        for name, idx in self.routes.members(metadata).items():
+            self.rewards[name].check_prompts([prompts[i] for i in idx], [metadata[i] for i in idx])
+
+    def check_scores_everywhere(self, names, setting: str) -> None:
+        """Per-task rewards: refuse `names` (read from every sample by `setting`) where a task does
+        not score one — its samples would not store it."""
+        if not self.routes.routed:
+            return
+        for task, weights in [("the default (reward.weights)", self.routes.default),
+                              *((f"task {t!r}", w) for t, w in self.routes.tasks.items())]:
+            lacking = sorted(n for n in names if n.split(".")[0] not in weights)
+            if lacking:
+                raise ValueError(f"{setting} reads {lacking[0]!r} from every sample, and {task} does not score it; "
+                                 f"add {lacking[0].split('.')[0]!r} to that task's weights (weight 0 stores it "
+                                 f"without adding it to the total)")
 
     def check_advantage_parts(self, parts: dict[str, float] | None) -> None:
         """Refuse, before a run starts, reward.advantage_weights naming a score no reward stores."""

@@ -119,9 +119,11 @@ class DecodeScoreStages:
         upd = pa.table({"run_id": t["run_id"], "iteration": t["iteration"], "sample_id": t["sample_id"],
                         "rewards": rewards_column(scores, t.num_rows), "reward": pa.array(scores["reward"], pa.float32())})
         metrics["score_compute_s"] = seconds
-        for k, v in scores.items():
-            metrics[f"reward/{k}/mean"] = float(np.mean(v))
-            metrics[f"reward/{k}/std"] = float(np.std(v))
+        for k, v in scores.items():  # per-task rewards: over the samples each scored
+            v = np.asarray(v)[~np.isnan(v)]
+            if v.size:
+                metrics[f"reward/{k}/mean"] = float(np.mean(v))
+                metrics[f"reward/{k}/std"] = float(np.std(v))
         metrics = self._commit_record("score", iteration, rnd, metrics)
         return self.table.merge(upd, where=scope), metrics
 

@@ -71,8 +71,8 @@ def merge_scores(chunks: list[Chunk], positions: list[np.ndarray], n: int) -> di
     for ch, pos in zip(chunks, positions):
         if isinstance(ch.scores, BaseException):
             raise ch.scores
-        for k, v in ch.scores.items():
-            out.setdefault(k, np.zeros(n, np.float32))[pos] = v
+        for k, v in ch.scores.items():  # NaN where a per-task reward scored no sample of a chunk
+            out.setdefault(k, np.full(n, np.nan, np.float32))[pos] = v
     return out
 
 

@@ -80,7 +80,7 @@ def check_rewards(cfg: ExperimentConfig, family, algo, items) -> None:
     this family's media and these prompts, storing every score the algorithm and
     reward.advantage_weights read, whole groups for a group reward (in rollouts and in the
     held-out evaluation)."""
-    rewards = RewardSet(cfg.reward.weights, cfg.reward.options)
+    rewards = RewardSet.from_config(cfg.reward)
     rewards.connect()
     rewards.check_media(getattr(family, "video", False), getattr(family, "audio", False))
     if rewards.groupwise:
@@ -89,6 +89,7 @@ def check_rewards(cfg: ExperimentConfig, family, algo, items) -> None:
     rewards.check_installed()
     rewards.check_advantage_parts(cfg.reward.advantage_weights)
     rewards.check_scores(algo.scores_read(), f"algorithm {algo.name!r}")
+    rewards.check_scores_everywhere(algo.scores_read(), f"algorithm {algo.name!r}")
     algo.check_rewards(rewards)
     rewards.check_prompts([it.prompt for it in items], [{**it.meta, **({"source_image": it.image} if it.image
                                                                         else {})} for it in items])
