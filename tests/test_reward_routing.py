@@ -85,6 +85,24 @@ def test_a_score_read_from_every_sample_must_be_scored_by_every_task():
         ["shapes"], "algorithm 'x'")
 
 
+def test_offline_dpo_names_the_categories_that_store_a_per_task_score():
+    """An archive of a per-task run: pairing or filtering on a score some rows lack is refused,
+    naming the categories whose rows have it; on those rows alone it works."""
+    import pyarrow as pa
+
+    from pixrl.artifacts.archive import ArchiveError
+    from pixrl.stages.offline import pair_scores
+
+    ocr, pick = [{"name": "ocr", "value": 0.5}], [{"name": "pickscore", "value": 0.7}]
+    sel = pa.table({"reward": [0.5, 0.7], "rewards": [ocr, pick],
+                    "prompt_meta": [json.dumps({"category": "ocr"}), json.dumps({"category": "photo"})]})
+    with pytest.raises(ArchiveError, match=r"'ocr' is stored by 1 of the 2 selected rows .*dpo.categories=\[ocr\]"):
+        pair_scores(sel, "ocr")
+    assert pair_scores(sel.slice(0, 1), "ocr").tolist() == [0.5]
+    with pytest.raises(ArchiveError, match="not a reward these rollouts were scored with"):
+        pair_scores(sel, "hpsv2")
+
+
 def test_the_config_refuses_what_routing_cannot_do():
     with pytest.raises(ValueError, match=r"reward.tasks\['ocr'\] is empty"):
         RewardConfig(tasks={"ocr": {}})

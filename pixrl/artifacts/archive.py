@@ -119,6 +119,18 @@ def component_value(rewards: list, name: str) -> float:
                        f"filters or dpo.pair_on")
 
 
+def component_values(rows_rewards: list, name: str, metas: list[str] | None) -> np.ndarray:
+    """A named component of every row. Rows scored by per-task rewards (reward.tasks) store a reward
+    on its task's rows only: a component some rows lack is refused, naming the categories that have it."""
+    have = [any(i["name"] == name for i in r or []) for r in rows_rewards]
+    if all(have) or not any(have):
+        return np.array([component_value(r, name) for r in rows_rewards], dtype=np.float64)
+    cats = sorted({str(json.loads(m).get("category")) for m, h in zip(metas or [], have) if h}) or ["…"]
+    raise ArchiveError(f"{name!r} is stored by {sum(have)} of the {len(have)} selected rows (per-task rewards score "
+                       f"it on its task's rows only); select those rows with dpo.categories=[{', '.join(cats)}], "
+                       f"or filter and pair on the total reward")
+
+
 def select_rows(tables: list[PinnedTable], f) -> pa.Table:
     """The scored rows matching the filters `f` (a DPOConfig), with a `source` column (uri@version)."""
     parts = []
@@ -131,7 +143,7 @@ def select_rows(tables: list[PinnedTable], f) -> pa.Table:
         comps = rows["rewards"].to_pylist()
         for bounds, ok in ((f.reward_min, np.greater_equal), (f.reward_max, np.less_equal)):
             for name, bound in bounds.items():
-                vals = rewards if name == "reward" else np.array([component_value(c, name) for c in comps])
+                vals = rewards if name == "reward" else component_values(comps, name, rows["prompt_meta"].to_pylist())
                 keep &= ok(vals, bound)
         if f.categories is not None:
             cats = np.array([json.loads(m).get("category") for m in rows["prompt_meta"].to_pylist()])

@@ -22,7 +22,7 @@ import pyarrow as pa
 from ..algorithms.pairing import make_pairs, pair_order
 from ..algorithms.recipe import stored_recipe
 from ..algorithms.sampling import SamplerRecipe
-from ..artifacts.archive import PinnedTable, component_value, select_rows
+from ..artifacts.archive import PinnedTable, component_values, select_rows
 from ..artifacts.batch import DECODE_INPUT, RolloutBatch, missing_fields
 from ..artifacts.checkpoints import CheckpointRef, read_counters, save_checkpoint, verify_checkpoint
 from ..artifacts.trajectories import TrajectoryStore
@@ -59,7 +59,8 @@ def pair_scores(sel: pa.Table, pair_on: str) -> np.ndarray:
     """The value that ranks samples within a group: the total reward or one named component."""
     if pair_on == "reward":
         return sel["reward"].to_numpy(zero_copy_only=False)
-    return np.array([component_value(items, pair_on) for items in sel["rewards"].to_pylist()], dtype=np.float64)
+    metas = sel["prompt_meta"].to_pylist() if "prompt_meta" in sel.column_names else None
+    return component_values(sel["rewards"].to_pylist(), pair_on, metas)
 
 
 def _no_rows(tables: list[PinnedTable]) -> OfflineError:
