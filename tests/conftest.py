@@ -1,12 +1,16 @@
 """Shared fixtures: a tiny random SD3 checkpoint in the real diffusers layout, and a Prefect
 test harness (temporary SQLite API server) for the flows."""
 
-from pixrl.config.environment import apply_defaults
+import os
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2` (the README's command): a core per worker, and
+    os.environ["OMP_NUM_THREADS"] = "1"  # the same count in every `pixrl` process it starts (set before torch loads)
+
+from pixrl.config.environment import apply_defaults  # noqa: E402
 
 apply_defaults()
 
 import atexit  # noqa: E402
-import os  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402

@@ -27,6 +27,7 @@ from pixrl.engines.local import LocalEngine
 from pixrl.engines.ray_engine import _shards
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.serial  # five worker processes of its own: after the parallel part
 
 RAY_RUN = ["run.engine=ray", "ray.rollout_workers=2", "ray.reward_workers=1", "ray.trainer_workers=2"]
 PROMPTS = ["a red circle", "a blue square", "two green triangles", "a yellow circle"] * 5  # 20 rows, 5 micro-batches
