@@ -76,13 +76,17 @@ def test_prompt_checks_see_only_the_prompts_a_reward_scores():
     routed.check_prompts(prompts, [{"kind": "photo"}, {"kind": "sign"}])
 
 
-def test_a_score_read_from_every_sample_must_be_scored_by_every_task():
+def test_a_score_read_from_every_sample_must_be_scored_by_every_task_the_prompts_use():
     rs = RewardSet({"shapes": 1.0}, tasks={"free": {"jpeg_compressibility": 1.0}})
+    both, free = [{"category": "single"}, {"category": "free"}], [{"category": "free"}]
     rs.check_scores(["shapes"], "algorithm 'x'")  # stored by some samples
     with pytest.raises(ValueError, match=r"reads 'shapes' from every sample, and task 'free' does not score"):
-        rs.check_scores_everywhere(["shapes"], "algorithm 'x'")
+        rs.check_scores_everywhere(["shapes"], "algorithm 'x'", both)
+    with pytest.raises(ValueError, match=r"reads 'jpeg_compressibility' from every sample, and the default"):
+        rs.check_scores_everywhere(["jpeg_compressibility"], "algorithm 'x'", both)
+    rs.check_scores_everywhere(["jpeg_compressibility"], "algorithm 'x'", free)  # no prompt takes the default
     RewardSet({"shapes": 1.0}, tasks={"free": {"jpeg_compressibility": 1.0, "shapes": 0.0}}).check_scores_everywhere(
-        ["shapes"], "algorithm 'x'")
+        ["shapes"], "algorithm 'x'", both)
 
 
 def test_offline_dpo_names_the_categories_that_store_a_per_task_score():

@@ -124,16 +124,18 @@ class RewardSet:
         for name, idx in self.routes.members(metadata).items():
             self.rewards[name].check_prompts([prompts[i] for i in idx], [metadata[i] for i in idx])
 
-    def check_scores_everywhere(self, names, setting: str) -> None:
-        """Per-task rewards: refuse `names` (read from every sample by `setting`) where a task does
-        not score one — its samples would not store it."""
+    def check_scores_everywhere(self, names, setting: str, metadata: list[dict]) -> None:
+        """Per-task rewards: refuse `names` (read from every sample by `setting`) where a task these
+        prompts (their `metadata`) route to does not score one — its samples would not store it."""
         if not self.routes.routed:
             return
-        for task, weights in [("the default (reward.weights)", self.routes.default),
-                              *((f"task {t!r}", w) for t, w in self.routes.tasks.items())]:
+        used = {self.routes.task_of(m) for m in metadata}
+        for task in sorted(used, key=lambda t: (t is not None, t or "")):
+            weights = self.routes.default if task is None else self.routes.tasks[task]
             lacking = sorted(n for n in names if n.split(".")[0] not in weights)
             if lacking:
-                raise ValueError(f"{setting} reads {lacking[0]!r} from every sample, and {task} does not score it; "
+                where = "the default (reward.weights)" if task is None else f"task {task!r}"
+                raise ValueError(f"{setting} reads {lacking[0]!r} from every sample, and {where} does not score it; "
                                  f"add {lacking[0].split('.')[0]!r} to that task's weights (weight 0 stores it "
                                  f"without adding it to the total)")
 

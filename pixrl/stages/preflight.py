@@ -89,10 +89,10 @@ def check_rewards(cfg: ExperimentConfig, family, algo, items) -> None:
     rewards.check_installed()
     rewards.check_advantage_parts(cfg.reward.advantage_weights)
     rewards.check_scores(algo.scores_read(), f"algorithm {algo.name!r}")
-    rewards.check_scores_everywhere(algo.scores_read(), f"algorithm {algo.name!r}")
     algo.check_rewards(rewards)
-    rewards.check_prompts([it.prompt for it in items], [{**it.meta, **({"source_image": it.image} if it.image
-                                                                        else {})} for it in items])
+    metas = [{**it.meta, **({"source_image": it.image} if it.image else {})} for it in items]
+    rewards.check_scores_everywhere(algo.scores_read(), f"algorithm {algo.name!r}", metas)
+    rewards.check_prompts([it.prompt for it in items], metas)
 
 
 def check_model_sampling(cfg: ExperimentConfig) -> None:
