@@ -88,14 +88,15 @@ def test_schedule_is_the_ddim_grid_as_flow_noise_levels(family):
 @pytest.mark.parametrize("cfg,negative", [(1.0, None), (7.5, None), (7.5, "blurry, low quality")])
 def test_ode_sampling_equals_the_pipeline_with_ddim(family, cfg, negative):
     """Euler on the flow grid is DDIM (η = 0). The random ε-model's latents reach ~20 (x̂0 divides
-    by √ᾱ ≈ 0.1 at the first step), so float32 rounding is compared relative to that scale. The
+    by √ᾱ ≈ 0.1 at the first step), so float32 rounding is compared relative to that scale: under
+    CFG 7.5 it reaches 2.3e-6 of it with one torch thread (the parallel suite's), less with two. The
     pipeline encodes its negative prompt (None: the empty prompt)."""
     ref = _pipeline_latents(family, 6, cfg, [3, 4], negative)
     cond = family.encode_prompts(PROMPTS)
     neg = family.encode_negative(negative or "").expand(2) if cfg > 1 else None
     traj = sample(family, cond, neg, gens([3, 4]), SamplerRecipe(6, 0.0, guidance_scale=cfg, train_steps=()))
     assert traj.final.shape == ref.shape == (2, 4, 8, 8)
-    assert (traj.final - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
+    assert (traj.final - ref).abs().max().item() <= 3e-6 * ref.abs().max().item()
 
 
 def test_non_square_ode_equals_the_pipeline(tiny_sd15):
