@@ -46,6 +46,14 @@ def test_each_sample_is_scored_by_its_tasks_rewards_with_its_tasks_weights():
     assert np.array_equal(out["jpeg_compressibility"][[1, 3, 4]], jpeg[[1, 3, 4]])  # weight 0 still stores it
     want = np.array([shapes[0], 2.0 * shapes[1], shapes[2], 0.5 * jpeg[3], 0.5 * jpeg[4]], np.float32)
     assert np.array_equal(out["reward"], want)
+    three = RewardSet({"shapes": 1.0}, tasks={"a": {"jpeg_compressibility": 0.3, "shapes": 0.1,
+                                                  "jpeg_incompressibility": 0.7}, "free": {"jpeg_incompressibility": 1.0}})
+    metas3 = [{**m, "category": "a"} if i < 3 else m for i, m in enumerate(metas)]
+    alone = three.score(images[:1], prompts[:1], metas3[:1], sids[:1])["reward"]
+    behind = three.score(images[[3, 0]], [prompts[3], prompts[0]], [metas3[3], metas3[0]], [sids[3], sids[0]])
+    assert alone[0] == behind["reward"][1]  # a sample's total sums its rewards in one order, whatever is beside it
+    order = ["shapes", "jpeg_compressibility", "jpeg_incompressibility"]  # the default's, then the tasks' in turn
+    assert list(three.routes.members([metas3[3], metas3[0]])) == order == list(three.routes.members(metas3))
     with pytest.raises(ScoringError, match="no shapes metadata"):  # without the routing, the free prompts fail
         RewardSet({"shapes": 1.0}).score(images, prompts, metas, sids)
 

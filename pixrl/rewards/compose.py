@@ -68,7 +68,7 @@ class RewardSet:
                                    pick(sample_ids), pick(groups))
             for key, vals in scores.items():
                 out.setdefault(key, np.full(n, np.nan, np.float32))[idx] = vals
-            total[idx] += self.routes.weight_matrix(name, metadata)[idx] * out[name][idx]
+            total[idx] += self.routes.weights_for(name, metadata)[idx] * out[name][idx]
         out["reward"] = total
         return out
 

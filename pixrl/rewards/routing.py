@@ -50,14 +50,16 @@ class RewardRoutes:
         return self.default if task is None else self.tasks[task]
 
     def members(self, metadata: list[dict]) -> dict[str, np.ndarray]:
-        """{reward: indices of the samples it scores} for the rewards that score any."""
+        """{reward: indices of the samples it scores} for the rewards that score any, in `names()`
+        order whatever the batch holds — a sample's total sums its rewards in one order, so it does
+        not depend on the samples scored beside it."""
         out: dict[str, list[int]] = {}
         for i, meta in enumerate(metadata):
             for name in self.weights_of(meta):
                 out.setdefault(name, []).append(i)
-        return {n: np.asarray(idx, dtype=np.int64) for n, idx in out.items()}
+        return {n: np.asarray(out[n], dtype=np.int64) for n in self.names() if n in out}
 
-    def weight_matrix(self, name: str, metadata: list[dict]) -> np.ndarray:
+    def weights_for(self, name: str, metadata: list[dict]) -> np.ndarray:
         """[B] float32: reward `name`'s weight in each sample's total (0 where it does not score it)."""
         return np.array([self.weights_of(m).get(name, 0.0) for m in metadata], dtype=np.float32)
 
