@@ -72,7 +72,8 @@ class RewardRoutes:
             more = " …" if len(have) > 8 else ""
             raise ValueError(f"reward.tasks names {', '.join(repr(t) for t in unknown)}, which no prompt's "
                              f"{self.route_by!r} is (the prompts have: {', '.join(repr(t) for t in have[:8]) or 'none'}"
-                             f"{more}); fix the key, or set reward.route_by to the metadata field that names the task")
+                             f"{more}); fix or drop the key (dataset.categories may leave its prompts out), or set "
+                             f"reward.route_by to the metadata field that names the task")
 
 
 def merge_parts(parts: list[dict[str, np.ndarray]], sizes: list[int]) -> dict[str, np.ndarray]:
