@@ -47,28 +47,16 @@ class RewardSet:
         n = len(images)
         if self.groupwise and groups is None:
             groups = group_keys(prompts, sample_ids)
-        if not self.routes.routed:
-            out: dict[str, np.ndarray] = {}
-            total = np.zeros(n, dtype=np.float32)
-            for name, reward in self.rewards.items():
-                out.update(self._checked(name, reward, images, prompts, metadata, sample_ids, groups))
-                total += self.weights[name] * out[name]
-            out["reward"] = total
-            return out
-        return self._score_routed(images, prompts, metadata, sample_ids, groups)
-
-    def _score_routed(self, images, prompts, metadata, sample_ids, groups) -> dict[str, np.ndarray]:
-        """Each reward on the samples its task routes to it; the total of each sample's own weights."""
-        n = len(images)
         out: dict[str, np.ndarray] = {}
         total = np.zeros(n, dtype=np.float32)
-        for name, idx in self.routes.members(metadata).items():
-            pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
-            scores = self._checked(name, self.rewards[name], images[idx], pick(prompts), pick(metadata),
-                                   pick(sample_ids), pick(groups))
+        for name, idx in self.routes.members(metadata).items():  # without tasks: every reward, every sample
+            whole = len(idx) == n
+            pick = lambda xs: xs if whole or xs is None else [xs[i] for i in idx]  # noqa: E731
+            scores = self._checked(name, self.rewards[name], images if whole else images[idx], pick(prompts),
+                                   pick(metadata), pick(sample_ids), pick(groups))
             for key, vals in scores.items():
                 out.setdefault(key, np.full(n, np.nan, np.float32))[idx] = vals
-            total[idx] += self.routes.weights_for(name, metadata)[idx] * out[name][idx]
+            total[idx] += self.routes.weights_for(name, pick(metadata)) * out[name][idx]
         out["reward"] = total
         return out
 
@@ -116,10 +104,6 @@ class RewardSet:
 
     def check_prompts(self, prompts: list[str], metadata: list[dict]) -> None:
         """Each reward accepts the prompts it will score (with per-task rewards: its tasks' own)."""
-        if not self.routes.routed:
-            for r in self.rewards.values():
-                r.check_prompts(prompts, metadata)
-            return
         self.routes.check_tasks_present(metadata)
         for name, idx in self.routes.members(metadata).items():
             self.rewards[name].check_prompts([prompts[i] for i in idx], [metadata[i] for i in idx])

@@ -42,7 +42,7 @@ class RewardRoutes:
         """The prompt's task key in `tasks`, or None: scored by the default weights."""
         if not self.tasks:
             return None
-        task = meta.get(self.route_by)
+        task = (meta or {}).get(self.route_by)
         return str(task) if task is not None and str(task) in self.tasks else None
 
     def weights_of(self, meta: dict) -> dict[str, float]:
@@ -60,12 +60,12 @@ class RewardRoutes:
         return {n: np.asarray(out[n], dtype=np.int64) for n in self.names() if n in out}
 
     def weights_for(self, name: str, metadata: list[dict]) -> np.ndarray:
-        """[B] float32: reward `name`'s weight in each sample's total (0 where it does not score it)."""
+        """[B] float32: reward `name`'s weight in each of these samples' totals (0 where it does not score it)."""
         return np.array([self.weights_of(m).get(name, 0.0) for m in metadata], dtype=np.float32)
 
     def check_tasks_present(self, metadata: list[dict]) -> None:
         """Refuse a task key no prompt carries (a typo would score its prompts by the default)."""
-        present = {str(m[self.route_by]) for m in metadata if m.get(self.route_by) is not None}
+        present = {str(m[self.route_by]) for m in metadata if (m or {}).get(self.route_by) is not None}
         unknown = sorted(set(self.tasks) - present)
         if unknown:
             have = sorted(present)
